@@ -1,0 +1,17 @@
+"""The exceptions npz2mmap raises; the CLI turns them into one-line errors."""
+
+
+class Npz2mmapError(Exception):
+    """Base class of every error npz2mmap raises on purpose."""
+
+
+class SourceError(Npz2mmapError):
+    """An input NPZ file is unusable; the message names the file and member."""
+
+
+class FormatError(Npz2mmapError):
+    """A converted dataset is missing, malformed or from an unsupported version."""
+
+
+class OutputError(Npz2mmapError):
+    """The output location cannot be written as asked (exists, inside an input, ...)."""

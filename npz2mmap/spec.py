@@ -1,0 +1,417 @@
+"""The on-disk format, version 1: constants, the index model and its validation.
+
+This module is the only place that builds or parses ``index.json`` and the
+blob header; ``docs/FORMAT.md`` states the same rules in prose.  The writer,
+the reader and ``verify`` all go through it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import FormatError
+
+FORMAT_NAME = "npz2mmap"
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = frozenset({1})
+
+INDEX_NAME = "index.json"
+BLOB_NAME = "data.npy"
+SOURCES_NAME = "sources.jsonl"
+
+# 64 bytes is numpy's ARRAY_ALIGN and a cache line: any dtype view is aligned.
+MIN_ALIGN = 64
+MAX_ALIGN = 1 << 30
+
+OFFSET_DTYPE = np.dtype("<i8")
+SHAPE_DTYPE = np.dtype("<i8")
+CRC_DTYPE = np.dtype("<u4")
+
+NPY_MAGIC = b"\x93NUMPY"
+# The blob's .npy header is padded to this length, a multiple of 64, so the
+# payload starts aligned and region file offsets do not depend on its size.
+BLOB_HEADER_NBYTES = 128
+MAX_INDEX_NBYTES = 64 << 20
+
+FIXED = "fixed"
+RAGGED = "ragged"
+MODES = frozenset({"files"})
+
+
+@dataclass(frozen=True)
+class Region:
+    """A byte range of the blob payload; ``crc32`` covers it (tables only)."""
+
+    offset: int
+    nbytes: int
+    crc32: int | None = None
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class Field:
+    """One NPZ key across all samples: its dtype, shape and regions."""
+
+    name: str
+    dtype: np.dtype
+    ndim: int
+    shape: tuple[int, ...] | None  # None for ragged fields
+    data: Region
+    sample_crc32: Region
+    offsets: Region | None = None  # ragged only: int64 (N + 1,) byte offsets
+    shapes: Region | None = None  # ragged only: int64 (N, ndim)
+
+    @property
+    def ragged(self) -> bool:
+        return self.shape is None
+
+    @property
+    def stride(self) -> int:
+        """Bytes per sample of a fixed field."""
+        if self.shape is None:
+            raise FormatError(f"field {self.name!r} is ragged and has no stride")
+        return _prod(self.shape) * self.dtype.itemsize
+
+    def tables(self) -> dict[str, Region]:
+        named = {"sample_crc32": self.sample_crc32, "offsets": self.offsets, "shapes": self.shapes}
+        return {name: region for name, region in named.items() if region is not None}
+
+
+@dataclass(frozen=True)
+class Index:
+    """Everything ``index.json`` says about a dataset."""
+
+    num_samples: int
+    align: int
+    payload_nbytes: int
+    fields: tuple[Field, ...]
+    tool_version: str
+    mode: str = "files"
+    num_sources: int = 0
+
+    @property
+    def blob_nbytes(self) -> int:
+        return BLOB_HEADER_NBYTES + self.payload_nbytes
+
+    def field(self, name: str) -> Field:
+        for candidate in self.fields:
+            if candidate.name == name:
+                return candidate
+        known = ", ".join(f.name for f in self.fields)
+        raise KeyError(f"no field {name!r}; the dataset has: {known}")
+
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    result = 1
+    for dim in shape:
+        result *= dim
+    return result
+
+
+def align_up(value: int, align: int) -> int:
+    return -(-value // align) * align
+
+
+def storage_dtype(dtype: np.dtype) -> np.dtype:
+    """The little-endian dtype a source dtype is stored as (recursively for records)."""
+    return dtype.newbyteorder("<")
+
+
+# --- the blob header -------------------------------------------------------
+
+
+def blob_header(payload_nbytes: int) -> bytes:
+    """The .npy version 1.0 header of a 1-D uint8 array of ``payload_nbytes``.
+
+    Always BLOB_HEADER_NBYTES long (padded with spaces), so every payload
+    offset has the same file offset whatever the payload size.
+    """
+    if not 0 <= payload_nbytes < 1 << 63:
+        raise FormatError(f"payload of {payload_nbytes} bytes cannot be described")
+    text = f"{{'descr': '|u1', 'fortran_order': False, 'shape': ({payload_nbytes},), }}"
+    prefix = NPY_MAGIC + b"\x01\x00" + (BLOB_HEADER_NBYTES - 10).to_bytes(2, "little")
+    return prefix + text.ljust(BLOB_HEADER_NBYTES - 11).encode("latin1") + b"\n"
+
+
+# --- dtypes in JSON --------------------------------------------------------
+
+
+def dtype_to_json(dtype: np.dtype) -> Any:
+    descr = np.lib.format.dtype_to_descr(dtype)
+    return json.loads(json.dumps(descr))
+
+
+def dtype_from_json(value: Any, where: str) -> np.dtype:
+    """Parse a stored dtype; refuse anything not little-endian, sized and pickle-free."""
+    try:
+        dtype = np.lib.format.descr_to_dtype(_descr_from_json(value))
+    except (TypeError, ValueError, KeyError, IndexError) as exc:
+        raise FormatError(f"{where}: dtype {value!r} is not a valid numpy descr ({exc})") from None
+    if dtype.hasobject:
+        raise FormatError(f"{where}: dtype {value!r} holds Python objects, which are never stored")
+    if dtype.itemsize == 0:
+        raise FormatError(f"{where}: dtype {value!r} has no size")
+    if storage_dtype(dtype) != dtype:
+        raise FormatError(f"{where}: dtype {value!r} is not little-endian")
+    return dtype
+
+
+def _descr_from_json(value: Any) -> Any:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise TypeError("expected a string or a list of fields")
+    return [_record_field_from_json(item) for item in value]
+
+
+def _record_field_from_json(item: Any) -> tuple[Any, ...]:
+    if not isinstance(item, list) or len(item) not in (2, 3):
+        raise TypeError("a record field must be [name, descr] or [name, descr, shape]")
+    name = tuple(item[0]) if isinstance(item[0], list) else item[0]
+    parts: list[Any] = [name, _descr_from_json(item[1])]
+    if len(item) == 3:
+        if not isinstance(item[2], list):
+            raise TypeError("a record field's shape must be a list")
+        parts.append(tuple(item[2]))
+    return tuple(parts)
+
+
+# --- index.json: writing ---------------------------------------------------
+
+
+def index_to_json(index: Index) -> str:
+    """Serialise deterministically: same dataset, same bytes."""
+    document = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "num_samples": index.num_samples,
+        "align": index.align,
+        "payload_nbytes": index.payload_nbytes,
+        "fields": [_field_to_json(f) for f in index.fields],
+        "provenance": {
+            "tool": FORMAT_NAME,
+            "tool_version": index.tool_version,
+            "mode": index.mode,
+            "num_sources": index.num_sources,
+        },
+    }
+    return json.dumps(document, sort_keys=True, indent=1) + "\n"
+
+
+def _field_to_json(f: Field) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": f.name, "dtype": dtype_to_json(f.dtype), "ndim": f.ndim}
+    if f.shape is None:
+        out["kind"] = RAGGED
+    else:
+        out["kind"] = FIXED
+        out["shape"] = list(f.shape)
+    out["data"] = _region_to_json(f.data)
+    for name, region in f.tables().items():
+        out[name] = _region_to_json(region)
+    return out
+
+
+def _region_to_json(region: Region) -> dict[str, int]:
+    out = {"offset": region.offset, "nbytes": region.nbytes}
+    if region.crc32 is not None:
+        out["crc32"] = region.crc32
+    return out
+
+
+# --- index.json: reading and validation ------------------------------------
+
+
+def load_index(dataset_dir: str | os.PathLike[str]) -> Index:
+    """Read and fully validate ``index.json``; raise FormatError on the first problem."""
+    path = os.path.join(os.fspath(dataset_dir), INDEX_NAME)
+    if not os.path.isdir(dataset_dir):
+        raise FormatError(f"{os.fspath(dataset_dir)}: not a directory")
+    try:
+        with open(path, "rb") as fp:
+            raw = fp.read(MAX_INDEX_NBYTES + 1)
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing; is this an npz2mmap dataset?") from None
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read ({exc.strerror})") from None
+    if len(raw) > MAX_INDEX_NBYTES:
+        raise FormatError(f"{path}: larger than {MAX_INDEX_NBYTES} bytes; not a valid index")
+    try:
+        document = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise FormatError(f"{path}: JSON nested too deeply") from None
+    return parse_index(document, path)
+
+
+def parse_index(document: Any, where: str) -> Index:
+    """Validate a decoded index document and build the Index it describes."""
+    doc = _Obj(document, where)
+    name = doc.get("format", str)
+    version = doc.get("version", int)
+    if name != FORMAT_NAME:
+        raise FormatError(f"{where}: format is {name!r}, expected {FORMAT_NAME!r}")
+    if version not in SUPPORTED_VERSIONS:
+        supported = ", ".join(str(v) for v in sorted(SUPPORTED_VERSIONS))
+        raise FormatError(
+            f"{where}: format version {version} is not supported by this reader "
+            f"(supports {supported}); upgrade npz2mmap"
+        )
+    doc.require_keys({"format", "version", "num_samples", "align", "payload_nbytes", "fields", "provenance"})
+    num_samples = doc.get("num_samples", int, minimum=0)
+    align = doc.get("align", int, minimum=MIN_ALIGN)
+    if align > MAX_ALIGN or align & (align - 1):
+        raise FormatError(f"{where}: align must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, found {align}")
+    payload_nbytes = doc.get("payload_nbytes", int, minimum=0)
+    provenance = _Obj(doc.get("provenance", dict), f"{where}: provenance")
+    provenance.require_keys({"tool", "tool_version", "mode", "num_sources"})
+    mode = provenance.get("mode", str)
+    if mode not in MODES:
+        raise FormatError(f"{where}: provenance mode {mode!r} is not one of {sorted(MODES)}")
+    fields = tuple(
+        _parse_field(item, num_samples, f"{where}: fields[{i}]")
+        for i, item in enumerate(doc.get("fields", list))
+    )
+    index = Index(
+        num_samples=num_samples,
+        align=align,
+        payload_nbytes=payload_nbytes,
+        fields=fields,
+        tool_version=provenance.get("tool_version", str),
+        mode=mode,
+        num_sources=provenance.get("num_sources", int, minimum=0),
+    )
+    check_layout(index, where)
+    return index
+
+
+def _parse_field(document: Any, num_samples: int, where: str) -> Field:
+    doc = _Obj(document, where)
+    name = doc.get("name", str)
+    where = f"{where} ({name!r})"
+    doc = _Obj(document, where)
+    kind = doc.get("kind", str)
+    dtype = dtype_from_json(doc.get("dtype", (str, list)), where)
+    ndim = doc.get("ndim", int, minimum=0)
+    if kind == FIXED:
+        doc.require_keys({"name", "kind", "dtype", "ndim", "shape", "data", "sample_crc32"})
+        shape = tuple(_as_int(v, f"{where}: shape", minimum=0) for v in doc.get("shape", list))
+        if len(shape) != ndim:
+            raise FormatError(f"{where}: shape {list(shape)} does not have ndim {ndim}")
+        offsets = shapes = None
+    elif kind == RAGGED:
+        doc.require_keys({"name", "kind", "dtype", "ndim", "data", "offsets", "shapes", "sample_crc32"})
+        shape = None
+        offsets = _parse_region(doc.get("offsets", dict), f"{where}: offsets", table=True)
+        shapes = _parse_region(doc.get("shapes", dict), f"{where}: shapes", table=True)
+    else:
+        raise FormatError(f"{where}: kind is {kind!r}, expected {FIXED!r} or {RAGGED!r}")
+    f = Field(
+        name=name,
+        dtype=dtype,
+        ndim=ndim,
+        shape=shape,
+        data=_parse_region(doc.get("data", dict), f"{where}: data", table=False),
+        sample_crc32=_parse_region(doc.get("sample_crc32", dict), f"{where}: sample_crc32", table=True),
+        offsets=offsets,
+        shapes=shapes,
+    )
+    _check_region_sizes(f, num_samples, where)
+    return f
+
+
+def _parse_region(document: Any, where: str, table: bool) -> Region:
+    doc = _Obj(document, where)
+    doc.require_keys({"offset", "nbytes", "crc32"} if table else {"offset", "nbytes"})
+    crc = doc.get("crc32", int, minimum=0, maximum=0xFFFFFFFF) if table else None
+    return Region(doc.get("offset", int, minimum=0), doc.get("nbytes", int, minimum=0), crc)
+
+
+def _check_region_sizes(f: Field, num_samples: int, where: str) -> None:
+    expected = {"sample_crc32": num_samples * CRC_DTYPE.itemsize}
+    if f.shape is not None:
+        expected["data"] = num_samples * f.stride
+    else:
+        expected["offsets"] = (num_samples + 1) * OFFSET_DTYPE.itemsize
+        expected["shapes"] = num_samples * f.ndim * SHAPE_DTYPE.itemsize
+    regions = {"data": f.data, **f.tables()}
+    for name, nbytes in expected.items():
+        if regions[name].nbytes != nbytes:
+            raise FormatError(
+                f"{where}: {name} holds {regions[name].nbytes} bytes, expected {nbytes} "
+                f"for {num_samples} samples"
+            )
+
+
+def check_layout(index: Index, where: str) -> None:
+    """Every region aligned, inside the payload, and no two overlapping."""
+    names = [f.name for f in index.fields]
+    if len(set(names)) != len(names):
+        raise FormatError(f"{where}: field names are not unique")
+    spans = []
+    for f in index.fields:
+        for name, region in {"data": f.data, **f.tables()}.items():
+            label = f"field {f.name!r} {name}"
+            if (BLOB_HEADER_NBYTES + region.offset) % index.align:
+                raise FormatError(f"{where}: {label} at offset {region.offset} is not {index.align}-byte aligned")
+            if region.end > index.payload_nbytes:
+                raise FormatError(
+                    f"{where}: {label} ends at {region.end}, past the payload of {index.payload_nbytes} bytes"
+                )
+            if region.nbytes:
+                spans.append((region.offset, region.end, label))
+    spans.sort()
+    for (_, end, label), (start, _, next_label) in zip(spans, spans[1:]):
+        if start < end:
+            raise FormatError(f"{where}: {label} overlaps {next_label}")
+
+
+class _Obj:
+    """A JSON object with typed, range-checked access that raises FormatError."""
+
+    def __init__(self, value: Any, where: str) -> None:
+        if not isinstance(value, dict):
+            raise FormatError(f"{where}: expected a JSON object, found {type(value).__name__}")
+        self.value = value
+        self.where = where
+
+    def require_keys(self, keys: set[str]) -> None:
+        missing = sorted(keys - self.value.keys())
+        extra = sorted(self.value.keys() - keys)
+        if missing:
+            raise FormatError(f"{self.where}: missing key(s) {', '.join(missing)}")
+        if extra:
+            raise FormatError(f"{self.where}: unexpected key(s) {', '.join(extra)}")
+
+    def get(self, key: str, kind: Any, minimum: int | None = None, maximum: int | None = None) -> Any:
+        if key not in self.value:
+            raise FormatError(f"{self.where}: missing key {key!r}")
+        value = self.value[key]
+        if kind is int:
+            return _as_int(value, f"{self.where}: {key}", minimum, maximum)
+        if not isinstance(value, kind):
+            expected = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+            raise FormatError(f"{self.where}: {key} must be {expected}, found {type(value).__name__}")
+        return value
+
+
+def _as_int(value: Any, where: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise FormatError(f"{where} must be an integer, found {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise FormatError(f"{where} must be at least {minimum}, found {value}")
+    if maximum is not None and value > maximum:
+        raise FormatError(f"{where} must be at most {maximum}, found {value}")
+    return value
