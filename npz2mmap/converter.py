@@ -1,0 +1,146 @@
+"""Conversion end to end: discover sources, scan headers, plan, copy, publish.
+
+Both passes run on a pool of worker processes; results come back in sample
+order, so the output is byte-identical whatever the number of workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from . import writer
+from .errors import OutputError
+from .inputs import discover_sources
+from .npzfile import MemberHeader, read_headers
+from .plan import Plan, build_plan
+from .progress import Progress, SilentProgress
+from .spec import MAX_ALIGN, MIN_ALIGN, Index
+
+_START_METHOD = "fork" if sys.platform.startswith("linux") else "spawn"
+
+T = TypeVar("T")
+R = TypeVar("R")
+Mapper = Callable[[Callable[[T], R], Iterable[T]], Iterator[R]]
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    out_dir: str
+    index: Index
+    data_nbytes: int
+    seconds: float
+
+
+def convert(
+    inputs: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    *,
+    keys: Sequence[str] | None = None,
+    workers: int | None = None,
+    align: int = MIN_ALIGN,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """Convert NPZ files (one sample each) into a dataset directory at ``out_dir``.
+
+    Raises SourceError for unusable inputs and OutputError when ``out_dir``
+    cannot be written; on any error nothing is left at ``out_dir`` and an
+    existing dataset there is untouched.
+    """
+    started = time.perf_counter()
+    out = os.fspath(out_dir)
+    _check_align(align)
+    writer.check_output(out, overwrite)
+    sources = discover_sources(inputs)
+    progress = progress or SilentProgress()
+    with _worker_pool(workers or os.cpu_count() or 1, len(sources)) as imap:
+        plan = _scan(sources, keys, align, imap, progress)
+        staging = _make_staging_dir(out)
+        try:
+            index = _copy(plan, staging, imap, progress)
+            writer.publish(staging, out, overwrite)
+        except OSError as exc:
+            raise OutputError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from exc
+        finally:
+            writer.remove_staging(staging)
+    return ConvertResult(out, index, plan.data_nbytes, time.perf_counter() - started)
+
+
+def _make_staging_dir(out: str) -> str:
+    try:
+        return writer.make_staging_dir(out)
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot create the output beside it ({exc.strerror or exc})") from exc
+
+
+def _check_align(align: int) -> None:
+    if not MIN_ALIGN <= align <= MAX_ALIGN or align & (align - 1):
+        raise ValueError(f"align must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, got {align}")
+
+
+def _scan(sources: list[str], keys: Sequence[str] | None, align: int, imap: Mapper[Any, Any],
+          progress: Progress) -> Plan:
+    """Pass 1: read every member header and plan the layout."""
+    progress.stage("scan", len(sources), 0)
+
+    def reported(headers: Iterator[dict[str, MemberHeader]]) -> Iterator[dict[str, MemberHeader]]:
+        for item in headers:
+            progress.advance(1, 0)
+            yield item
+
+    scan_one = functools.partial(read_headers, keys=tuple(keys) if keys else None)
+    return build_plan(sources, reported(imap(scan_one, sources)), align)
+
+
+def _copy(plan: Plan, staging: str, imap: Mapper[Any, Any], progress: Progress) -> Index:
+    """Pass 2: copy every member into the blob, then write tables and index."""
+    progress.stage("copy", plan.num_samples, plan.data_nbytes)
+    blob_path = writer.create_blob(staging, plan.payload_nbytes)
+    crc32s = [np.zeros(plan.num_samples, dtype=np.uint32) for _ in plan.fields]
+    copy_one = functools.partial(writer.write_sample, blob_path)
+    try:
+        for result in imap(copy_one, writer.sample_tasks(plan)):
+            for table, crc in zip(crc32s, result.crc32s):
+                table[result.sample] = crc
+            progress.advance(1, result.nbytes)
+    finally:
+        writer.close_blobs()
+    return writer.finish_dataset(staging, plan, crc32s)
+
+
+@contextlib.contextmanager
+def _worker_pool(workers: int, num_tasks: int) -> Iterator[Mapper[Any, Any]]:
+    """An ordered imap: in-process for one worker, else a pool of processes.
+
+    On Linux the pool forks: workers start at once and callers need no
+    ``if __name__ == "__main__"`` guard. The workers only read files and copy
+    bytes; the CLI keeps progress bars free of background threads to match.
+    """
+    if workers <= 1 or num_tasks <= 1:
+        yield map
+        return
+    chunksize = max(1, min(64, num_tasks // (workers * 8)))
+    pool = multiprocessing.get_context(_START_METHOD).Pool(workers, initializer=_ignore_interrupts)
+    try:
+        yield functools.partial(pool.imap, chunksize=chunksize)
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def _ignore_interrupts() -> None:
+    """Workers leave Ctrl-C to the main process, which cleans up and terminates them."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

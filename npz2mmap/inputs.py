@@ -1,0 +1,90 @@
+"""Turning the command line's INPUT arguments into the ordered list of NPZ files."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+from .errors import SourceError
+
+NPZ_SUFFIX = ".npz"
+LIST_PREFIX = "@"
+
+
+def discover_sources(inputs: Sequence[str | os.PathLike[str]]) -> list[str]:
+    """Expand files, directories and ``@list.txt`` files into absolute NPZ paths.
+
+    Directories are searched recursively (symlinks followed, loops skipped)
+    and their files sorted by path; otherwise the order is the order given.
+    Raises SourceError for missing paths, duplicates, or when nothing is found.
+    """
+    found: list[str] = []
+    for item in inputs:
+        text = os.fspath(item)
+        if text.startswith(LIST_PREFIX):
+            found.extend(_expand_list_file(text[len(LIST_PREFIX):]))
+        else:
+            found.extend(_expand_path(text))
+    if not found:
+        shown = " ".join(os.fspath(i) for i in inputs)
+        raise SourceError(f"no {NPZ_SUFFIX} files found in: {shown}")
+    _refuse_duplicates(found)
+    return found
+
+
+def _expand_list_file(list_path: str) -> Iterable[str]:
+    """Each non-blank line is a path, relative to the list file's directory."""
+    try:
+        with open(list_path, encoding="utf-8") as fp:
+            lines = fp.read().splitlines()
+    except OSError as exc:
+        raise SourceError(f"{list_path}: cannot read list file ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise SourceError(f"{list_path}: list file is not UTF-8 text") from None
+    base = os.path.dirname(os.path.abspath(list_path))
+    for line in lines:
+        entry = line.strip()
+        if entry:
+            yield from _expand_path(os.path.join(base, entry))
+
+
+def _expand_path(path: str) -> list[str]:
+    if os.path.isdir(path):
+        return _walk_npz(path)
+    if os.path.isfile(path):
+        return [os.path.abspath(path)]
+    if os.path.lexists(path):
+        raise SourceError(f"{path}: not a regular file or directory (broken link?)")
+    raise SourceError(f"{path}: no such file or directory")
+
+
+def _walk_npz(top: str) -> list[str]:
+    seen_dirs: set[tuple[int, int]] = set()
+    found: list[str] = []
+
+    def on_error(exc: OSError) -> None:
+        raise SourceError(f"{exc.filename}: cannot list directory ({exc.strerror})")
+
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=on_error):
+        stat = os.stat(dirpath)
+        if (stat.st_dev, stat.st_ino) in seen_dirs:
+            dirnames.clear()  # a symlink loop back to a directory already walked
+            continue
+        seen_dirs.add((stat.st_dev, stat.st_ino))
+        found.extend(
+            os.path.abspath(os.path.join(dirpath, name))
+            for name in filenames
+            if name.lower().endswith(NPZ_SUFFIX)
+        )
+    return sorted(found)
+
+
+def _refuse_duplicates(paths: list[str]) -> None:
+    first_seen: dict[str, str] = {}
+    for path in paths:
+        real = os.path.realpath(path)
+        if real in first_seen:
+            other = first_seen[real]
+            same = "given twice" if other == path else f"is the same file as {other}"
+            raise SourceError(f"{path}: {same}; each sample file may appear only once")
+        first_seen[real] = path

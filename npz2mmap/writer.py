@@ -1,0 +1,313 @@
+"""Writing: a Plan becomes data.npy, sources.jsonl and index.json, published atomically.
+
+The dataset is built in a hidden sibling directory of the output; every file is
+fsynced, ``index.json`` is written last, and only then is the directory renamed
+into place. Workers copy samples into disjoint byte ranges of the preallocated
+blob, so they need no locks and the bytes do not depend on their number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from . import __version__
+from .errors import OutputError, SourceError
+from .npzfile import CHUNK_NBYTES, MemberHeader, iter_data_chunks, members, open_npz, read_member_header
+from .plan import FieldPlan, Plan
+from .spec import (
+    BLOB_HEADER_NBYTES,
+    BLOB_NAME,
+    CRC_DTYPE,
+    INDEX_NAME,
+    OFFSET_DTYPE,
+    SHAPE_DTYPE,
+    SOURCES_NAME,
+    Field,
+    Index,
+    Region,
+    blob_header,
+    index_to_json,
+    storage_dtype,
+)
+
+STAGING_MARK = ".npz2mmap-tmp-"
+
+
+class MemberTask(NamedTuple):
+    key: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    file_offset: int
+
+
+class SampleTask(NamedTuple):
+    """Copy every selected member of one source file to its place in the blob."""
+
+    sample: int
+    path: str
+    members: tuple[MemberTask, ...]
+
+
+class SampleResult(NamedTuple):
+    sample: int
+    crc32s: tuple[int, ...]
+    nbytes: int
+
+
+def sample_tasks(plan: Plan) -> Iterator[SampleTask]:
+    """One task per sample, in order, built lazily from the plan."""
+    for i, path in enumerate(plan.sources):
+        yield SampleTask(i, path, tuple(
+            MemberTask(
+                f.name,
+                f.dtype,
+                tuple(int(d) for d in f.shapes[i]),
+                BLOB_HEADER_NBYTES + f.data.offset + int(f.sample_offsets[i]),
+            )
+            for f in plan.fields
+        ))
+
+
+# --- worker side -------------------------------------------------------------
+
+_blob_fds: dict[str, int] = {}
+
+
+def write_sample(blob_path: str, task: SampleTask) -> SampleResult:
+    """Copy one source file's members into the blob; return their CRC-32s."""
+    fd = _blob_fds.get(blob_path)
+    if fd is None:
+        fd = _blob_fds[blob_path] = os.open(blob_path, os.O_WRONLY)
+    crcs = []
+    nbytes = 0
+    with open_npz(task.path) as zf:
+        entries = members(zf, task.path)
+        for member in task.members:
+            where = f"{task.path}[{member.key}]"
+            if member.key not in entries:
+                raise SourceError(f"{where}: key vanished since the file was scanned")
+            header = read_member_header(zf, entries[member.key], task.path)
+            if storage_dtype(header.dtype) != member.dtype or header.shape != member.shape:
+                raise SourceError(f"{where}: changed since it was scanned")
+            chunks = iter_data_chunks(zf, entries[member.key], header, where)
+            if header.fortran_order and len([d for d in header.shape if d != 1]) > 1:
+                crcs.append(_copy_fortran(chunks, header, member, blob_path))
+            else:
+                crcs.append(_copy_c_order(chunks, header, member, fd))
+            nbytes += header.nbytes
+    return SampleResult(task.sample, tuple(crcs), nbytes)
+
+
+def close_blobs() -> None:
+    while _blob_fds:
+        os.close(_blob_fds.popitem()[1])
+
+
+def _copy_c_order(chunks: Iterator[bytes], header: MemberHeader, member: MemberTask, fd: int) -> int:
+    crc = 0
+    position = member.file_offset
+    swap = header.dtype != member.dtype
+    for chunk in chunks:
+        data = np.frombuffer(chunk, header.dtype).astype(member.dtype).tobytes() if swap else chunk
+        _pwrite_all(fd, data, position)
+        crc = zlib.crc32(data, crc)
+        position += len(data)
+    return crc
+
+
+def _pwrite_all(fd: int, data: bytes, position: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, position)
+        view = view[written:]
+        position += written
+
+
+def _copy_fortran(chunks: Iterator[bytes], header: MemberHeader, member: MemberTask, blob_path: str) -> int:
+    """Write a Fortran-order member in C order through a mapping of its destination."""
+    target = np.memmap(blob_path, dtype=member.dtype, mode="r+", offset=member.file_offset, shape=header.shape)
+    reader = _ChunkReader(chunks)
+    _fill_from_fortran(target.reshape([d for d in header.shape if d != 1]), reader, header.dtype)
+    if reader.pending():
+        raise SourceError(f"{header.key}: member holds more bytes than its header declares")
+    target.flush()
+    flat = target.reshape(-1).view(np.uint8)
+    crc = 0
+    for start in range(0, len(flat), CHUNK_NBYTES):
+        crc = zlib.crc32(flat[start:start + CHUNK_NBYTES], crc)
+    del target, flat
+    return crc
+
+
+def _fill_from_fortran(view: np.ndarray, reader: "_ChunkReader", source_dtype: np.dtype) -> None:
+    """Fill C-order ``view`` from data arriving in Fortran order, in bounded pieces.
+
+    Fortran order puts the last axis slowest, so each index of the last axis is
+    one contiguous piece: recurse on it until a piece fits in a chunk.
+    """
+    itemsize = source_dtype.itemsize
+    if view.ndim <= 1:
+        per_chunk = max(1, CHUNK_NBYTES // itemsize)
+        for start in range(0, view.size, per_chunk):
+            count = min(per_chunk, view.size - start)
+            view.reshape(-1)[start:start + count] = np.frombuffer(reader.read(count * itemsize), source_dtype)
+    elif view.nbytes <= CHUNK_NBYTES:
+        piece = np.frombuffer(reader.read(view.size * itemsize), source_dtype)
+        view[...] = piece.reshape(view.shape[::-1]).T
+    else:
+        for k in range(view.shape[-1]):
+            _fill_from_fortran(view[..., k], reader, source_dtype)
+
+
+class _ChunkReader:
+    """Exact-size reads over an iterator of byte chunks."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self.chunks = chunks
+        self.buffer = b""
+
+    def read(self, nbytes: int) -> bytes:
+        while len(self.buffer) < nbytes:
+            self.buffer += next(self.chunks)
+        data, self.buffer = self.buffer[:nbytes], self.buffer[nbytes:]
+        return data
+
+    def pending(self) -> bool:
+        if self.buffer:
+            return True
+        return next(self.chunks, None) is not None
+
+
+# --- main side ---------------------------------------------------------------
+
+
+def check_output(out_dir: str, overwrite: bool) -> None:
+    """Refuse early what publish() would refuse late: an existing OUT without overwrite."""
+    if not os.path.lexists(out_dir):
+        return
+    if not overwrite:
+        raise OutputError(f"{out_dir}: already exists; pass --overwrite to replace it")
+    if os.path.islink(out_dir) or not _is_replaceable(out_dir):
+        raise OutputError(f"{out_dir}: exists and is not an npz2mmap dataset; refusing to replace it")
+
+
+def _is_replaceable(path: str) -> bool:
+    """Only an npz2mmap dataset or an empty directory may be replaced."""
+    if not os.path.isdir(path):
+        return False
+    entries = set(os.listdir(path))
+    return not entries or (INDEX_NAME in entries and entries <= {INDEX_NAME, BLOB_NAME, SOURCES_NAME})
+
+
+def make_staging_dir(out_dir: str) -> str:
+    """A hidden sibling of OUT, so the final rename stays on one filesystem."""
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{name}{STAGING_MARK}", dir=parent)
+
+
+def create_blob(staging_dir: str, payload_nbytes: int) -> str:
+    """Create data.npy with its header and a zero-filled (sparse) payload."""
+    path = os.path.join(staging_dir, BLOB_NAME)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _pwrite_all(fd, blob_header(payload_nbytes), 0)
+        os.ftruncate(fd, BLOB_HEADER_NBYTES + payload_nbytes)
+    finally:
+        os.close(fd)
+    return path
+
+
+def finish_dataset(staging_dir: str, plan: Plan, sample_crc32s: Sequence[np.ndarray]) -> Index:
+    """Write the tables, sources.jsonl and, last, index.json; fsync everything."""
+    blob_path = os.path.join(staging_dir, BLOB_NAME)
+    fd = os.open(blob_path, os.O_WRONLY)
+    try:
+        fields = tuple(_write_tables(fd, f, crcs) for f, crcs in zip(plan.fields, sample_crc32s))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _write_file(os.path.join(staging_dir, SOURCES_NAME), "".join(json.dumps(p) + "\n" for p in plan.sources))
+    index = Index(
+        num_samples=plan.num_samples,
+        align=plan.align,
+        payload_nbytes=plan.payload_nbytes,
+        fields=fields,
+        tool_version=__version__,
+        num_sources=plan.num_samples,
+    )
+    _write_file(os.path.join(staging_dir, INDEX_NAME), index_to_json(index))
+    _fsync_dir(staging_dir)
+    return index
+
+
+def _write_tables(fd: int, f: FieldPlan, crcs: np.ndarray) -> Field:
+    def put(region: Region, table: np.ndarray) -> Region:
+        data = np.ascontiguousarray(table).tobytes()
+        _pwrite_all(fd, data, BLOB_HEADER_NBYTES + region.offset)
+        return dataclasses.replace(region, crc32=zlib.crc32(data))
+
+    offsets = shapes = None
+    if f.fixed_shape is None and f.offsets is not None and f.shapes_region is not None:
+        offsets = put(f.offsets, f.sample_offsets.astype(OFFSET_DTYPE))
+        shapes = put(f.shapes_region, f.shapes.astype(SHAPE_DTYPE))
+    return Field(
+        name=f.name,
+        dtype=f.dtype,
+        ndim=f.ndim,
+        shape=f.fixed_shape,
+        data=f.data,
+        sample_crc32=put(f.sample_crc32, crcs.astype(CRC_DTYPE)),
+        offsets=offsets,
+        shapes=shapes,
+    )
+
+
+def _write_file(path: str, text: str) -> None:
+    with open(path, "x", encoding="utf-8") as fp:
+        fp.write(text)
+        fp.flush()
+        os.fsync(fp.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(staging_dir: str, out_dir: str, overwrite: bool) -> None:
+    """Rename the finished staging directory to OUT; an old OUT goes only after.
+
+    Readers that have the old dataset open keep their mapping of the old files.
+    """
+    check_output(out_dir, overwrite)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    if not os.path.lexists(out_dir):
+        os.rename(staging_dir, out_dir)
+        _fsync_dir(parent)
+        return
+    retired = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.npz2mmap-old-", dir=parent)
+    os.rename(out_dir, retired)
+    try:
+        os.rename(staging_dir, out_dir)
+    except OSError:
+        os.rename(retired, out_dir)
+        raise
+    _fsync_dir(parent)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def remove_staging(staging_dir: str) -> None:
+    shutil.rmtree(staging_dir, ignore_errors=True)
