@@ -1,0 +1,156 @@
+"""Reading: map a dataset's blob read-only and hand out zero-copy views of samples.
+
+No torch here, so the CLI can use it. Opening costs the same for any number
+of samples: the index is validated, the blob's size and header checked, and
+the per-sample tables are views of the mapping, never parsed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import operator
+import os
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .errors import FormatError
+from .spec import (
+    BLOB_HEADER_NBYTES,
+    BLOB_NAME,
+    CRC_DTYPE,
+    OFFSET_DTYPE,
+    SHAPE_DTYPE,
+    Field,
+    Index,
+    Region,
+    blob_header,
+    load_index,
+)
+
+
+class DatasetReader:
+    """A read-only mapping of one dataset directory.
+
+    Raises FormatError when the index is invalid or the blob does not match it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], index: Index | None = None) -> None:
+        self.path = os.fspath(path)
+        self.index = index if index is not None else load_index(self.path)
+        self.blob_path = os.path.join(self.path, BLOB_NAME)
+        self._mmap = _map_blob(self.blob_path, self.index)
+        self.payload: NDArray[np.uint8] = np.frombuffer(
+            self._mmap, dtype=np.uint8, count=self.index.payload_nbytes, offset=BLOB_HEADER_NBYTES
+        )
+        self._fields = {f.name: _FieldView(f, self.payload) for f in self.index.fields}
+
+    def __len__(self) -> int:
+        return self.index.num_samples
+
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        return self.index.field_names
+
+    def sample_index(self, i: int) -> int:
+        """Normalise ``i`` (negative counts from the end); IndexError when out of range."""
+        i = operator.index(i)
+        n = self.index.num_samples
+        if not -n <= i < n:
+            raise IndexError(f"sample index {i} is out of range for {n} samples")
+        return i + n if i < 0 else i
+
+    def view(self, name: str, i: int) -> np.ndarray:
+        """Sample ``i`` of field ``name`` as a read-only view of the mapping (no copy)."""
+        return self._field(name).sample(self.sample_index(i))
+
+    def column(self, name: str) -> np.ndarray:
+        """A fixed field as one read-only (num_samples, *shape) view."""
+        view = self._field(name)
+        if view.column is None:
+            raise FormatError(f"field {name!r} is ragged; read it sample by sample")
+        return view.column
+
+    def table(self, name: str, table: str) -> np.ndarray:
+        """A per-sample table of a field ('sample_crc32', 'offsets', 'shapes') as a view."""
+        return self._field(name).tables[table]
+
+    def _field(self, name: str) -> "_FieldView":
+        try:
+            return self._fields[name]
+        except KeyError:
+            raise KeyError(f"no field {name!r}; the dataset has: {', '.join(self._fields)}") from None
+
+    def close(self) -> None:
+        """Drop the mapping; views handed out keep their pages alive until freed."""
+        self._fields = {}
+        self.payload = np.empty(0, dtype=np.uint8)
+        self._mmap = None
+
+
+class _FieldView:
+    """Views of one field's data and tables over the payload."""
+
+    def __init__(self, field: Field, payload: NDArray[np.uint8]) -> None:
+        self.field = field
+        self.data = _region(payload, field.data)
+        self.tables = {"sample_crc32": _region(payload, field.sample_crc32).view(CRC_DTYPE)}
+        self.column: np.ndarray | None = None
+        if field.shape is not None:
+            self.column = self.data.view(field.dtype).reshape(-1, *field.shape) if field.stride else (
+                np.empty((len(self.tables["sample_crc32"]), *field.shape), dtype=field.dtype)
+            )
+        else:
+            self.offsets = _region(payload, field.offsets).view(OFFSET_DTYPE)
+            self.shapes = _region(payload, field.shapes).view(SHAPE_DTYPE).reshape(-1, field.ndim)
+            self.tables.update(offsets=self.offsets, shapes=self.shapes)
+
+    def sample(self, i: int) -> np.ndarray:
+        if self.column is not None:
+            return self.column[i, ...]
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        shape = tuple(int(d) for d in self.shapes[i])
+        count = 1
+        for dim in shape:
+            count *= dim
+        if not 0 <= start <= end <= len(self.data) or end - start != count * self.field.dtype.itemsize or min(
+            shape, default=0
+        ) < 0:
+            raise FormatError(
+                f"field {self.field.name!r} sample {i}: tables are corrupt "
+                f"(bytes {start}..{end} of {len(self.data)}, shape {shape}); run npz2mmap verify"
+            )
+        return self.data[start:end].view(self.field.dtype).reshape(shape)
+
+
+def _region(payload: NDArray[np.uint8], region: Region | None) -> NDArray[np.uint8]:
+    if region is None:
+        raise FormatError("a ragged field lacks its tables")
+    return payload[region.offset:region.end]
+
+
+def _map_blob(blob_path: str, index: Index) -> mmap.mmap:
+    """Map the blob read-only after checking its size and header against the index.
+
+    The size check comes first: mapping a truncated file and touching past its
+    end would kill the process with SIGBUS.
+    """
+    try:
+        fd = os.open(blob_path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise FormatError(f"{blob_path}: missing") from None
+    except OSError as exc:
+        raise FormatError(f"{blob_path}: cannot open ({exc.strerror})") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != index.blob_nbytes:
+            raise FormatError(
+                f"{blob_path}: {size} bytes, but the index expects {index.blob_nbytes}; "
+                "the blob is truncated or does not belong to this index"
+            )
+        header = os.pread(fd, BLOB_HEADER_NBYTES, 0)
+        if header != blob_header(index.payload_nbytes):
+            raise FormatError(f"{blob_path}: .npy header does not match the index")
+        return mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
