@@ -1,0 +1,224 @@
+"""The ``npz2mmap`` command: thin click commands that parse, call one library function and render.
+
+Only this module prints, draws progress bars and picks exit codes: 0 for
+success, 1 for bad data or a failed verify, 2 for usage errors. It never
+imports torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+import tqdm
+
+from . import __version__
+from .converter import convert as convert_files
+from .errors import Npz2mmapError
+from .spec import MAX_ALIGN, MIN_ALIGN
+from .summary import describe_dataset, describe_sample
+from .verify import verify as verify_dataset
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# No monitor thread: the converter forks its workers.
+tqdm.tqdm.monitor_interval = 0
+
+
+class BarProgress:
+    """Draws each stage of a library call as a tqdm bar on stderr."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: tqdm.tqdm[Any] | None = None
+        self.files = self.total_files = 0
+
+    def stage(self, name: str, total_files: int, total_nbytes: int) -> None:
+        self.close()
+        self.files, self.total_files = 0, total_files
+        disable = None if self.enabled else True  # None: only when stderr is a terminal
+        if total_nbytes:
+            self.bar = tqdm.tqdm(total=total_nbytes, desc=name, unit="B", unit_scale=True, disable=disable,
+                                 dynamic_ncols=True)
+        else:
+            self.bar = tqdm.tqdm(total=total_files, desc=name, unit=" files", disable=disable, dynamic_ncols=True)
+
+    def advance(self, files: int, nbytes: int) -> None:
+        if self.bar is None or self.bar.disable:
+            return
+        self.files += files
+        if self.bar.unit == "B":
+            self.bar.set_postfix_str(f"{self.files}/{self.total_files} files", refresh=False)
+            self.bar.update(nbytes)
+        else:
+            self.bar.update(files)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def friendly_errors(func: F) -> F:
+    """Show the project's errors as one line (exit 1); --debug shows the traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except Npz2mmapError as exc:
+            if click.get_current_context().find_root().params.get("debug"):
+                raise
+            raise click.ClickException(str(exc)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def human_bytes(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+def _parse_keys(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    keys = [k.strip() for k in value.split(",") if k.strip()]
+    if not keys:
+        raise click.BadParameter("give at least one key, e.g. --keys input,label")
+    return keys
+
+
+def _check_align(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    if not MIN_ALIGN <= value <= MAX_ALIGN or value & (value - 1):
+        raise click.BadParameter(f"must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, got {value}")
+    return value
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="npz2mmap")
+@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
+def cli(debug: bool) -> None:
+    """Convert many .npz files into one memory-mapped dataset for PyTorch."""
+
+
+@cli.command()
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Dataset directory to create.")
+@click.option("--keys", callback=_parse_keys, metavar="A,B", help="Convert only these NPZ keys (default: all).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Worker processes (default: all cores).")
+@click.option("--align", type=int, default=MIN_ALIGN, show_default=True, callback=_check_align,
+              help="Byte alignment of every region, a power of two (e.g. 4096 for pages).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing dataset at OUT once the new one is complete.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars and no summary.")
+@friendly_errors
+def convert(inputs: tuple[str, ...], out_dir: str, keys: list[str] | None, workers: int | None, align: int,
+            overwrite: bool, quiet: bool) -> None:
+    """Convert INPUT... into the dataset directory OUT.
+
+    Each INPUT is an .npz file, a directory (searched recursively for *.npz,
+    in sorted order) or @LIST, a text file naming one path per line. Each NPZ
+    file becomes one sample, in that order.
+    """
+    progress = BarProgress(not quiet)
+    try:
+        result = convert_files(list(inputs), out_dir, keys=keys, workers=workers, align=align,
+                               overwrite=overwrite, progress=progress)
+    finally:
+        progress.close()
+    if not quiet:
+        index = result.index
+        click.echo(
+            f"Converted {index.num_samples:,} samples, {len(index.fields)} fields, "
+            f"{human_bytes(result.data_nbytes)} into {out_dir} in {result.seconds:.1f} s"
+        )
+
+
+@cli.command()
+@click.argument("dataset", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+@click.option("--sample", type=int, default=None, metavar="I", help="Show sample I's arrays instead.")
+@friendly_errors
+def inspect(dataset: str, as_json: bool, sample: int | None) -> None:
+    """Show a dataset's format, samples, size and fields."""
+    if sample is not None:
+        try:
+            info = describe_sample(dataset, sample)
+        except IndexError as exc:
+            raise click.BadParameter(str(exc), param_hint="--sample") from None
+        click.echo(json.dumps(info, indent=1) if as_json else _render_sample(info))
+        return
+    summary = describe_dataset(dataset)
+    click.echo(json.dumps(summary, indent=1) if as_json else _render_summary(summary))
+
+
+def _render_summary(summary: dict[str, Any]) -> str:
+    lines = [
+        f"dataset  {summary['path']}",
+        f"format   {summary['format']} v{summary['version']} (written by npz2mmap {summary['tool_version']})",
+        f"samples  {summary['num_samples']:,}",
+        f"blob     {summary['blob']}, {human_bytes(summary['blob_nbytes'])}, regions aligned to {summary['align']} B",
+        "",
+    ]
+    rows = [("field", "kind", "dtype", "shape", "bytes")]
+    for f in summary["fields"]:
+        rows.append((f["name"], f["kind"], f["dtype"], _shape_text(f), human_bytes(f["nbytes"])))
+    return "\n".join(lines + _table(rows))
+
+
+def _shape_text(field: dict[str, Any]) -> str:
+    if "shape" in field:
+        return str(tuple(field["shape"]))
+    dims = [str(lo) if lo == hi else f"{lo}..{hi}" for lo, hi in zip(field["min_shape"], field["max_shape"])]
+    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
+
+
+def _render_sample(info: dict[str, Any]) -> str:
+    rows = [("field", "dtype", "shape", "min", "max", "mean")]
+    for f in info["fields"]:
+        stats = [f"{f[k]:.6g}" if k in f else "-" for k in ("min", "max", "mean")]
+        rows.append((f["name"], f["dtype"], str(tuple(f["shape"])), *stats))
+    return "\n".join([f"sample {info['sample']}", *_table(rows)])
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+@cli.command()
+@click.argument("dataset", type=click.Path(file_okay=False))
+@click.option("--sources", is_flag=True, help="Also compare every sample bit for bit with its NPZ file.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar; print only problems.")
+@friendly_errors
+def verify(dataset: str, sources: bool, quiet: bool) -> None:
+    """Check a dataset's checksums and tables; exit 0 only if all is well."""
+    progress = BarProgress(not quiet)
+    try:
+        report = verify_dataset(dataset, sources=sources, progress=progress)
+    finally:
+        progress.close()
+    for problem in report.problems:
+        click.echo(problem, err=True)
+    if not report.ok:
+        raise click.ClickException(f"{dataset}: {len(report.problems)} problem(s) found")
+    if not quiet:
+        checked = "checksums, tables, padding" + (" and sources" if report.sources_checked else "")
+        click.echo(f"OK: {dataset}: {report.num_samples:,} samples verified ({checked})")
+
+
+def main() -> None:
+    cli(prog_name="npz2mmap")
+
+
+if __name__ == "__main__":
+    main()
