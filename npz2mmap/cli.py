@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import click
@@ -42,10 +41,13 @@ class BarProgress:
         self.files, self.total_files = 0, total_files
         disable = None if self.enabled else True  # None: only when stderr is a terminal
         if total_nbytes:
-            self.bar = tqdm.tqdm(total=total_nbytes, desc=name, unit="B", unit_scale=True, disable=disable,
-                                 dynamic_ncols=True)
+            self.bar = tqdm.tqdm(
+                total=total_nbytes, desc=name, unit="B", unit_scale=True, disable=disable, dynamic_ncols=True
+            )
         else:
-            self.bar = tqdm.tqdm(total=total_files, desc=name, unit=" files", disable=disable, dynamic_ncols=True)
+            self.bar = tqdm.tqdm(
+                total=total_files, desc=name, unit=" files", disable=disable, dynamic_ncols=True
+            )
 
     def advance(self, files: int, nbytes: int) -> None:
         if self.bar is None or self.bar.disable:
@@ -111,18 +113,42 @@ def cli(debug: bool) -> None:
 
 @cli.command()
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
-@click.option("-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="Dataset directory to create.")
-@click.option("--keys", callback=_parse_keys, metavar="A,B", help="Convert only these NPZ keys (default: all).")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Worker processes (default: all cores).")
-@click.option("--align", type=int, default=MIN_ALIGN, show_default=True, callback=_check_align,
-              help="Byte alignment of every region, a power of two (e.g. 4096 for pages).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing dataset at OUT once the new one is complete.")
+@click.option(
+    "-o",
+    "--output",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Dataset directory to create.",
+)
+@click.option(
+    "--keys", callback=_parse_keys, metavar="A,B", help="Convert only these NPZ keys (default: all)."
+)
+@click.option(
+    "--workers", type=click.IntRange(min=1), default=None, help="Worker processes (default: all cores)."
+)
+@click.option(
+    "--align",
+    type=int,
+    default=MIN_ALIGN,
+    show_default=True,
+    callback=_check_align,
+    help="Byte alignment of every region, a power of two (e.g. 4096 for pages).",
+)
+@click.option(
+    "--overwrite", is_flag=True, help="Replace an existing dataset at OUT once the new one is complete."
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars and no summary.")
 @friendly_errors
-def convert(inputs: tuple[str, ...], out_dir: str, keys: list[str] | None, workers: int | None, align: int,
-            overwrite: bool, quiet: bool) -> None:
+def convert(
+    inputs: tuple[str, ...],
+    out_dir: str,
+    keys: list[str] | None,
+    workers: int | None,
+    align: int,
+    overwrite: bool,
+    quiet: bool,
+) -> None:
     """Convert INPUT... into the dataset directory OUT.
 
     Each INPUT is an .npz file, a directory (searched recursively for *.npz,
@@ -131,8 +157,15 @@ def convert(inputs: tuple[str, ...], out_dir: str, keys: list[str] | None, worke
     """
     progress = BarProgress(not quiet)
     try:
-        result = convert_files(list(inputs), out_dir, keys=keys, workers=workers, align=align,
-                               overwrite=overwrite, progress=progress)
+        result = convert_files(
+            list(inputs),
+            out_dir,
+            keys=keys,
+            workers=workers,
+            align=align,
+            overwrite=overwrite,
+            progress=progress,
+        )
     finally:
         progress.close()
     if not quiet:
@@ -166,7 +199,8 @@ def _render_summary(summary: dict[str, Any]) -> str:
         f"dataset  {summary['path']}",
         f"format   {summary['format']} v{summary['version']} (written by npz2mmap {summary['tool_version']})",
         f"samples  {summary['num_samples']:,}",
-        f"blob     {summary['blob']}, {human_bytes(summary['blob_nbytes'])}, regions aligned to {summary['align']} B",
+        f"blob     {summary['blob']}, {human_bytes(summary['blob_nbytes'])}, "
+        f"regions aligned to {summary['align']} B",
         "",
     ]
     rows = [("field", "kind", "dtype", "shape", "bytes")]
@@ -178,7 +212,10 @@ def _render_summary(summary: dict[str, Any]) -> str:
 def _shape_text(field: dict[str, Any]) -> str:
     if "shape" in field:
         return str(tuple(field["shape"]))
-    dims = [str(lo) if lo == hi else f"{lo}..{hi}" for lo, hi in zip(field["min_shape"], field["max_shape"])]
+    dims = [
+        str(lo) if lo == hi else f"{lo}..{hi}"
+        for lo, hi in zip(field["min_shape"], field["max_shape"], strict=True)
+    ]
     return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
 
 
@@ -190,9 +227,9 @@ def _render_sample(info: dict[str, Any]) -> str:
     return "\n".join([f"sample {info['sample']}", *_table(rows)])
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
 @cli.command()

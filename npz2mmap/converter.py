@@ -88,8 +88,9 @@ def _check_align(align: int) -> None:
         raise ValueError(f"align must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, got {align}")
 
 
-def _scan(sources: list[str], keys: Sequence[str] | None, align: int, imap: Mapper[Any, Any],
-          progress: Progress) -> Plan:
+def _scan(
+    sources: list[str], keys: Sequence[str] | None, align: int, imap: Mapper[Any, Any], progress: Progress
+) -> Plan:
     """Pass 1: read every member header and plan the layout."""
     progress.stage("scan", len(sources), 0)
 
@@ -110,7 +111,7 @@ def _copy(plan: Plan, staging: str, imap: Mapper[Any, Any], progress: Progress) 
     copy_one = functools.partial(writer.write_sample, blob_path)
     try:
         for result in imap(copy_one, writer.sample_tasks(plan)):
-            for table, crc in zip(crc32s, result.crc32s):
+            for table, crc in zip(crc32s, result.crc32s, strict=True):
                 table[result.sample] = crc
             progress.advance(1, result.nbytes)
     finally:

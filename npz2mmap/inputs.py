@@ -22,7 +22,7 @@ def discover_sources(inputs: Sequence[str | os.PathLike[str]]) -> list[str]:
     for item in inputs:
         text = os.fspath(item)
         if text.startswith(LIST_PREFIX):
-            found.extend(_expand_list_file(text[len(LIST_PREFIX):]))
+            found.extend(_expand_list_file(text[len(LIST_PREFIX) :]))
         else:
             found.extend(_expand_path(text))
     if not found:

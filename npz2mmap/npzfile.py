@@ -13,6 +13,7 @@ import zipfile
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import IO
 
 import numpy as np
 
@@ -26,8 +27,16 @@ CHUNK_NBYTES = 4 << 20
 HEADER_KEYS = {"descr", "fortran_order", "shape"}
 
 # What a damaged or hostile zip can raise from the standard library.
-_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, OSError, NotImplementedError,
-               RuntimeError, ValueError)
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    zlib.error,
+    EOFError,
+    OSError,
+    NotImplementedError,
+    RuntimeError,
+    ValueError,
+)
 
 
 @dataclass(frozen=True)
@@ -116,7 +125,7 @@ def read_member_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) ->
     return header
 
 
-def parse_npy_header(stream: "zipfile.ZipExtFile", key: str, where: str) -> MemberHeader:
+def parse_npy_header(stream: IO[bytes], key: str, where: str) -> MemberHeader:
     """Parse a .npy header (versions 1.0, 2.0, 3.0) from the start of ``stream``."""
     magic = read_exactly(stream, len(NPY_MAGIC) + 2, where)
     if magic[: len(NPY_MAGIC)] != NPY_MAGIC:
@@ -127,7 +136,9 @@ def parse_npy_header(stream: "zipfile.ZipExtFile", key: str, where: str) -> Memb
     length_nbytes = 2 if version == (1, 0) else 4
     text_nbytes = int.from_bytes(read_exactly(stream, length_nbytes, where), "little")
     if text_nbytes > MAX_NPY_HEADER_NBYTES:
-        raise SourceError(f"{where}: .npy header of {text_nbytes} bytes is larger than {MAX_NPY_HEADER_NBYTES}")
+        raise SourceError(
+            f"{where}: .npy header of {text_nbytes} bytes is larger than {MAX_NPY_HEADER_NBYTES}"
+        )
     raw = read_exactly(stream, text_nbytes, where)
     encoding = "utf-8" if version == (3, 0) else "latin1"
     try:
@@ -161,7 +172,7 @@ def _check_header_dict(header: object, where: str) -> tuple[np.dtype, tuple[int,
     return dtype, shape, fortran
 
 
-def read_exactly(stream: "zipfile.ZipExtFile", nbytes: int, where: str) -> bytes:
+def read_exactly(stream: IO[bytes], nbytes: int, where: str) -> bytes:
     data = stream.read(nbytes)
     if len(data) != nbytes:
         raise SourceError(f"{where}: member ends early ({len(data)} of {nbytes} bytes)")

@@ -66,9 +66,7 @@ class _FieldCollector:
     def add(self, header: MemberHeader, path: str) -> None:
         where = f"{path}[{header.key}]"
         if storage_dtype(header.dtype) != self.dtype:
-            raise SourceError(
-                f"{where}: dtype {header.dtype} differs from {self.dtype} in {self.first_path}"
-            )
+            raise SourceError(f"{where}: dtype {header.dtype} differs from {self.dtype} in {self.first_path}")
         if len(header.shape) != self.ndim:
             raise SourceError(
                 f"{where}: {len(header.shape)}-d array {header.shape} differs from the "
@@ -89,7 +87,7 @@ def build_plan(
     """
     collectors: dict[str, _FieldCollector] = {}
     keys: list[str] = []
-    for path, members in zip(sources, headers):
+    for path, members in zip(sources, headers, strict=True):
         if not collectors:
             keys = sorted(members)
             collectors = {key: _FieldCollector(members[key], path) for key in keys}
@@ -133,8 +131,9 @@ def _lay_out(sources: list[str], collectors: dict[str, _FieldCollector], align: 
             cursor = _aligned(offsets.end, align)
             shapes_region = Region(cursor, shapes.size * SHAPE_DTYPE.itemsize)
             cursor = _aligned(shapes_region.end, align)
-        fields.append(FieldPlan(name, dtype, shapes, sample_offsets, fixed, data, sample_crc32, offsets,
-                                shapes_region))
+        fields.append(
+            FieldPlan(name, dtype, shapes, sample_offsets, fixed, data, sample_crc32, offsets, shapes_region)
+        )
     return Plan(sources, tuple(fields), align, cursor)
 
 

@@ -75,7 +75,7 @@ class DatasetReader:
         """A per-sample table of a field ('sample_crc32', 'offsets', 'shapes') as a view."""
         return self._field(name).tables[table]
 
-    def _field(self, name: str) -> "_FieldView":
+    def _field(self, name: str) -> _FieldView:
         try:
             return self._fields[name]
         except KeyError:
@@ -85,7 +85,7 @@ class DatasetReader:
         """Drop the mapping; views handed out keep their pages alive until freed."""
         self._fields = {}
         self.payload = np.empty(0, dtype=np.uint8)
-        self._mmap = None
+        self._mmap.close()
 
 
 class _FieldView:
@@ -94,11 +94,15 @@ class _FieldView:
     def __init__(self, field: Field, payload: NDArray[np.uint8]) -> None:
         self.field = field
         self.data = _region(payload, field.data)
-        self.tables = {"sample_crc32": _region(payload, field.sample_crc32).view(CRC_DTYPE)}
+        self.tables: dict[str, np.ndarray] = {
+            "sample_crc32": _region(payload, field.sample_crc32).view(CRC_DTYPE)
+        }
         self.column: np.ndarray | None = None
         if field.shape is not None:
-            self.column = self.data.view(field.dtype).reshape(-1, *field.shape) if field.stride else (
-                np.empty((len(self.tables["sample_crc32"]), *field.shape), dtype=field.dtype)
+            self.column = (
+                self.data.view(field.dtype).reshape(-1, *field.shape)
+                if field.stride
+                else (np.empty((len(self.tables["sample_crc32"]), *field.shape), dtype=field.dtype))
             )
         else:
             self.offsets = _region(payload, field.offsets).view(OFFSET_DTYPE)
@@ -113,9 +117,11 @@ class _FieldView:
         count = 1
         for dim in shape:
             count *= dim
-        if not 0 <= start <= end <= len(self.data) or end - start != count * self.field.dtype.itemsize or min(
-            shape, default=0
-        ) < 0:
+        if (
+            not 0 <= start <= end <= len(self.data)
+            or end - start != count * self.field.dtype.itemsize
+            or min(shape, default=0) < 0
+        ):
             raise FormatError(
                 f"field {self.field.name!r} sample {i}: tables are corrupt "
                 f"(bytes {start}..{end} of {len(self.data)}, shape {shape}); run npz2mmap verify"
@@ -126,7 +132,7 @@ class _FieldView:
 def _region(payload: NDArray[np.uint8], region: Region | None) -> NDArray[np.uint8]:
     if region is None:
         raise FormatError("a ragged field lacks its tables")
-    return payload[region.offset:region.end]
+    return payload[region.offset : region.end]
 
 
 def _map_blob(blob_path: str, index: Index) -> mmap.mmap:

@@ -273,7 +273,9 @@ def parse_index(document: Any, where: str) -> Index:
     num_samples = doc.get("num_samples", int, minimum=0)
     align = doc.get("align", int, minimum=MIN_ALIGN)
     if align > MAX_ALIGN or align & (align - 1):
-        raise FormatError(f"{where}: align must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, found {align}")
+        raise FormatError(
+            f"{where}: align must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, found {align}"
+        )
     payload_nbytes = doc.get("payload_nbytes", int, minimum=0)
     provenance = _Obj(doc.get("provenance", dict), f"{where}: provenance")
     provenance.require_keys({"tool", "tool_version", "mode", "num_sources"})
@@ -365,7 +367,9 @@ def check_layout(index: Index, where: str) -> None:
         for name, region in {"data": f.data, **f.tables()}.items():
             label = f"field {f.name!r} {name}"
             if (BLOB_HEADER_NBYTES + region.offset) % index.align:
-                raise FormatError(f"{where}: {label} at offset {region.offset} is not {index.align}-byte aligned")
+                raise FormatError(
+                    f"{where}: {label} at offset {region.offset} is not {index.align}-byte aligned"
+                )
             if region.end > index.payload_nbytes:
                 raise FormatError(
                     f"{where}: {label} ends at {region.end}, past the payload of {index.payload_nbytes} bytes"
@@ -373,7 +377,7 @@ def check_layout(index: Index, where: str) -> None:
             if region.nbytes:
                 spans.append((region.offset, region.end, label))
     spans.sort()
-    for (_, end, label), (start, _, next_label) in zip(spans, spans[1:]):
+    for (_, end, label), (start, _, next_label) in zip(spans, spans[1:], strict=False):
         if start < end:
             raise FormatError(f"{where}: {label} overlaps {next_label}")
 
@@ -397,7 +401,7 @@ class _Obj:
 
     def get(self, key: str, kind: Any, minimum: int | None = None, maximum: int | None = None) -> Any:
         if key not in self.value:
-            raise FormatError(f"{self.where}: missing key {key!r}")
+            raise FormatError(f"{self.where}: missing key(s) {key}")
         value = self.value[key]
         if kind is int:
             return _as_int(value, f"{self.where}: {key}", minimum, maximum)

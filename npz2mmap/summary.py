@@ -30,8 +30,12 @@ def describe_dataset(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _describe_field(reader: DatasetReader, name: str) -> dict[str, Any]:
     f = reader.index.field(name)
-    out: dict[str, Any] = {"name": name, "kind": "ragged" if f.ragged else "fixed", "dtype": dtype_name(f.dtype),
-                           "nbytes": f.data.nbytes}
+    out: dict[str, Any] = {
+        "name": name,
+        "kind": "ragged" if f.ragged else "fixed",
+        "dtype": dtype_name(f.dtype),
+        "nbytes": f.data.nbytes,
+    }
     if f.shape is not None:
         out["shape"] = list(f.shape)
     else:
@@ -45,7 +49,10 @@ def describe_sample(path: str | os.PathLike[str], i: int) -> dict[str, Any]:
     """Shape, dtype and min/max/mean of each field of sample ``i``. Raises IndexError, FormatError."""
     reader = DatasetReader(path)
     i = reader.sample_index(i)
-    return {"sample": i, "fields": [_describe_array(name, reader.view(name, i)) for name in reader.field_names]}
+    return {
+        "sample": i,
+        "fields": [_describe_array(name, reader.view(name, i)) for name in reader.field_names],
+    }
 
 
 def _describe_array(name: str, array: np.ndarray) -> dict[str, Any]:

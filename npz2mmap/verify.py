@@ -36,7 +36,9 @@ class VerifyReport:
         return not self.problems
 
 
-def verify(path: str | os.PathLike[str], sources: bool = False, progress: Progress | None = None) -> VerifyReport:
+def verify(
+    path: str | os.PathLike[str], sources: bool = False, progress: Progress | None = None
+) -> VerifyReport:
     """Check a dataset end to end and report every problem found.
 
     With ``sources``, also compare every sample with its original NPZ file.
@@ -66,7 +68,7 @@ def verify(path: str | os.PathLike[str], sources: bool = False, progress: Progre
 def _check_field(reader: DatasetReader, f: Field, report: VerifyReport, progress: Progress) -> None:
     tables_ok = True
     for name, region in f.tables().items():
-        if zlib.crc32(reader.payload[region.offset:region.end]) != region.crc32:
+        if zlib.crc32(reader.payload[region.offset : region.end].data) != region.crc32:
             report.problems.append(f"field {f.name!r}: the {name} table is corrupt (checksum mismatch)")
             tables_ok = False
     if tables_ok and f.ragged:
@@ -77,13 +79,17 @@ def _check_field(reader: DatasetReader, f: Field, report: VerifyReport, progress
     bad = []
     for i in range(len(reader)):
         data = reader.view(f.name, i)
-        if zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8)) != expected[i]:
+        if zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data) != expected[i]:
             bad.append(i)
         progress.advance(0, data.nbytes)
     if bad:
         report.bad_samples[f.name] = bad
-        shown = ", ".join(str(i) for i in bad[:MAX_SAMPLES_NAMED]) + (" ..." if len(bad) > MAX_SAMPLES_NAMED else "")
-        report.problems.append(f"field {f.name!r}: {len(bad)} sample(s) do not match their checksums: {shown}")
+        shown = ", ".join(str(i) for i in bad[:MAX_SAMPLES_NAMED]) + (
+            " ..." if len(bad) > MAX_SAMPLES_NAMED else ""
+        )
+        report.problems.append(
+            f"field {f.name!r}: {len(bad)} sample(s) do not match their checksums: {shown}"
+        )
 
 
 def _check_ragged_tables(reader: DatasetReader, f: Field, report: VerifyReport) -> bool:
@@ -113,7 +119,8 @@ def _check_padding(reader: DatasetReader, index: Index, report: VerifyReport) ->
     for start, end in [*spans, (index.payload_nbytes, index.payload_nbytes)]:
         if start > cursor and reader.payload[cursor:start].any():
             report.problems.append(
-                f"padding at blob offset {BLOB_HEADER_NBYTES + cursor}..{BLOB_HEADER_NBYTES + start} is not zero"
+                f"padding at blob offset {BLOB_HEADER_NBYTES + cursor}..{BLOB_HEADER_NBYTES + start} "
+                "is not zero"
             )
         cursor = max(cursor, end)
 
@@ -135,7 +142,9 @@ def _check_sources_file(report: VerifyReport, index: Index) -> list[str] | None:
     return paths
 
 
-def _compare_sources(reader: DatasetReader, paths: list[str], report: VerifyReport, progress: Progress) -> None:
+def _compare_sources(
+    reader: DatasetReader, paths: list[str], report: VerifyReport, progress: Progress
+) -> None:
     for i, path in enumerate(paths):
         for problem in _compare_sample(reader, i, path):
             report.problems.append(f"sample {i} ({path}): {problem}")
@@ -161,5 +170,7 @@ def _compare_array(source: np.ndarray, stored: np.ndarray, name: str) -> Iterato
         yield f"field {name!r}: dtype {stored.dtype} differs from the source's {source.dtype}"
     elif source.shape != stored.shape:
         yield f"field {name!r}: shape {stored.shape} differs from the source's {source.shape}"
-    elif np.ascontiguousarray(source.astype(stored.dtype)).tobytes() != np.ascontiguousarray(stored).tobytes():
+    elif (
+        np.ascontiguousarray(source.astype(stored.dtype)).tobytes() != np.ascontiguousarray(stored).tobytes()
+    ):
         yield f"field {name!r}: values differ from the source"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import shutil
-import tempfile
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -40,6 +40,7 @@ from .spec import (
 )
 
 STAGING_MARK = ".npz2mmap-tmp-"
+RETIRED_MARK = ".npz2mmap-old-"
 
 
 class MemberTask(NamedTuple):
@@ -66,15 +67,19 @@ class SampleResult(NamedTuple):
 def sample_tasks(plan: Plan) -> Iterator[SampleTask]:
     """One task per sample, in order, built lazily from the plan."""
     for i, path in enumerate(plan.sources):
-        yield SampleTask(i, path, tuple(
-            MemberTask(
-                f.name,
-                f.dtype,
-                tuple(int(d) for d in f.shapes[i]),
-                BLOB_HEADER_NBYTES + f.data.offset + int(f.sample_offsets[i]),
-            )
-            for f in plan.fields
-        ))
+        yield SampleTask(
+            i,
+            path,
+            tuple(
+                MemberTask(
+                    f.name,
+                    f.dtype,
+                    tuple(int(d) for d in f.shapes[i]),
+                    BLOB_HEADER_NBYTES + f.data.offset + int(f.sample_offsets[i]),
+                )
+                for f in plan.fields
+            ),
+        )
 
 
 # --- worker side -------------------------------------------------------------
@@ -134,7 +139,9 @@ def _pwrite_all(fd: int, data: bytes, position: int) -> None:
 
 def _copy_fortran(chunks: Iterator[bytes], header: MemberHeader, member: MemberTask, blob_path: str) -> int:
     """Write a Fortran-order member in C order through a mapping of its destination."""
-    target = np.memmap(blob_path, dtype=member.dtype, mode="r+", offset=member.file_offset, shape=header.shape)
+    target = np.memmap(
+        blob_path, dtype=member.dtype, mode="r+", offset=member.file_offset, shape=header.shape
+    )
     reader = _ChunkReader(chunks)
     _fill_from_fortran(target.reshape([d for d in header.shape if d != 1]), reader, header.dtype)
     if reader.pending():
@@ -143,12 +150,12 @@ def _copy_fortran(chunks: Iterator[bytes], header: MemberHeader, member: MemberT
     flat = target.reshape(-1).view(np.uint8)
     crc = 0
     for start in range(0, len(flat), CHUNK_NBYTES):
-        crc = zlib.crc32(flat[start:start + CHUNK_NBYTES], crc)
+        crc = zlib.crc32(flat[start : start + CHUNK_NBYTES].data, crc)
     del target, flat
     return crc
 
 
-def _fill_from_fortran(view: np.ndarray, reader: "_ChunkReader", source_dtype: np.dtype) -> None:
+def _fill_from_fortran(view: np.ndarray, reader: _ChunkReader, source_dtype: np.dtype) -> None:
     """Fill C-order ``view`` from data arriving in Fortran order, in bounded pieces.
 
     Fortran order puts the last axis slowest, so each index of the last axis is
@@ -159,7 +166,9 @@ def _fill_from_fortran(view: np.ndarray, reader: "_ChunkReader", source_dtype: n
         per_chunk = max(1, CHUNK_NBYTES // itemsize)
         for start in range(0, view.size, per_chunk):
             count = min(per_chunk, view.size - start)
-            view.reshape(-1)[start:start + count] = np.frombuffer(reader.read(count * itemsize), source_dtype)
+            view.reshape(-1)[start : start + count] = np.frombuffer(
+                reader.read(count * itemsize), source_dtype
+            )
     elif view.nbytes <= CHUNK_NBYTES:
         piece = np.frombuffer(reader.read(view.size * itemsize), source_dtype)
         view[...] = piece.reshape(view.shape[::-1]).T
@@ -209,10 +218,23 @@ def _is_replaceable(path: str) -> bool:
 
 
 def make_staging_dir(out_dir: str) -> str:
-    """A hidden sibling of OUT, so the final rename stays on one filesystem."""
+    """A hidden sibling of OUT, so the final rename stays on one filesystem.
+
+    Created with the umask's permissions (not mkdtemp's 0700), since it becomes OUT.
+    """
     parent, name = os.path.split(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{name}{STAGING_MARK}", dir=parent)
+    return _make_unique_dir(parent, f".{name}{STAGING_MARK}")
+
+
+def _make_unique_dir(parent: str, prefix: str) -> str:
+    while True:
+        path = os.path.join(parent, prefix + secrets.token_hex(4))
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
 
 
 def create_blob(staging_dir: str, payload_nbytes: int) -> str:
@@ -232,7 +254,7 @@ def finish_dataset(staging_dir: str, plan: Plan, sample_crc32s: Sequence[np.ndar
     blob_path = os.path.join(staging_dir, BLOB_NAME)
     fd = os.open(blob_path, os.O_WRONLY)
     try:
-        fields = tuple(_write_tables(fd, f, crcs) for f, crcs in zip(plan.fields, sample_crc32s))
+        fields = tuple(_write_tables(fd, f, crcs) for f, crcs in zip(plan.fields, sample_crc32s, strict=True))
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -298,7 +320,7 @@ def publish(staging_dir: str, out_dir: str, overwrite: bool) -> None:
         os.rename(staging_dir, out_dir)
         _fsync_dir(parent)
         return
-    retired = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.npz2mmap-old-", dir=parent)
+    retired = _make_unique_dir(parent, f".{os.path.basename(out_dir)}{RETIRED_MARK}")
     os.rename(out_dir, retired)
     try:
         os.rename(staging_dir, out_dir)
