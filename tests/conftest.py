@@ -1,0 +1,78 @@
+"""Shared fixtures: writing NPZ sources and converting them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from npz2mmap.converter import convert
+
+
+def write_npz(path: Path, compressed: bool = False, **arrays: Any) -> Path:
+    """Write one sample file the way users do, with numpy's own savez."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (np.savez_compressed if compressed else np.savez)(path, **arrays)
+    return path
+
+
+def write_samples(src_dir: Path, samples: Sequence[dict[str, Any]], compressed: bool = False) -> list[Path]:
+    return [write_npz(src_dir / f"s{i:05d}.npz", compressed, **arrays) for i, arrays in enumerate(samples)]
+
+
+def assert_same_array(stored: np.ndarray, source: np.ndarray) -> None:
+    """Bit-identical after byte-order normalisation: dtype, shape and bytes."""
+    assert stored.dtype == source.dtype.newbyteorder("<")
+    assert stored.shape == source.shape
+    assert (
+        np.ascontiguousarray(stored).tobytes() == np.ascontiguousarray(source.astype(stored.dtype)).tobytes()
+    )
+
+
+def blob_bytes(dataset: Path) -> bytes:
+    return (dataset / "data.npy").read_bytes()
+
+
+@pytest.fixture
+def convert_samples(tmp_path: Path) -> Callable[..., Path]:
+    """Write samples as NPZ files under tmp_path and convert them; return the dataset dir."""
+    counter = iter(range(1_000_000))
+
+    def run(samples: Sequence[dict[str, Any]], compressed: bool = False, **options: Any) -> Path:
+        n = next(counter)
+        src = tmp_path / f"src{n}"
+        write_samples(src, samples, compressed)
+        out = tmp_path / f"out{n}"
+        options.setdefault("workers", 1)
+        convert([src], out, **options)
+        return out
+
+    return run
+
+
+@pytest.fixture
+def small_dataset(tmp_path: Path) -> tuple[Path, list[Path]]:
+    """Six samples: a fixed float image, a scalar label and ragged tokens."""
+    rng = np.random.default_rng(7)
+    samples = [
+        {
+            "input": rng.standard_normal((3, 4, 5)).astype(np.float32),
+            "label": np.int64(i),
+            "tokens": rng.integers(0, 100, size=i + 1).astype(np.int32),
+        }
+        for i in range(6)
+    ]
+    sources = write_samples(tmp_path / "src", samples)
+    out = tmp_path / "dataset"
+    convert([tmp_path / "src"], out, workers=1)
+    return out, sources
+
+
+def env_without_warnings() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONWARNINGS"] = "error"
+    return env

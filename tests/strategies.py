@@ -1,0 +1,53 @@
+"""Hypothesis strategies for dtypes and arrays the converter must carry exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+
+def scalar_dtypes() -> st.SearchStrategy[np.dtype]:
+    endianness = "?"  # either byte order
+    return st.one_of(
+        hnp.boolean_dtypes(),
+        hnp.integer_dtypes(endianness=endianness),
+        hnp.unsigned_integer_dtypes(endianness=endianness),
+        hnp.floating_dtypes(endianness=endianness),
+        hnp.complex_number_dtypes(endianness=endianness),
+        hnp.datetime64_dtypes(endianness=endianness),
+        hnp.timedelta64_dtypes(endianness=endianness),
+        hnp.byte_string_dtypes(min_len=1, max_len=6),
+        hnp.unicode_string_dtypes(endianness=endianness, min_len=1, max_len=6),
+    )
+
+
+def dtypes() -> st.SearchStrategy[np.dtype]:
+    """Scalar dtypes and small structured dtypes built from them."""
+    records = st.lists(scalar_dtypes(), min_size=1, max_size=3).map(
+        lambda parts: np.dtype([(f"f{i}", d) for i, d in enumerate(parts)])
+    )
+    return st.one_of(scalar_dtypes(), records)
+
+
+def array_shapes() -> st.SearchStrategy[tuple[int, ...]]:
+    return hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5)
+
+
+@st.composite
+def field_samples(draw: st.DrawFn, num_samples: int) -> list[np.ndarray]:
+    """``num_samples`` arrays of one dtype and ndim; fixed or ragged, C or Fortran order."""
+    dtype = draw(dtypes())
+    ndim = draw(st.integers(0, 3))
+    ragged = draw(st.booleans()) and ndim > 0
+    fixed_shape = draw(hnp.array_shapes(min_dims=ndim, max_dims=ndim, min_side=0, max_side=4)) if ndim else ()
+    arrays = []
+    for _ in range(num_samples):
+        shape = (
+            draw(hnp.array_shapes(min_dims=ndim, max_dims=ndim, min_side=0, max_side=4))
+            if ragged
+            else fixed_shape
+        )
+        array = draw(hnp.arrays(dtype, shape))
+        arrays.append(np.asfortranarray(array) if array.ndim > 1 and draw(st.booleans()) else array)
+    return arrays

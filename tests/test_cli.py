@@ -1,0 +1,151 @@
+"""The CLI as a user meets it: click's runner and the real console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import write_samples
+
+from npz2mmap.cli import cli
+
+SCRIPT = Path(sys.executable).parent / "npz2mmap"
+
+
+def run(*args: str) -> click.testing.Result:  # noqa: F821
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.fixture
+def sources(tmp_path) -> Path:
+    rng = np.random.default_rng(0)
+    write_samples(
+        tmp_path / "src",
+        [
+            {"input": rng.random((2, 3), dtype=np.float32), "label": np.int64(i), "tokens": np.arange(i + 2)}
+            for i in range(4)
+        ],
+    )
+    return tmp_path / "src"
+
+
+def test_convert_inspect_verify(tmp_path, sources) -> None:
+    out = tmp_path / "out"
+    result = run("convert", sources, "-o", out, "--workers", "2")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("Converted 4 samples, 3 fields, ")
+    result = run("inspect", out)
+    assert result.exit_code == 0
+    assert "samples  4" in result.output
+    assert "tokens  ragged  int64    (2..5,)" in result.output
+    assert "input   fixed   float32  (2, 3)" in result.output
+    summary = json.loads(run("inspect", out, "--json").output)
+    assert summary["num_samples"] == 4 and [f["name"] for f in summary["fields"]] == [
+        "input",
+        "label",
+        "tokens",
+    ]
+    sample = json.loads(run("inspect", out, "--sample", "-1", "--json").output)
+    assert sample["sample"] == 3 and sample["fields"][1] == {
+        "name": "label",
+        "shape": [],
+        "dtype": "int64",
+        "min": 3,
+        "max": 3,
+        "mean": 3.0,
+    }
+    result = run("verify", out, "--sources")
+    assert result.exit_code == 0
+    assert result.output == f"OK: {out}: 4 samples verified (checksums, tables, padding and sources)\n"
+
+
+def test_quiet_convert_prints_nothing(tmp_path, sources) -> None:
+    result = run("convert", sources, "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 0 and result.output == ""
+
+
+def test_bad_data_is_one_line_and_exit_1(tmp_path, sources) -> None:
+    (sources / "s00002.npz").write_bytes(b"")
+    result = run("convert", sources, "-o", tmp_path / "out")
+    assert result.exit_code == 1
+    assert result.output.count("\n") == 1
+    assert result.output.startswith(f"Error: {sources / 's00002.npz'}: not a valid zip/npz file")
+    assert not (tmp_path / "out").exists()
+
+
+def test_usage_errors_exit_2(tmp_path, sources) -> None:
+    for args, message in [
+        (("convert", sources), "Missing option '-o' / '--output'"),
+        (("convert", sources, "-o", tmp_path / "o", "--align", "100"), "must be a power of two"),
+        (("convert", sources, "-o", tmp_path / "o", "--workers", "0"), "0 is not in the range x>=1"),
+        (("convert", sources, "-o", tmp_path / "o", "--keys", ","), "give at least one key"),
+    ]:
+        result = run(*args)
+        assert result.exit_code == 2, args
+        assert message in result.output
+
+
+def test_inspect_sample_out_of_range_is_a_usage_error(tmp_path, sources) -> None:
+    run("convert", sources, "-o", tmp_path / "out")
+    result = run("inspect", tmp_path / "out", "--sample", "4")
+    assert result.exit_code == 2
+    assert "sample index 4 is out of range for 4 samples" in result.output
+
+
+def test_verify_failure_lists_problems_and_exits_1(tmp_path, sources) -> None:
+    out = tmp_path / "out"
+    run("convert", sources, "-o", out)
+    blob = bytearray((out / "data.npy").read_bytes())
+    blob[130] ^= 0xFF
+    (out / "data.npy").write_bytes(bytes(blob))
+    result = run("verify", out)
+    assert result.exit_code == 1
+    assert "field 'input': 1 sample(s) do not match their checksums: 0" in result.output
+    assert f"Error: {out}: 1 problem(s) found" in result.output
+
+
+def test_real_console_script_errors_without_traceback_unless_debug(tmp_path) -> None:
+    missing = tmp_path / "missing"
+    result = subprocess.run([SCRIPT, "inspect", missing], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr == f"Error: {missing}: not a directory\n"
+    result = subprocess.run([SCRIPT, "--debug", "inspect", missing], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "FormatError" in result.stderr
+
+
+def test_real_console_script_converts_with_a_pool(tmp_path, sources) -> None:
+    result = subprocess.run(
+        [SCRIPT, "convert", sources, "-o", tmp_path / "out", "--workers", "2"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "index.json").exists()
+
+
+def test_the_cli_never_imports_torch(tmp_path, sources) -> None:
+    code = (
+        "import sys\n"
+        "from npz2mmap.cli import main\n"
+        f"sys.argv = ['npz2mmap', 'convert', {str(sources)!r}, '-o', {str(tmp_path / 'o')!r}, '-q']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        f"sys.argv = ['npz2mmap', 'verify', {str(tmp_path / 'o')!r}, '-q']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})
+
+
+def test_every_command_and_option_is_documented_in_the_readme() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for name, command in cli.commands.items():
+        assert f"### `npz2mmap {name}" in readme, name
+        for param in command.params:
+            for flag in param.opts:
+                if flag.startswith("-") and flag != "--help":
+                    assert f"`{flag}" in readme or f", {flag}" in readme, f"{name} {flag}"

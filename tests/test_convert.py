@@ -1,0 +1,217 @@
+"""Conversion: input discovery, determinism, refusals, and atomic output."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import assert_same_array, blob_bytes, write_npz, write_samples
+
+from npz2mmap import writer
+from npz2mmap.converter import convert
+from npz2mmap.errors import OutputError, SourceError
+from npz2mmap.reader import DatasetReader
+
+
+def read_sources(dataset: Path) -> list[str]:
+    return [json.loads(line) for line in (dataset / "sources.jsonl").read_text().splitlines()]
+
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(
+        p.name for p in parent.iterdir() if writer.STAGING_MARK in p.name or "npz2mmap-old" in p.name
+    )
+
+
+def mixed_samples(count: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(3)
+    return [
+        {
+            "x": rng.standard_normal((2, 8)).astype(np.float32),
+            "tokens": np.arange(rng.integers(0, 40), dtype=np.int16),
+        }
+        for _ in range(count)
+    ]
+
+
+def test_output_is_byte_identical_for_any_number_of_workers(tmp_path) -> None:
+    write_samples(tmp_path / "src", mixed_samples(150))
+    convert([tmp_path / "src"], tmp_path / "w1", workers=1)
+    convert([tmp_path / "src"], tmp_path / "w2", workers=2)
+    convert([tmp_path / "src"], tmp_path / "w3", workers=3)
+    for name in ("data.npy", "index.json", "sources.jsonl"):
+        first = (tmp_path / "w1" / name).read_bytes()
+        assert (tmp_path / "w2" / name).read_bytes() == first
+        assert (tmp_path / "w3" / name).read_bytes() == first
+
+
+def test_directories_are_searched_recursively_in_sorted_order(tmp_path) -> None:
+    for name in ("b/2.npz", "a/z.npz", "a/sub/1.npz", "c.npz", "a/notes.txt"):
+        path = tmp_path / "src" / name
+        if name.endswith(".npz"):
+            write_npz(path, v=np.int32(len(name)))
+        else:
+            path.write_text("not data")
+    convert([tmp_path / "src"], tmp_path / "out", workers=1)
+    expected = [str(tmp_path / "src" / n) for n in ("a/sub/1.npz", "a/z.npz", "b/2.npz", "c.npz")]
+    assert read_sources(tmp_path / "out") == expected
+
+
+def test_list_files_keep_their_order_and_resolve_relative_paths(tmp_path) -> None:
+    for i in range(3):
+        write_npz(tmp_path / "data" / f"{i}.npz", v=np.int64(i))
+    (tmp_path / "lists").mkdir()
+    (tmp_path / "lists" / "order.txt").write_text("../data/2.npz\n\n../data/0.npz\n")
+    convert(
+        [f"@{tmp_path / 'lists' / 'order.txt'}", tmp_path / "data" / "1.npz"], tmp_path / "out", workers=1
+    )
+    reader = DatasetReader(tmp_path / "out")
+    assert [int(reader.view("v", i)) for i in range(3)] == [2, 0, 1]
+    assert read_sources(tmp_path / "out")[0] == str(tmp_path / "data" / "2.npz")
+
+
+def test_keys_select_fields(tmp_path) -> None:
+    write_samples(tmp_path / "src", [{"a": np.ones(2), "b": np.zeros(3), "c": np.int8(i)} for i in range(3)])
+    convert([tmp_path / "src"], tmp_path / "out", keys=["c", "a"], workers=1)
+    assert DatasetReader(tmp_path / "out").field_names == ("a", "c")
+
+
+def test_missing_selected_key_names_the_file(tmp_path) -> None:
+    write_samples(tmp_path / "src", [{"a": np.ones(2)}])
+    with pytest.raises(SourceError, match=r"s00000\.npz: no key 'b' \(has: a\)"):
+        convert([tmp_path / "src"], tmp_path / "out", keys=["b"])
+
+
+@pytest.mark.parametrize(
+    ("second", "message"),
+    [
+        (
+            {"x": np.ones(3, np.float64), "y": np.int8(1)},
+            r"s00001\.npz\[x\]: dtype float64 differs from float32 in .*s00000\.npz",
+        ),
+        (
+            {"x": np.ones((3, 1), np.float32), "y": np.int8(1)},
+            r"s00001\.npz\[x\]: 2-d array \(3, 1\) differs from the 1-d arrays",
+        ),
+        ({"x": np.ones(3, np.float32)}, r"s00001\.npz: keys differ from .*s00000\.npz \(missing y\)"),
+        ({"x": np.ones(3, np.float32), "y": np.int8(1), "z": np.int8(1)}, r"keys differ .*\(extra z\)"),
+    ],
+    ids=["dtype", "ndim", "missing-key", "extra-key"],
+)
+def test_disagreeing_files_are_refused_naming_the_first_that_differs(tmp_path, second, message) -> None:
+    first = {"x": np.ones(3, np.float32), "y": np.int8(0)}
+    write_samples(tmp_path / "src", [first, second, second])
+    with pytest.raises(SourceError, match=message):
+        convert([tmp_path / "src"], tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_big_and_little_endian_files_of_one_dtype_agree(tmp_path) -> None:
+    write_samples(tmp_path / "src", [{"x": np.arange(3, dtype="<i4")}, {"x": np.arange(3, dtype=">i4")}])
+    convert([tmp_path / "src"], tmp_path / "out", workers=1)
+    assert DatasetReader(tmp_path / "out").index.field("x").dtype == np.dtype("<i4")
+
+
+class _Marker:
+    """Unpickling this creates a file: proof that a pickle ran."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_object_arrays_are_refused_and_their_pickle_never_runs(tmp_path) -> None:
+    marker = tmp_path / "pickle-ran"
+    payload = np.empty(1, dtype=object)
+    payload[0] = _Marker(str(marker))
+    write_npz(tmp_path / "src" / "evil.npz", x=np.ones(2), payload=payload)
+    with pytest.raises(SourceError, match=r"evil\.npz\[payload\]: dtype object holds pickled Python objects"):
+        convert([tmp_path / "src"], tmp_path / "out", workers=1)
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_nothing_found_missing_paths_and_duplicates_are_refused(tmp_path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceError, match="no .npz files found in: .*empty"):
+        convert([tmp_path / "empty"], tmp_path / "out")
+    with pytest.raises(SourceError, match="nope.npz: no such file or directory"):
+        convert([tmp_path / "nope.npz"], tmp_path / "out")
+    path = write_npz(tmp_path / "one.npz", x=np.ones(1))
+    with pytest.raises(SourceError, match="one.npz: given twice"):
+        convert([path, tmp_path], tmp_path / "out")
+
+
+def test_symlink_loops_in_input_directories_are_walked_once(tmp_path) -> None:
+    write_npz(tmp_path / "src" / "a" / "1.npz", x=np.ones(1))
+    os.symlink(tmp_path / "src", tmp_path / "src" / "a" / "loop")
+    convert([tmp_path / "src"], tmp_path / "out", workers=1)
+    assert len(read_sources(tmp_path / "out")) == 1
+
+
+def test_existing_output_is_refused_without_overwrite(tmp_path, small_dataset) -> None:
+    out, _ = small_dataset
+    before = blob_bytes(out)
+    with pytest.raises(OutputError, match="already exists; pass --overwrite to replace it"):
+        convert([tmp_path / "src"], out)
+    assert blob_bytes(out) == before
+
+
+def test_overwrite_replaces_a_dataset_but_never_other_directories(tmp_path, small_dataset) -> None:
+    out, _ = small_dataset
+    write_samples(tmp_path / "new", [{"z": np.arange(4)}])
+    convert([tmp_path / "new"], out, overwrite=True, workers=1)
+    assert DatasetReader(out).field_names == ("z",)
+    assert leftovers(tmp_path) == []
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("do not delete")
+    with pytest.raises(OutputError, match="exists and is not an npz2mmap dataset; refusing to replace it"):
+        convert([tmp_path / "new"], precious, overwrite=True)
+    assert (precious / "thesis.tex").read_text() == "do not delete"
+
+
+def test_a_bad_file_leaves_no_output_and_no_temporary_files(tmp_path) -> None:
+    write_samples(tmp_path / "src", mixed_samples(5))
+    (tmp_path / "src" / "s00003.npz").write_text("this is not a zip file")
+    with pytest.raises(SourceError, match=r"s00003\.npz: not a valid zip/npz file"):
+        convert([tmp_path / "src"], tmp_path / "out", workers=2)
+    assert not (tmp_path / "out").exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_a_crash_halfway_through_copying_leaves_the_old_dataset_intact(
+    tmp_path, small_dataset, monkeypatch
+) -> None:
+    out, _ = small_dataset
+    before = {name: (out / name).read_bytes() for name in ("data.npy", "index.json", "sources.jsonl")}
+    real_write = writer.write_sample
+    calls = []
+
+    def crash_on_third(blob_path, task):
+        calls.append(task.sample)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_write(blob_path, task)
+
+    monkeypatch.setattr(writer, "write_sample", crash_on_third)
+    write_samples(tmp_path / "new", mixed_samples(6))
+    with pytest.raises(KeyboardInterrupt):
+        convert([tmp_path / "new"], out, overwrite=True, workers=1)
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert leftovers(tmp_path) == []
+
+
+def test_align_places_every_region_on_the_boundary(tmp_path) -> None:
+    write_samples(tmp_path / "src", mixed_samples(7))
+    convert([tmp_path / "src"], tmp_path / "out", align=4096, workers=1)
+    reader = DatasetReader(tmp_path / "out")
+    for f in reader.index.fields:
+        for region in (f.data, *f.tables().values()):
+            assert (128 + region.offset) % 4096 == 0
+    assert_same_array(np.array(reader.view("x", 6)), mixed_samples(7)[6]["x"])

@@ -1,0 +1,142 @@
+"""MmapDataset: indexing, copies safe to edit, pickling, and DataLoader workers."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_same_array, env_without_warnings
+from torch.utils.data import DataLoader
+
+from npz2mmap import MmapDataset
+from npz2mmap.errors import FormatError
+
+
+def load_source(path: Path, key: str) -> np.ndarray:
+    with np.load(path, allow_pickle=False) as npz:
+        return npz[key]
+
+
+def test_len_items_and_negative_indices(small_dataset) -> None:
+    out, sources = small_dataset
+    ds = MmapDataset(out)
+    assert len(ds) == 6
+    assert set(ds[0]) == {"input", "label", "tokens"}
+    for i in (0, 3, -1, -6):
+        for key, value in ds[i].items():
+            assert_same_array(value, load_source(sources[i], key))
+    for bad in (6, -7, 100):
+        with pytest.raises(IndexError, match="out of range for 6 samples"):
+            ds[bad]
+
+
+def test_single_field_returns_the_bare_array_and_transform_applies(small_dataset) -> None:
+    out, sources = small_dataset
+    ds = MmapDataset(out, fields="tokens", transform=lambda a: a * 2)
+    assert np.array_equal(ds[2], load_source(sources[2], "tokens") * 2)
+    with pytest.raises(KeyError, match="no field 'nope'; the dataset has: input, label, tokens"):
+        MmapDataset(out, fields=["input", "nope"])
+
+
+def test_edits_reach_neither_the_file_nor_later_reads(small_dataset) -> None:
+    out, sources = small_dataset
+    before = (out / "data.npy").read_bytes()
+    ds = MmapDataset(out)
+    first = ds[1]
+    first["input"][...] = 0
+    first["tokens"] += 5
+    again = ds[1]
+    assert_same_array(again["input"], load_source(sources[1], "input"))
+    assert_same_array(again["tokens"], load_source(sources[1], "tokens"))
+    assert (out / "data.npy").read_bytes() == before
+
+
+def test_pickled_dataset_is_small_and_holds_no_mapping(small_dataset) -> None:
+    out, _ = small_dataset
+    ds = MmapDataset(out)
+    ds[0]
+    state = pickle.dumps(ds)
+    assert len(state) < 4096
+    clone = pickle.loads(state)
+    assert clone._reader is None
+    assert np.array_equal(clone[4]["tokens"], ds[4]["tokens"])
+
+
+def test_open_refuses_a_directory_that_is_not_a_dataset(tmp_path) -> None:
+    with pytest.raises(FormatError, match="index.json: missing; is this an npz2mmap dataset"):
+        MmapDataset(tmp_path)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_dataloader_workers_return_exactly_the_sources(small_dataset, method) -> None:
+    out, sources = small_dataset
+    loader = DataLoader(
+        MmapDataset(out, fields=["input", "label"]),
+        batch_size=4,
+        shuffle=True,
+        num_workers=2,
+        multiprocessing_context=method,
+        persistent_workers=True,
+    )
+    for _ in range(2):
+        seen = {}
+        for batch in loader:
+            assert isinstance(batch["input"], torch.Tensor)
+            for label, image in zip(batch["label"].tolist(), batch["input"], strict=True):
+                seen[label] = image.numpy()
+        assert sorted(seen) == list(range(6))
+        for label, image in seen.items():
+            assert_same_array(image, load_source(sources[label], "input"))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker processes")
+@pytest.mark.parametrize("workers", [0, 4])
+def test_dataloader_with_zero_and_four_workers(small_dataset, workers) -> None:
+    out, _ = small_dataset
+    loader = DataLoader(MmapDataset(out, fields="label"), batch_size=2, num_workers=workers)
+    assert torch.cat(list(loader)).tolist() == list(range(6))
+
+
+def test_spawn_workers_run_without_any_warning(small_dataset, tmp_path) -> None:
+    """Warnings become errors in the main process and (inherited) in every worker."""
+    out, sources = small_dataset
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import numpy as np
+        from torch.utils.data import DataLoader
+        from npz2mmap import MmapDataset
+
+        def keep(items):
+            return items
+
+        if __name__ == "__main__":
+            ds = MmapDataset({str(out)!r})
+            loader = DataLoader(ds, batch_size=3, num_workers=2, multiprocessing_context="spawn",
+                                collate_fn=keep)
+            items = [item for batch in loader for item in batch]
+            fixed = DataLoader(MmapDataset({str(out)!r}, fields=["input", "label"]), batch_size=3,
+                               num_workers=2, multiprocessing_context="spawn")
+            labels = [int(x) for batch in fixed for x in batch["label"]]
+            assert labels == list(range(6)), labels
+            with np.load({str(sources[5])!r}) as npz:
+                assert np.array_equal(items[5]["tokens"], npz["tokens"])
+            print("ok", len(items))
+    """)
+    )
+    result = subprocess.run(
+        [sys.executable, "-W", "error", str(script)],
+        capture_output=True,
+        text=True,
+        env=env_without_warnings(),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok 6"
+    assert result.stderr == ""

@@ -1,0 +1,173 @@
+"""The format: golden bytes, the blob header, and index validation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from npz2mmap import spec
+from npz2mmap.converter import convert
+from npz2mmap.errors import FormatError
+from npz2mmap.reader import DatasetReader
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+
+
+def without_tool_version(index_text: str) -> dict:
+    document = json.loads(index_text)
+    document["provenance"].pop("tool_version")
+    return document
+
+
+def test_converting_the_golden_sources_reproduces_the_golden_bytes(tmp_path) -> None:
+    convert([GOLDEN / "src"], tmp_path / "out", workers=2)
+    assert (tmp_path / "out" / "data.npy").read_bytes() == (GOLDEN / "v1" / "data.npy").read_bytes()
+    assert without_tool_version((tmp_path / "out" / "index.json").read_text()) == without_tool_version(
+        (GOLDEN / "v1" / "index.json").read_text()
+    )
+
+
+def test_the_golden_dataset_reads_as_written() -> None:
+    reader = DatasetReader(GOLDEN / "v1")
+    assert len(reader) == 3 and reader.field_names == ("image", "label", "points")
+    assert reader.column("image").tolist() == [
+        [[0, 1, 2], [3, 4, 5]],
+        [[6, 7, 8], [9, 10, 11]],
+        [[255, 254, 253], [0, 0, 0]],
+    ]
+    assert reader.column("label").tolist() == [10, -1, 2**40]
+    assert reader.view("points", 0).shape == (0, 2)
+    assert reader.view("points", 1).tolist() == [[1.5, -2.0]]
+    assert reader.view("points", 2).tolist() == [[0.25, 0.5], [3.0, 4.0]]
+    assert reader.view("points", 2).dtype == np.dtype("<f4")
+
+
+def test_numpy_alone_opens_the_blob() -> None:
+    script = (
+        "import sys, numpy as np\n"
+        f"blob = np.load({str(GOLDEN / 'v1' / 'data.npy')!r}, mmap_mode='r')\n"
+        "assert 'npz2mmap' not in sys.modules\n"
+        "print(blob.dtype, blob.shape, bytes(blob[:12]).hex())\n"
+    )
+    result = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["uint8", "(512,)", "000102030405060708090a0b"]
+
+
+@pytest.mark.parametrize("payload_nbytes", [0, 1, 512, 10**12, 2**63 - 1])
+def test_blob_header_is_128_bytes_and_what_numpy_reads(tmp_path, payload_nbytes) -> None:
+    header = spec.blob_header(payload_nbytes)
+    assert len(header) == spec.BLOB_HEADER_NBYTES == 128
+    path = tmp_path / "h.npy"
+    path.write_bytes(header)
+    with open(path, "rb") as fp:
+        assert np.lib.format.read_magic(fp) == (1, 0)
+        assert np.lib.format.read_array_header_1_0(fp) == ((payload_nbytes,), False, np.dtype("u1"))
+
+
+def golden_copy(tmp_path: Path) -> Path:
+    target = tmp_path / "ds"
+    shutil.copytree(GOLDEN / "v1", target)
+    return target
+
+
+def edit_index(dataset: Path, edit) -> None:
+    document = json.loads((dataset / "index.json").read_text())
+    edit(document)
+    (dataset / "index.json").write_text(json.dumps(document))
+
+
+def field(document: dict, name: str) -> dict:
+    return next(f for f in document["fields"] if f["name"] == name)
+
+
+INDEX_EDITS = [
+    (lambda d: d.update(format="other"), "format is 'other', expected 'npz2mmap'"),
+    (lambda d: d.update(version=2), "format version 2 is not supported by this reader \\(supports 1\\)"),
+    (lambda d: d.update(version="1"), "version must be an integer, found str"),
+    (lambda d: d.pop("num_samples"), "missing key\\(s\\) num_samples"),
+    (lambda d: d.update(extra=1), "unexpected key\\(s\\) extra"),
+    (lambda d: d.update(num_samples=True), "num_samples must be an integer, found bool"),
+    (
+        lambda d: d.update(num_samples=4),
+        "\\(.image.\\): sample_crc32 holds 12 bytes, expected 16 for 4 samples",
+    ),
+    (lambda d: d.update(align=100), "align must be a power of two"),
+    (lambda d: d.update(fields={}), "fields must be list, found dict"),
+    (lambda d: field(d, "image").update(dtype="|O"), "holds Python objects"),
+    (lambda d: field(d, "image").update(dtype=">u2"), "is not little-endian"),
+    (lambda d: field(d, "image").update(dtype="nonsense"), "is not a valid numpy descr"),
+    (lambda d: field(d, "image").update(kind="sparse"), "kind is 'sparse'"),
+    (lambda d: field(d, "image").update(shape=[2, -3]), "shape must be at least 0, found -3"),
+    (lambda d: field(d, "image").update(shape=[2]), "shape \\[2\\] does not have ndim 2"),
+    (lambda d: field(d, "image")["data"].update(offset=1), "is not 64-byte aligned"),
+    (lambda d: field(d, "image")["data"].update(offset=512), "ends at 530, past the payload of 512 bytes"),
+    (lambda d: field(d, "label")["data"].update(offset=0), "overlaps"),
+    (lambda d: field(d, "points").pop("offsets"), "missing key\\(s\\) offsets"),
+    (lambda d: field(d, "points")["offsets"].update(crc32=-1), "crc32 must be at least 0"),
+    (lambda d: d["fields"].append(d["fields"][0]), "field names are not unique"),
+]
+
+
+@pytest.mark.parametrize(("edit", "message"), INDEX_EDITS, ids=[m for _, m in INDEX_EDITS])
+def test_invalid_indexes_are_refused_with_a_clear_message(tmp_path, edit, message) -> None:
+    dataset = golden_copy(tmp_path)
+    edit_index(dataset, edit)
+    with pytest.raises(FormatError, match=message):
+        DatasetReader(dataset)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "not valid JSON"),
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b"[1, 2]", "expected a JSON object, found list"),
+    ],
+)
+def test_unreadable_index_files_are_refused(tmp_path, content, message) -> None:
+    dataset = golden_copy(tmp_path)
+    (dataset / "index.json").write_bytes(content)
+    with pytest.raises(FormatError, match=message):
+        DatasetReader(dataset)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda p: p.unlink(), "data.npy: missing"),
+        (lambda p: p.write_bytes(p.read_bytes()[:-1]), "639 bytes, but the index expects 640"),
+        (lambda p: p.write_bytes(p.read_bytes() + b"\0"), "641 bytes, but the index expects 640"),
+        (
+            lambda p: p.write_bytes(p.read_bytes().replace(b"(512,)", b"(513,)")),
+            "header does not match the index",
+        ),
+    ],
+    ids=["missing", "truncated", "extended", "header"],
+)
+def test_a_blob_that_does_not_match_the_index_is_refused_before_mapping(tmp_path, damage, message) -> None:
+    dataset = golden_copy(tmp_path)
+    damage(dataset / "data.npy")
+    with pytest.raises(FormatError, match=message):
+        DatasetReader(dataset)
+
+
+def test_dtypes_survive_the_json_round_trip() -> None:
+    for dtype in [
+        "<f4",
+        "|b1",
+        "<U3",
+        "|S2",
+        "<M8[us]",
+        "<c16",
+        [("a", "<i2"), ("b", [("c", "<f8"), ("d", "|u1", (2, 3))])],
+        {"names": ["x", "y"], "formats": ["<i4", "<i2"], "offsets": [0, 8], "itemsize": 16},
+    ]:
+        dtype = np.dtype(dtype)
+        assert spec.dtype_from_json(json.loads(json.dumps(spec.dtype_to_json(dtype))), "test") == dtype
