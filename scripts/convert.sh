@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# With no arguments: set up, then run the whole path on a built-in example
+# (make NPZ files, convert, inspect, verify, iterate with a 2-worker DataLoader).
+# With arguments: set up, then run `npz2mmap convert ARGS...`.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
+if [ "$#" -gt 0 ]; then
+  exec "$VENV/bin/npz2mmap" convert "$@"
+fi
+cd "$ROOT"
+"$VENV/bin/python" scripts/example.py make example/npz
+"$VENV/bin/npz2mmap" convert example/npz -o example/dataset --overwrite
+"$VENV/bin/npz2mmap" inspect example/dataset
+"$VENV/bin/npz2mmap" verify example/dataset --sources
+"$VENV/bin/python" scripts/example.py load example/dataset
