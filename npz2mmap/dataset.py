@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from .reader import DatasetReader
+from .reader import DatasetReader, blob_identity
 from .spec import Index, load_index
 
 
@@ -36,6 +36,7 @@ class MmapDataset(Dataset[Any]):
     ) -> None:
         self.path = os.fspath(path)
         self.index: Index = load_index(self.path)
+        self.blob_identity = blob_identity(self.path)
         self.single = isinstance(fields, str)
         names = [fields] if isinstance(fields, str) else list(fields or self.index.field_names)
         for name in names:
@@ -52,7 +53,7 @@ class MmapDataset(Dataset[Any]):
     def reader(self) -> DatasetReader:
         """This process's mapping, opened on first use (and again after a fork)."""
         if self._reader is None or self._pid != os.getpid():
-            self._reader = DatasetReader(self.path, self.index)
+            self._reader = DatasetReader(self.path, self.index, self.blob_identity)
             self._pid = os.getpid()
         return self._reader
 

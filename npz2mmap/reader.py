@@ -35,11 +35,16 @@ class DatasetReader:
     Raises FormatError when the index is invalid or the blob does not match it.
     """
 
-    def __init__(self, path: str | os.PathLike[str], index: Index | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        index: Index | None = None,
+        blob_identity: tuple[int, int] | None = None,
+    ) -> None:
         self.path = os.fspath(path)
         self.index = index if index is not None else load_index(self.path)
         self.blob_path = os.path.join(self.path, BLOB_NAME)
-        self._mmap = _map_blob(self.blob_path, self.index)
+        self._mmap = _map_blob(self.blob_path, self.index, blob_identity)
         self.payload: NDArray[np.uint8] = np.frombuffer(
             self._mmap, dtype=np.uint8, count=self.index.payload_nbytes, offset=BLOB_HEADER_NBYTES
         )
@@ -135,11 +140,21 @@ def _region(payload: NDArray[np.uint8], region: Region | None) -> NDArray[np.uin
     return payload[region.offset : region.end]
 
 
-def _map_blob(blob_path: str, index: Index) -> mmap.mmap:
+def blob_identity(dataset_dir: str) -> tuple[int, int]:
+    """(device, inode) of a dataset's blob: it changes when the dataset is replaced."""
+    try:
+        stat = os.stat(os.path.join(dataset_dir, BLOB_NAME))
+    except OSError as exc:
+        raise FormatError(f"{os.path.join(dataset_dir, BLOB_NAME)}: cannot open ({exc.strerror})") from None
+    return stat.st_dev, stat.st_ino
+
+
+def _map_blob(blob_path: str, index: Index, identity: tuple[int, int] | None) -> mmap.mmap:
     """Map the blob read-only after checking its size and header against the index.
 
     The size check comes first: mapping a truncated file and touching past its
-    end would kill the process with SIGBUS.
+    end would kill the process with SIGBUS. With ``identity``, the blob must be
+    the very file seen when the index was read, not a replacement.
     """
     try:
         fd = os.open(blob_path, os.O_RDONLY)
@@ -148,7 +163,12 @@ def _map_blob(blob_path: str, index: Index) -> mmap.mmap:
     except OSError as exc:
         raise FormatError(f"{blob_path}: cannot open ({exc.strerror})") from None
     try:
-        size = os.fstat(fd).st_size
+        stat = os.fstat(fd)
+        if identity is not None and (stat.st_dev, stat.st_ino) != identity:
+            raise FormatError(
+                f"{blob_path}: the dataset was replaced after it was opened; open it again to read it"
+            )
+        size = stat.st_size
         if size != index.blob_nbytes:
             raise FormatError(
                 f"{blob_path}: {size} bytes, but the index expects {index.blob_nbytes}; "

@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_array, env_without_warnings
+from conftest import assert_same_array, env_without_warnings, write_samples
 from torch.utils.data import DataLoader
 
 from npz2mmap import MmapDataset
+from npz2mmap.converter import convert
 from npz2mmap.errors import FormatError
 
 
@@ -140,3 +141,24 @@ def test_spawn_workers_run_without_any_warning(small_dataset, tmp_path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok 6"
     assert result.stderr == ""
+
+
+def test_a_dataset_replaced_after_opening_is_not_mixed_with_the_old_index(tmp_path, small_dataset) -> None:
+    out, _ = small_dataset
+    ds = MmapDataset(out)
+    write_samples(tmp_path / "new", [{"input": np.zeros((3, 4, 5), np.float32)}] * 6)
+    convert([tmp_path / "new"], out, overwrite=True, workers=1)
+    with pytest.raises(FormatError, match="the dataset was replaced after it was opened; open it again"):
+        ds[0]
+    assert MmapDataset(out).fields == ("input",)
+
+
+def test_an_open_reader_keeps_seeing_the_old_dataset_after_overwrite(tmp_path, small_dataset) -> None:
+    out, sources = small_dataset
+    ds = MmapDataset(out)
+    before = ds[2]
+    write_samples(tmp_path / "new", [{"input": np.zeros((3, 4, 5), np.float32)}] * 6)
+    convert([tmp_path / "new"], out, overwrite=True, workers=1)
+    after = ds[2]
+    for key in before:
+        assert_same_array(after[key], before[key])
