@@ -48,7 +48,7 @@ class DatasetReader:
         self.payload: NDArray[np.uint8] = np.frombuffer(
             self._mmap, dtype=np.uint8, count=self.index.payload_nbytes, offset=BLOB_HEADER_NBYTES
         )
-        self._fields = {f.name: _FieldView(f, self.payload) for f in self.index.fields}
+        self._fields = {f.name: _FieldView(f, self.payload, len(self)) for f in self.index.fields}
 
     def __len__(self) -> int:
         return self.index.num_samples
@@ -96,7 +96,7 @@ class DatasetReader:
 class _FieldView:
     """Views of one field's data and tables over the payload."""
 
-    def __init__(self, field: Field, payload: NDArray[np.uint8]) -> None:
+    def __init__(self, field: Field, payload: NDArray[np.uint8], num_samples: int) -> None:
         self.field = field
         self.data = _region(payload, field.data)
         self.tables: dict[str, np.ndarray] = {
@@ -104,11 +104,7 @@ class _FieldView:
         }
         self.column: np.ndarray | None = None
         if field.shape is not None:
-            self.column = (
-                self.data.view(field.dtype).reshape(-1, *field.shape)
-                if field.stride
-                else (np.empty((len(self.tables["sample_crc32"]), *field.shape), dtype=field.dtype))
-            )
+            self.column = self.data.view(field.dtype).reshape(num_samples, *field.shape)
         else:
             self.offsets = _region(payload, field.offsets).view(OFFSET_DTYPE)
             self.shapes = _region(payload, field.shapes).view(SHAPE_DTYPE).reshape(-1, field.ndim)
@@ -119,19 +115,20 @@ class _FieldView:
             return self.column[i, ...]
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         shape = tuple(int(d) for d in self.shapes[i])
-        count = 1
-        for dim in shape:
-            count *= dim
-        if (
-            not 0 <= start <= end <= len(self.data)
-            or end - start != count * self.field.dtype.itemsize
-            or min(shape, default=0) < 0
-        ):
+        if not self._extent_is_valid(start, end, shape):
             raise FormatError(
                 f"field {self.field.name!r} sample {i}: tables are corrupt "
                 f"(bytes {start}..{end} of {len(self.data)}, shape {shape}); run npz2mmap verify"
             )
         return self.data[start:end].view(self.field.dtype).reshape(shape)
+
+    def _extent_is_valid(self, start: int, end: int, shape: tuple[int, ...]) -> bool:
+        """Tables are checked per access, so opening never scans them."""
+        count = 1
+        for dim in shape:
+            count *= dim
+        in_bounds = 0 <= start <= end <= len(self.data)
+        return in_bounds and min(shape) >= 0 and end - start == count * self.field.dtype.itemsize
 
 
 def _region(payload: NDArray[np.uint8], region: Region | None) -> NDArray[np.uint8]:

@@ -315,6 +315,8 @@ def _parse_field(document: Any, num_samples: int, where: str) -> Field:
         offsets = shapes = None
     elif kind == RAGGED:
         doc.require_keys({"name", "kind", "dtype", "ndim", "data", "offsets", "shapes", "sample_crc32"})
+        if ndim == 0:
+            raise FormatError(f"{where}: a ragged field needs ndim of at least 1")
         shape = None
         offsets = _parse_region(doc.get("offsets", dict), f"{where}: offsets", table=True)
         shapes = _parse_region(doc.get("shapes", dict), f"{where}: shapes", table=True)

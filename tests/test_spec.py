@@ -111,6 +111,7 @@ INDEX_EDITS = [
     (lambda d: field(d, "points").pop("offsets"), "missing key\\(s\\) offsets"),
     (lambda d: field(d, "points")["offsets"].update(crc32=-1), "crc32 must be at least 0"),
     (lambda d: d["fields"].append(d["fields"][0]), "field names are not unique"),
+    (lambda d: field(d, "points").update(ndim=0), "a ragged field needs ndim of at least 1"),
 ]
 
 
@@ -171,3 +172,15 @@ def test_dtypes_survive_the_json_round_trip() -> None:
     ]:
         dtype = np.dtype(dtype)
         assert spec.dtype_from_json(json.loads(json.dumps(spec.dtype_to_json(dtype))), "test") == dtype
+
+
+def test_corrupt_ragged_tables_raise_on_access_instead_of_reading_out_of_bounds(tmp_path) -> None:
+    dataset = golden_copy(tmp_path)
+    blob = bytearray((dataset / "data.npy").read_bytes())
+    offsets_at = spec.BLOB_HEADER_NBYTES + 384  # the golden 'points' offsets table
+    blob[offsets_at + 16 : offsets_at + 24] = (10**6).to_bytes(8, "little")
+    (dataset / "data.npy").write_bytes(bytes(blob))
+    reader = DatasetReader(dataset)
+    assert reader.view("points", 0).shape == (0, 2)
+    with pytest.raises(FormatError, match="field 'points' sample 1: tables are corrupt"):
+        reader.view("points", 1)
