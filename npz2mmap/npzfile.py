@@ -81,9 +81,16 @@ def _describe(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def open_npz(path: str) -> Iterator[zipfile.ZipFile]:
+    """Open an NPZ file; errors while opening are the source's, errors in the body are not."""
     with source_errors(path):
-        with open(path, "rb") as fp, zipfile.ZipFile(fp) as zf:
-            yield zf
+        fp = open(path, "rb")
+        try:
+            zf = zipfile.ZipFile(fp)
+        except BaseException:
+            fp.close()
+            raise
+    with fp, zf:
+        yield zf
 
 
 def members(zf: zipfile.ZipFile, path: str) -> dict[str, zipfile.ZipInfo]:
