@@ -6,15 +6,12 @@ order, so the output is byte-identical whatever the number of workers.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import multiprocessing
 import os
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -22,15 +19,10 @@ from . import writer
 from .errors import OutputError
 from .inputs import discover_sources
 from .npzfile import MemberHeader, read_headers
+from .parallel import Mapper, worker_map
 from .plan import Plan, build_plan
 from .progress import Progress, SilentProgress
 from .spec import MAX_ALIGN, MIN_ALIGN, Index
-
-_START_METHOD = "fork" if sys.platform.startswith("linux") else "spawn"
-
-T = TypeVar("T")
-R = TypeVar("R")
-Mapper = Callable[[Callable[[T], R], Iterable[T]], Iterator[R]]
 
 
 @dataclass(frozen=True)
@@ -63,7 +55,8 @@ def convert(
     writer.check_output(out, overwrite)
     sources = discover_sources(inputs)
     progress = progress or SilentProgress()
-    with _worker_pool(workers or os.cpu_count() or 1, len(sources)) as imap:
+    _refuse_output_inside_inputs(out, inputs)
+    with writer.output_lock(out), worker_map(workers or os.cpu_count() or 1, len(sources)) as imap:
         plan = _scan(sources, keys, align, imap, progress)
         staging = _make_staging_dir(out)
         try:
@@ -74,6 +67,17 @@ def convert(
         finally:
             writer.remove_staging(staging)
     return ConvertResult(out, index, plan.data_nbytes, time.perf_counter() - started)
+
+
+def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[str]]) -> None:
+    """OUT inside an input directory would be walked by the next conversion of it."""
+    real_out = os.path.realpath(out)
+    for item in inputs:
+        path = os.fspath(item)
+        if os.path.isdir(path) and os.path.commonpath([real_out, os.path.realpath(path)]) == os.path.realpath(
+            path
+        ):
+            raise OutputError(f"{out}: is inside the input directory {path}; write the dataset elsewhere")
 
 
 def _make_staging_dir(out: str) -> str:
@@ -117,31 +121,3 @@ def _copy(plan: Plan, staging: str, imap: Mapper[Any, Any], progress: Progress) 
     finally:
         writer.close_blobs()
     return writer.finish_dataset(staging, plan, crc32s)
-
-
-@contextlib.contextmanager
-def _worker_pool(workers: int, num_tasks: int) -> Iterator[Mapper[Any, Any]]:
-    """An ordered imap: in-process for one worker, else a pool of processes.
-
-    On Linux the pool forks: workers start at once and callers need no
-    ``if __name__ == "__main__"`` guard. The workers only read files and copy
-    bytes; the CLI keeps progress bars free of background threads to match.
-    """
-    if workers <= 1 or num_tasks <= 1:
-        yield map
-        return
-    chunksize = max(1, min(64, num_tasks // (workers * 8)))
-    pool = multiprocessing.get_context(_START_METHOD).Pool(workers, initializer=_ignore_interrupts)
-    try:
-        yield functools.partial(pool.imap, chunksize=chunksize)
-        pool.close()
-    finally:
-        pool.terminate()
-        pool.join()
-
-
-def _ignore_interrupts() -> None:
-    """Workers leave Ctrl-C to the main process, which cleans up and terminates them."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -8,6 +8,7 @@ blob, so they need no locks and the bytes do not depend on their number.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import __version__
+from . import __version__, fsutil
 from .errors import OutputError, SourceError
 from .npzfile import CHUNK_NBYTES, MemberHeader, iter_data_chunks, members, open_npz, read_member_header
 from .plan import FieldPlan, Plan
@@ -41,6 +42,7 @@ from .spec import (
 
 STAGING_MARK = ".npz2mmap-tmp-"
 RETIRED_MARK = ".npz2mmap-old-"
+LOCK_SUFFIX = ".npz2mmap-lock"
 
 
 class MemberTask(NamedTuple):
@@ -217,13 +219,41 @@ def _is_replaceable(path: str) -> bool:
     return not entries or (INDEX_NAME in entries and entries <= {INDEX_NAME, BLOB_NAME, SOURCES_NAME})
 
 
+@contextlib.contextmanager
+def output_lock(out_dir: str) -> Iterator[None]:
+    """Be the only converter writing OUT; remove what dead converters left beside it.
+
+    Raises OutputError when another conversion to OUT is running.
+    """
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        lock = fsutil.exclusive_lock(os.path.join(parent, f".{name}{LOCK_SUFFIX}"))
+        acquired = lock.__enter__()
+    except OSError as exc:
+        raise OutputError(f"{out_dir}: cannot create the output beside it ({exc.strerror or exc})") from exc
+    with contextlib.ExitStack() as stack:
+        stack.push(lock)
+        if not acquired:
+            raise OutputError(f"{out_dir}: another npz2mmap convert is writing it")
+        _remove_leftovers(parent, name)
+        yield
+
+
+def _remove_leftovers(parent: str, name: str) -> None:
+    """Staging and retired directories of OUT whose converter was killed."""
+    prefixes = (f".{name}{STAGING_MARK}", f".{name}{RETIRED_MARK}")
+    for entry in os.listdir(parent):
+        if entry.startswith(prefixes):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
 def make_staging_dir(out_dir: str) -> str:
     """A hidden sibling of OUT, so the final rename stays on one filesystem.
 
     Created with the umask's permissions (not mkdtemp's 0700), since it becomes OUT.
     """
     parent, name = os.path.split(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
     return _make_unique_dir(parent, f".{name}{STAGING_MARK}")
 
 
@@ -238,10 +268,15 @@ def _make_unique_dir(parent: str, prefix: str) -> str:
 
 
 def create_blob(staging_dir: str, payload_nbytes: int) -> str:
-    """Create data.npy with its header and a zero-filled (sparse) payload."""
+    """Create data.npy with its header and a zero-filled payload, its disk space reserved.
+
+    Reserving first makes a full disk fail before any copying, and keeps
+    writes through a mapping (Fortran-order members) from dying of SIGBUS.
+    """
     path = os.path.join(staging_dir, BLOB_NAME)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
+        fsutil.reserve(fd, BLOB_HEADER_NBYTES + payload_nbytes)
         _pwrite_all(fd, blob_header(payload_nbytes), 0)
         os.ftruncate(fd, BLOB_HEADER_NBYTES + payload_nbytes)
     finally:
@@ -312,12 +347,18 @@ def _fsync_dir(path: str) -> None:
 def publish(staging_dir: str, out_dir: str, overwrite: bool) -> None:
     """Rename the finished staging directory to OUT; an old OUT goes only after.
 
+    Replacing swaps the two directories in one atomic step where the system
+    can (the old dataset then sits at ``staging_dir`` for the caller to remove),
+    so OUT is at every moment either the old or the new complete dataset.
     Readers that have the old dataset open keep their mapping of the old files.
     """
     check_output(out_dir, overwrite)
     parent = os.path.dirname(os.path.abspath(out_dir))
     if not os.path.lexists(out_dir):
         os.rename(staging_dir, out_dir)
+        _fsync_dir(parent)
+        return
+    if fsutil.exchange(staging_dir, out_dir):
         _fsync_dir(parent)
         return
     retired = _make_unique_dir(parent, f".{os.path.basename(out_dir)}{RETIRED_MARK}")

@@ -1,0 +1,92 @@
+"""File-system operations the writer needs beyond os: reserve, exchange, lock.
+
+Each degrades gracefully where the platform or file system lacks it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+from collections.abc import Iterator
+
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _libc_function(name: str, *argtypes: type) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    try:
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function
+
+
+def reserve(fd: int, nbytes: int) -> None:
+    """Allocate ``nbytes`` of disk for ``fd`` now, so a full disk fails here and not halfway.
+
+    Uses fallocate(2) directly (glibc's posix_fallocate would emulate it by
+    writing every block where unsupported); a no-op where unsupported.
+    """
+    fallocate = _libc_function("fallocate64", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    if fallocate is None or nbytes == 0:
+        return
+    if fallocate(fd, 0, 0, nbytes) != 0:
+        code = ctypes.get_errno()
+        if code not in _UNSUPPORTED:
+            raise OSError(code, os.strerror(code))
+
+
+def exchange(path_a: str, path_b: str) -> bool:
+    """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where unsupported."""
+    renameat2 = _libc_function(
+        "renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint
+    )
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(path_a), _AT_FDCWD, os.fsencode(path_b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _UNSUPPORTED:
+        return False
+    raise OSError(code, os.strerror(code), path_a)
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_path: str) -> Iterator[bool]:
+    """Hold an exclusive lock file for the block; yield False if another process holds it.
+
+    The file is removed afterwards; a lock taken on a file that was removed
+    meanwhile is retried, so two processes never both believe they hold it.
+    """
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            yield False
+            return
+        if _same_file(fd, lock_path):
+            break
+        os.close(fd)
+    try:
+        yield True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path)
+        os.close(fd)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        on_disk = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (on_disk.st_dev, on_disk.st_ino)
