@@ -1,0 +1,80 @@
+"""Broken and hostile NPZ files, built byte by byte."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def zip_with(path: Path, members: dict[str, bytes], compression: int = zipfile.ZIP_STORED) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w", compression) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+def npy_with_header(header: str, data: bytes = b"") -> bytes:
+    """A version 1.0 .npy member with the given header text, unchecked."""
+    text = header.encode("latin1") + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + data
+
+
+def zero_byte(path: Path) -> Path:
+    path.write_bytes(b"")
+    return path
+
+
+def text_file(path: Path) -> Path:
+    path.write_text("x,y\n1,2\n")
+    return path
+
+
+def npy_renamed(path: Path) -> Path:
+    path.write_bytes(npy_bytes(np.arange(10)))
+    return path
+
+
+def truncated_zip(path: Path) -> Path:
+    zip_with(path, {"x.npy": npy_bytes(np.arange(1000))})
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def crc_mismatch(path: Path) -> Path:
+    """A stored member whose data byte was flipped after the CRC was computed."""
+    payload = npy_bytes(np.arange(100, dtype=np.int64))
+    zip_with(path, {"x.npy": payload})
+    data = bytearray(path.read_bytes())
+    where = data.index(payload[-16:])
+    data[where] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return path
+
+
+def not_npy_member(path: Path) -> Path:
+    return zip_with(path, {"x.npy": b"just some text, not an array"})
+
+
+def malformed_header(path: Path) -> Path:
+    return zip_with(path, {"x.npy": npy_with_header("{'descr': '<f4', 'fortran_order': False, 'shape': (3,")})
+
+
+def header_claims_too_much(path: Path) -> Path:
+    header = "{'descr': '<f8', 'fortran_order': False, 'shape': (1000000000000,), }"
+    return zip_with(path, {"x.npy": npy_with_header(header, b"\0" * 64)})
+
+
+def header_with_code(path: Path) -> Path:
+    header = "{'descr': __import__('os').system('touch pwned'), 'fortran_order': False, 'shape': (1,), }"
+    return zip_with(path, {"x.npy": npy_with_header(header, b"\0" * 8)})

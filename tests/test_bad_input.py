@@ -1,0 +1,150 @@
+"""Bad input: a one-line error naming the file and problem, nothing left behind, sources untouched."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from pathlib import Path
+
+import hostile
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import write_samples
+
+from npz2mmap import writer
+from npz2mmap.cli import cli
+from npz2mmap.converter import convert
+from npz2mmap.errors import OutputError, SourceError
+
+BAD_FILES = {
+    "zero-byte": (hostile.zero_byte, r"bad\.npz: not a valid zip/npz file \(File is not a zip file\)"),
+    "text": (hostile.text_file, r"bad\.npz: not a valid zip/npz file"),
+    "npy-renamed": (hostile.npy_renamed, r"bad\.npz: not a valid zip/npz file"),
+    "truncated": (hostile.truncated_zip, r"bad\.npz: not a valid zip/npz file"),
+    "crc": (
+        hostile.crc_mismatch,
+        r"bad\.npz\[x\]: not a valid zip/npz file \(Bad CRC-32 for file 'x\.npy'\)",
+    ),
+    "not-npy": (hostile.not_npy_member, r"bad\.npz\[x\]: not a \.npy array \(bad magic bytes\)"),
+    "malformed-header": (
+        hostile.malformed_header,
+        r"bad\.npz\[x\]: \.npy header is not a valid Python literal",
+    ),
+    "claims-too-much": (
+        hostile.header_claims_too_much,
+        r"bad\.npz\[x\]: header declares 8000000000000 data bytes but the member holds 64",
+    ),
+    "code-in-header": (
+        hostile.header_with_code,
+        r"bad\.npz\[x\]: \.npy header is not a valid Python literal",
+    ),
+}
+
+
+def digest(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def staging_leftovers(parent: Path) -> list[str]:
+    return [
+        p.name for p in parent.iterdir() if writer.STAGING_MARK in p.name or writer.RETIRED_MARK in p.name
+    ]
+
+
+@pytest.fixture
+def good_sources(tmp_path) -> Path:
+    write_samples(tmp_path / "src", [{"x": np.arange(100, dtype=np.int64) + i} for i in range(4)])
+    return tmp_path / "src"
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_each_bad_file_is_named_with_its_problem(tmp_path, good_sources, monkeypatch, case) -> None:
+    build, message = BAD_FILES[case]
+    build(good_sources / "bad.npz")
+    before = digest(good_sources)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(
+        cli, ["convert", str(good_sources), "-o", str(tmp_path / "out"), "--workers", "2"]
+    )
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ")
+    assert str(good_sources / "bad.npz") in lines[0]
+    assert pytest.importorskip("re").search(message, lines[0]), lines[0]
+    assert not (tmp_path / "out").exists()
+    assert staging_leftovers(tmp_path) == []
+    assert digest(good_sources) == before
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_debug_shows_the_traceback(tmp_path, good_sources) -> None:
+    hostile.zero_byte(good_sources / "bad.npz")
+    result = CliRunner().invoke(cli, ["--debug", "convert", str(good_sources), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert isinstance(result.exception, SourceError)
+
+
+def test_unreadable_files_are_named(tmp_path, good_sources, monkeypatch) -> None:
+    real_open = open
+    victim = str(good_sources / "s00002.npz")
+
+    def deny(path, *args, **kwargs):
+        if os.fspath(path) == victim:
+            raise PermissionError(errno.EACCES, "Permission denied", victim)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", deny)
+    with pytest.raises(SourceError, match=r"s00002\.npz: Permission denied"):
+        convert([good_sources], tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_broken_symlink_given_as_input_is_named(tmp_path) -> None:
+    os.symlink(tmp_path / "gone.npz", tmp_path / "link.npz")
+    with pytest.raises(SourceError, match=r"link\.npz: not a regular file or directory \(broken link\?\)"):
+        convert([tmp_path / "link.npz"], tmp_path / "out")
+
+
+def test_output_inside_an_input_directory_is_refused(good_sources) -> None:
+    with pytest.raises(OutputError, match="is inside the input directory"):
+        convert([good_sources], good_sources / "sub" / "out")
+    assert not (good_sources / "sub").exists()
+
+
+def test_a_full_disk_is_a_clean_error_and_removes_temporary_files(
+    tmp_path, good_sources, monkeypatch
+) -> None:
+    real_pwrite = os.pwrite
+    calls = []
+
+    def fill_up(fd, data, offset):
+        calls.append(offset)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", fill_up)
+    with pytest.raises(OutputError, match=r"out: cannot write the dataset \(No space left on device\)"):
+        convert([good_sources], tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists()
+    assert staging_leftovers(tmp_path) == []
+
+
+def test_a_really_full_filesystem(tmp_path, good_sources) -> None:
+    """On a 256 KiB tmpfs, where the machine lets us mount one."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.system(f"mount -t tmpfs -o size=256k tmpfs {mount} 2>/dev/null") != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        write_samples(tmp_path / "big", [{"x": np.zeros(100_000)} for _ in range(2)])
+        result = CliRunner().invoke(cli, ["convert", str(tmp_path / "big"), "-o", str(mount / "out")])
+        assert result.exit_code == 1
+        assert result.output.startswith(
+            f"Error: {mount / 'out'}: cannot write the dataset (No space left on device)"
+        )
+        assert os.listdir(mount) == []
+    finally:
+        os.system(f"umount {mount}")

@@ -1,0 +1,129 @@
+"""Killed and interrupted conversions: never a half dataset at OUT; a re-run succeeds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import write_samples
+
+from npz2mmap import writer
+from npz2mmap.converter import convert
+from npz2mmap.errors import OutputError
+from npz2mmap.reader import DatasetReader
+from npz2mmap.verify import verify
+
+SCRIPT = str(Path(sys.executable).parent / "npz2mmap")
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> Path:
+    src = tmp_path_factory.mktemp("crash") / "src"
+    rng = np.random.default_rng(0)
+    write_samples(src, [{"x": rng.random(50_000), "n": np.arange(i % 50)} for i in range(400)])
+    return src
+
+
+@pytest.fixture(scope="module")
+def duration(sources, tmp_path_factory) -> float:
+    """Seconds an uninterrupted conversion takes here, start-up included."""
+    started = time.perf_counter()
+    process = start_convert(sources, tmp_path_factory.mktemp("timed") / "out")
+    assert process.wait() == 0
+    return time.perf_counter() - started
+
+
+def leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if p.name.startswith(".")]
+
+
+def start_convert(sources: Path, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [SCRIPT, "convert", str(sources), "-o", str(out), "--workers", "2", "-q", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def assert_complete_or_absent(out: Path) -> str:
+    if not out.exists():
+        return "absent"
+    report = verify(out)
+    assert report.ok, report.problems
+    return "complete"
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.4, 0.55, 0.7, 0.85, 1.0])
+def test_kill_9_never_leaves_a_half_dataset_and_a_rerun_succeeds(
+    tmp_path, sources, duration, fraction
+) -> None:
+    out = tmp_path / "out"
+    process = start_convert(sources, out)
+    time.sleep(fraction * duration)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert_complete_or_absent(out)
+    rerun = subprocess.run(
+        [SCRIPT, "convert", str(sources), "-o", str(out), "--overwrite", "-q"], capture_output=True, text=True
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    assert verify(out).ok
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.6, 0.8, 0.95])
+def test_kill_9_during_overwrite_leaves_the_old_or_the_new_dataset(
+    tmp_path, sources, duration, fraction
+) -> None:
+    out = tmp_path / "out"
+    write_samples(tmp_path / "old", [{"old": np.arange(3)}])
+    convert([tmp_path / "old"], out, workers=1)
+    process = start_convert(sources, out, "--overwrite")
+    time.sleep(fraction * duration)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert assert_complete_or_absent(out) == "complete"
+    assert DatasetReader(out).field_names in {("old",), ("n", "x")}
+
+
+def test_ctrl_c_cleans_up_and_exits_non_zero(tmp_path, sources, duration) -> None:
+    out = tmp_path / "out"
+    process = start_convert(sources, out)
+    time.sleep(0.6 * duration)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    if process.returncode == 0:
+        pytest.skip("the conversion finished before the interrupt arrived")
+    assert process.returncode == 1
+    assert stderr.strip().splitlines()[-1] == "Aborted!"
+    assert "Traceback" not in stderr
+    assert not out.exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_a_second_concurrent_conversion_to_the_same_output_is_refused(tmp_path, sources) -> None:
+    out = tmp_path / "out"
+    with writer.output_lock(str(out)):
+        with pytest.raises(OutputError, match="another npz2mmap convert is writing it"):
+            convert([sources], out, workers=1)
+        assert not out.exists()
+    convert([sources], out, workers=1)
+    assert verify(out).ok
+
+
+def test_leftovers_of_a_killed_conversion_are_removed_by_the_next(tmp_path, sources) -> None:
+    out = tmp_path / "out"
+    (tmp_path / f".out{writer.STAGING_MARK}dead1").mkdir()
+    (tmp_path / f".out{writer.STAGING_MARK}dead1" / "data.npy").write_bytes(b"half")
+    (tmp_path / f".out{writer.RETIRED_MARK}dead2").mkdir()
+    (tmp_path / f".other{writer.STAGING_MARK}keep").mkdir()
+    convert([sources], out, workers=1)
+    assert leftovers(tmp_path) == [f".other{writer.STAGING_MARK}keep"]
