@@ -15,11 +15,20 @@ from conftest import write_samples
 
 from npz2mmap import writer
 from npz2mmap.converter import convert
-from npz2mmap.errors import OutputError
+from npz2mmap.errors import Npz2mmapError, OutputError
 from npz2mmap.reader import DatasetReader
 from npz2mmap.verify import verify
 
 SCRIPT = str(Path(sys.executable).parent / "npz2mmap")
+MAIN_PID = os.getpid()
+_real_write_sample = writer.write_sample
+
+
+def _die_in_worker_on_sample_five(blob_path: str, task: writer.SampleTask) -> writer.SampleResult:
+    """Stands in for writer.write_sample: a worker process is killed as the OOM killer would."""
+    if os.getpid() != MAIN_PID and task.sample == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _real_write_sample(blob_path, task)
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +136,11 @@ def test_leftovers_of_a_killed_conversion_are_removed_by_the_next(tmp_path, sour
     (tmp_path / f".other{writer.STAGING_MARK}keep").mkdir()
     convert([sources], out, workers=1)
     assert leftovers(tmp_path) == [f".other{writer.STAGING_MARK}keep"]
+
+
+def test_a_worker_killed_mid_conversion_is_an_error_not_a_hang(tmp_path, sources, monkeypatch) -> None:
+    monkeypatch.setattr(writer, "write_sample", _die_in_worker_on_sample_five)
+    with pytest.raises(Npz2mmapError, match="a worker process died \\(killed, or out of memory\\?\\)"):
+        convert([sources], tmp_path / "out", workers=2)
+    assert not (tmp_path / "out").exists()
+    assert leftovers(tmp_path) == []
