@@ -13,9 +13,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import click
+import numpy as np
 import tqdm
 
 from . import __version__
+from .converter import cast_dtype
 from .converter import convert as convert_files
 from .errors import Npz2mmapError
 from .spec import MAX_ALIGN, MIN_ALIGN
@@ -98,6 +100,19 @@ def _parse_keys(ctx: click.Context, param: click.Parameter, value: str | None) -
     return keys
 
 
+def _parse_casts(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, np.dtype]:
+    casts = {}
+    for value in values:
+        key, sep, dtype = value.partition("=")
+        if not sep or not key or not dtype:
+            raise click.BadParameter(f"{value!r} is not KEY=DTYPE, e.g. input=float32")
+        try:
+            casts[key] = cast_dtype(dtype)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return casts
+
+
 def _check_align(ctx: click.Context, param: click.Parameter, value: int) -> int:
     if not MIN_ALIGN <= value <= MAX_ALIGN or value & (value - 1):
         raise click.BadParameter(f"must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, got {value}")
@@ -125,6 +140,14 @@ def cli(debug: bool) -> None:
     "--keys", callback=_parse_keys, metavar="A,B", help="Convert only these NPZ keys (default: all)."
 )
 @click.option(
+    "--cast",
+    "casts",
+    multiple=True,
+    callback=_parse_casts,
+    metavar="KEY=DTYPE",
+    help="Store KEY as DTYPE where sources differ, e.g. x=float32 (same-kind casts only). Repeatable.",
+)
+@click.option(
     "--workers", type=click.IntRange(min=1), default=None, help="Worker processes (default: all cores)."
 )
 @click.option(
@@ -144,6 +167,7 @@ def convert(
     inputs: tuple[str, ...],
     out_dir: str,
     keys: list[str] | None,
+    casts: dict[str, np.dtype],
     workers: int | None,
     align: int,
     overwrite: bool,
@@ -161,6 +185,7 @@ def convert(
             list(inputs),
             out_dir,
             keys=keys,
+            casts=casts,
             workers=workers,
             align=align,
             overwrite=overwrite,

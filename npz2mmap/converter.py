@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +38,16 @@ def convert(
     out_dir: str | os.PathLike[str],
     *,
     keys: Sequence[str] | None = None,
+    casts: Mapping[str, np.dtype | str] | None = None,
     workers: int | None = None,
     align: int = MIN_ALIGN,
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> ConvertResult:
     """Convert NPZ files (one sample each) into a dataset directory at ``out_dir``.
+
+    ``casts`` maps keys to the dtype to store them as, for sources that differ
+    (numpy's 'same_kind' casts only). Otherwise every file must agree exactly.
 
     Raises SourceError for unusable inputs and OutputError when ``out_dir``
     cannot be written; on any error nothing is left at ``out_dir`` and an
@@ -57,7 +61,7 @@ def convert(
     progress = progress or SilentProgress()
     _refuse_output_inside_inputs(out, inputs)
     with writer.output_lock(out), worker_map(workers or os.cpu_count() or 1, len(sources)) as imap:
-        plan = _scan(sources, keys, align, imap, progress)
+        plan = _scan(sources, keys, _parse_casts(casts), align, imap, progress)
         staging = _make_staging_dir(out)
         try:
             index = _copy(plan, staging, imap, progress)
@@ -92,8 +96,28 @@ def _check_align(align: int) -> None:
         raise ValueError(f"align must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, got {align}")
 
 
+def _parse_casts(casts: Mapping[str, np.dtype | str] | None) -> dict[str, np.dtype]:
+    return {key: cast_dtype(value) for key, value in (casts or {}).items()}
+
+
+def cast_dtype(value: np.dtype | str) -> np.dtype:
+    """The dtype a --cast names; ValueError unless it is a fixed-size, pickle-free numpy dtype."""
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        raise ValueError(f"{value!r} is not a numpy dtype") from None
+    if dtype.hasobject or dtype.itemsize == 0:
+        raise ValueError(f"{value!r} is not a fixed-size, pickle-free dtype")
+    return dtype
+
+
 def _scan(
-    sources: list[str], keys: Sequence[str] | None, align: int, imap: Mapper[Any, Any], progress: Progress
+    sources: list[str],
+    keys: Sequence[str] | None,
+    casts: dict[str, np.dtype],
+    align: int,
+    imap: Mapper[Any, Any],
+    progress: Progress,
 ) -> Plan:
     """Pass 1: read every member header and plan the layout."""
     progress.stage("scan", len(sources), 0)
@@ -104,7 +128,7 @@ def _scan(
             yield item
 
     scan_one = functools.partial(read_headers, keys=tuple(keys) if keys else None)
-    return build_plan(sources, reported(imap(scan_one, sources)), align)
+    return build_plan(sources, reported(imap(scan_one, sources)), align, casts)
 
 
 def _copy(plan: Plan, staging: str, imap: Mapper[Any, Any], progress: Progress) -> Index:

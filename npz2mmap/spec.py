@@ -68,6 +68,7 @@ class Field:
     sample_crc32: Region
     offsets: Region | None = None  # ragged only: int64 (N + 1,) byte offsets
     shapes: Region | None = None  # ragged only: int64 (N, ndim)
+    cast: bool = False  # sources were cast to ``dtype`` on request (--cast)
 
     @property
     def ragged(self) -> bool:
@@ -211,7 +212,7 @@ def index_to_json(index: Index) -> str:
 
 
 def _field_to_json(f: Field) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": f.name, "dtype": dtype_to_json(f.dtype), "ndim": f.ndim}
+    out: dict[str, Any] = {"name": f.name, "dtype": dtype_to_json(f.dtype), "ndim": f.ndim, "cast": f.cast}
     if f.shape is None:
         out["kind"] = RAGGED
     else:
@@ -308,13 +309,15 @@ def _parse_field(document: Any, num_samples: int, where: str) -> Field:
     dtype = dtype_from_json(doc.get("dtype", (str, list)), where)
     ndim = doc.get("ndim", int, minimum=0)
     if kind == FIXED:
-        doc.require_keys({"name", "kind", "dtype", "ndim", "shape", "data", "sample_crc32"})
+        doc.require_keys({"name", "kind", "dtype", "ndim", "cast", "shape", "data", "sample_crc32"})
         shape = tuple(_as_int(v, f"{where}: shape", minimum=0) for v in doc.get("shape", list))
         if len(shape) != ndim:
             raise FormatError(f"{where}: shape {list(shape)} does not have ndim {ndim}")
         offsets = shapes = None
     elif kind == RAGGED:
-        doc.require_keys({"name", "kind", "dtype", "ndim", "data", "offsets", "shapes", "sample_crc32"})
+        doc.require_keys(
+            {"name", "kind", "dtype", "ndim", "cast", "data", "offsets", "shapes", "sample_crc32"}
+        )
         if ndim == 0:
             raise FormatError(f"{where}: a ragged field needs ndim of at least 1")
         shape = None
@@ -331,6 +334,7 @@ def _parse_field(document: Any, num_samples: int, where: str) -> Field:
         sample_crc32=_parse_region(doc.get("sample_crc32", dict), f"{where}: sample_crc32", table=True),
         offsets=offsets,
         shapes=shapes,
+        cast=doc.get("cast", bool),
     )
     _check_region_sizes(f, num_samples, where)
     return f

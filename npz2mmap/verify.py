@@ -16,6 +16,7 @@ import numpy as np
 
 from .errors import FormatError, SourceError
 from .npzfile import source_errors
+from .plan import can_cast
 from .progress import Progress, SilentProgress
 from .reader import DatasetReader
 from .spec import BLOB_HEADER_NBYTES, SOURCES_NAME, Field, Index, load_index, storage_dtype
@@ -160,13 +161,16 @@ def _compare_sample(reader: DatasetReader, i: int, path: str) -> Iterator[str]:
                 if name not in npz.files:
                     yield f"key {name!r} is missing from the source"
                     continue
-                yield from _compare_array(npz[name], reader.view(name, i), name)
+                cast = reader.index.field(name).cast
+                yield from _compare_array(npz[name], reader.view(name, i), name, cast)
     except SourceError as exc:
         yield str(exc)
 
 
-def _compare_array(source: np.ndarray, stored: np.ndarray, name: str) -> Iterator[str]:
-    if storage_dtype(source.dtype) != stored.dtype:
+def _compare_array(source: np.ndarray, stored: np.ndarray, name: str, cast: bool) -> Iterator[str]:
+    """Compare one array; a field made with --cast is compared after the same cast."""
+    dtype_ok = can_cast(source.dtype, stored.dtype) if cast else storage_dtype(source.dtype) == stored.dtype
+    if not dtype_ok:
         yield f"field {name!r}: dtype {stored.dtype} differs from the source's {source.dtype}"
     elif source.shape != stored.shape:
         yield f"field {name!r}: shape {stored.shape} differs from the source's {source.shape}"

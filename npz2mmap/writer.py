@@ -23,7 +23,7 @@ import numpy as np
 from . import __version__, fsutil
 from .errors import OutputError, SourceError
 from .npzfile import CHUNK_NBYTES, MemberHeader, iter_data_chunks, members, open_npz, read_member_header
-from .plan import FieldPlan, Plan
+from .plan import FieldPlan, Plan, can_cast
 from .spec import (
     BLOB_HEADER_NBYTES,
     BLOB_NAME,
@@ -47,9 +47,10 @@ LOCK_SUFFIX = ".npz2mmap-lock"
 
 class MemberTask(NamedTuple):
     key: str
-    dtype: np.dtype
+    dtype: np.dtype  # as stored
     shape: tuple[int, ...]
     file_offset: int
+    cast: bool
 
 
 class SampleTask(NamedTuple):
@@ -78,6 +79,7 @@ def sample_tasks(plan: Plan) -> Iterator[SampleTask]:
                     f.dtype,
                     tuple(int(d) for d in f.shapes[i]),
                     BLOB_HEADER_NBYTES + f.data.offset + int(f.sample_offsets[i]),
+                    f.cast,
                 )
                 for f in plan.fields
             ),
@@ -103,15 +105,23 @@ def write_sample(blob_path: str, task: SampleTask) -> SampleResult:
             if member.key not in entries:
                 raise SourceError(f"{where}: key vanished since the file was scanned")
             header = read_member_header(zf, entries[member.key], task.path)
-            if storage_dtype(header.dtype) != member.dtype or header.shape != member.shape:
+            if not _matches_plan(header, member):
                 raise SourceError(f"{where}: changed since it was scanned")
             chunks = iter_data_chunks(zf, entries[member.key], header, where)
             if header.fortran_order and len([d for d in header.shape if d != 1]) > 1:
                 crcs.append(_copy_fortran(chunks, header, member, blob_path))
             else:
                 crcs.append(_copy_c_order(chunks, header, member, fd))
-            nbytes += header.nbytes
+            nbytes += header.nbytes // header.dtype.itemsize * member.dtype.itemsize
     return SampleResult(task.sample, tuple(crcs), nbytes)
+
+
+def _matches_plan(header: MemberHeader, member: MemberTask) -> bool:
+    if header.shape != member.shape:
+        return False
+    if member.cast:
+        return can_cast(header.dtype, member.dtype)
+    return storage_dtype(header.dtype) == member.dtype
 
 
 def close_blobs() -> None:
@@ -326,6 +336,7 @@ def _write_tables(fd: int, f: FieldPlan, crcs: np.ndarray) -> Field:
         sample_crc32=put(f.sample_crc32, crcs.astype(CRC_DTYPE)),
         offsets=offsets,
         shapes=shapes,
+        cast=f.cast,
     )
 
 

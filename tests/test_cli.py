@@ -85,6 +85,15 @@ def test_usage_errors_exit_2(tmp_path, sources) -> None:
         (("convert", sources, "-o", tmp_path / "o", "--align", "100"), "must be a power of two"),
         (("convert", sources, "-o", tmp_path / "o", "--workers", "0"), "0 is not in the range x>=1"),
         (("convert", sources, "-o", tmp_path / "o", "--keys", ","), "give at least one key"),
+        (("convert", sources, "-o", tmp_path / "o", "--cast", "input"), "'input' is not KEY=DTYPE"),
+        (
+            ("convert", sources, "-o", tmp_path / "o", "--cast", "input=object"),
+            "not a fixed-size, pickle-free dtype",
+        ),
+        (
+            ("convert", sources, "-o", tmp_path / "o", "--cast", "input=float33"),
+            "'float33' is not a numpy dtype",
+        ),
     ]:
         result = run(*args)
         assert result.exit_code == 2, args

@@ -14,6 +14,7 @@ from npz2mmap import writer
 from npz2mmap.converter import convert
 from npz2mmap.errors import OutputError, SourceError
 from npz2mmap.reader import DatasetReader
+from npz2mmap.verify import verify
 
 
 def read_sources(dataset: Path) -> list[str]:
@@ -215,3 +216,30 @@ def test_align_places_every_region_on_the_boundary(tmp_path) -> None:
         for region in (f.data, *f.tables().values()):
             assert (128 + region.offset) % 4096 == 0
     assert_same_array(np.array(reader.view("x", 6)), mixed_samples(7)[6]["x"])
+
+
+def test_cast_stores_one_dtype_for_files_that_differ(tmp_path) -> None:
+    wide = np.array([0.1, 1e-3, 3.0], dtype=np.float64)
+    narrow = np.array([1.5, 2.5, -1.0], dtype=">f4")
+    write_samples(tmp_path / "src", [{"x": wide}, {"x": narrow}])
+    convert([tmp_path / "src"], tmp_path / "out", casts={"x": "float32"}, workers=1)
+    reader = DatasetReader(tmp_path / "out")
+    field = reader.index.field("x")
+    assert field.dtype == np.dtype("<f4") and field.cast
+    assert_same_array(np.array(reader.view("x", 0)), wide.astype(np.float32))
+    assert_same_array(np.array(reader.view("x", 1)), narrow)
+    report = verify(tmp_path / "out", sources=True)
+    assert report.ok, report.problems
+
+
+def test_cast_refuses_a_change_of_kind_and_unknown_keys(tmp_path) -> None:
+    write_samples(tmp_path / "src", [{"x": np.ones(2)}, {"x": np.ones(2, np.float32)}])
+    with pytest.raises(
+        SourceError, match=r"s00000\.npz\[x\]: dtype float64 cannot be cast to int32 without changing kind"
+    ):
+        convert([tmp_path / "src"], tmp_path / "out", casts={"x": "int32"}, workers=1)
+    with pytest.raises(SourceError, match="--cast names key\\(s\\) y that are not converted"):
+        convert([tmp_path / "src"], tmp_path / "out", casts={"y": "int32"}, workers=1)
+    with pytest.raises(SourceError, match="use --cast x=DTYPE to store one dtype"):
+        convert([tmp_path / "src"], tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists()
