@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -20,7 +21,7 @@ from . import __version__
 from .converter import cast_dtype
 from .converter import convert as convert_files
 from .errors import Npz2mmapError
-from .spec import MAX_ALIGN, MIN_ALIGN
+from .spec import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
 from .summary import describe_dataset, describe_sample
 from .verify import verify as verify_dataset
 
@@ -148,6 +149,11 @@ def cli(debug: bool) -> None:
     help="Store KEY as DTYPE where sources differ, e.g. x=float32 (same-kind casts only). Repeatable.",
 )
 @click.option(
+    "--skip-bad",
+    is_flag=True,
+    help="Leave out unreadable or corrupt files and list them in OUT/skipped.jsonl instead of stopping.",
+)
+@click.option(
     "--workers", type=click.IntRange(min=1), default=None, help="Worker processes (default: all cores)."
 )
 @click.option(
@@ -168,6 +174,7 @@ def convert(
     out_dir: str,
     keys: list[str] | None,
     casts: dict[str, np.dtype],
+    skip_bad: bool,
     workers: int | None,
     align: int,
     overwrite: bool,
@@ -186,6 +193,7 @@ def convert(
             out_dir,
             keys=keys,
             casts=casts,
+            skip_bad=skip_bad,
             workers=workers,
             align=align,
             overwrite=overwrite,
@@ -193,6 +201,13 @@ def convert(
         )
     finally:
         progress.close()
+    if result.skipped:
+        first_reason = result.skipped[0][1]
+        click.echo(
+            f"Warning: skipped {len(result.skipped):,} bad file(s), listed in "
+            f"{os.path.join(out_dir, SKIPPED_NAME)}; the first: {first_reason}",
+            err=True,
+        )
     if not quiet:
         index = result.index
         click.echo(

@@ -9,20 +9,20 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import writer
-from .errors import OutputError
+from .errors import OutputError, SourceError
 from .inputs import discover_sources
 from .npzfile import MemberHeader, read_headers
 from .parallel import Mapper, worker_map
-from .plan import Plan, build_plan
+from .plan import Plan, build_plan, drop_samples
 from .progress import Progress, SilentProgress
-from .spec import MAX_ALIGN, MIN_ALIGN, Index
+from .spec import BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class ConvertResult:
     index: Index
     data_nbytes: int
     seconds: float
+    skipped: tuple[tuple[str, str], ...] = ()  # (path, reason) of each file --skip-bad left out
 
 
 def convert(
@@ -39,6 +40,7 @@ def convert(
     *,
     keys: Sequence[str] | None = None,
     casts: Mapping[str, np.dtype | str] | None = None,
+    skip_bad: bool = False,
     workers: int | None = None,
     align: int = MIN_ALIGN,
     overwrite: bool = False,
@@ -47,7 +49,9 @@ def convert(
     """Convert NPZ files (one sample each) into a dataset directory at ``out_dir``.
 
     ``casts`` maps keys to the dtype to store them as, for sources that differ
-    (numpy's 'same_kind' casts only). Otherwise every file must agree exactly.
+    (numpy's 'same_kind' casts only); otherwise every file must agree exactly.
+    With ``skip_bad``, unreadable or corrupt files are left out and listed in
+    the dataset's ``skipped.jsonl`` instead of ending the conversion.
 
     Raises SourceError for unusable inputs and OutputError when ``out_dir``
     cannot be written; on any error nothing is left at ``out_dir`` and an
@@ -60,17 +64,19 @@ def convert(
     sources = discover_sources(inputs)
     progress = progress or SilentProgress()
     _refuse_output_inside_inputs(out, inputs)
+    skipped: list[tuple[str, str]] = []
     with writer.output_lock(out), worker_map(workers or os.cpu_count() or 1, len(sources)) as imap:
-        plan = _scan(sources, keys, _parse_casts(casts), align, imap, progress)
+        scan_one = functools.partial(_scan_source, keys=tuple(keys) if keys else None, skip_bad=skip_bad)
+        plan = _scan(sources, scan_one, _parse_casts(casts), align, imap, progress, skipped)
         staging = _make_staging_dir(out)
         try:
-            index = _copy(plan, staging, imap, progress)
+            plan, index = _copy(plan, staging, imap, progress, skip_bad, skipped)
             writer.publish(staging, out, overwrite)
         except OSError as exc:
             raise OutputError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from exc
         finally:
             writer.remove_staging(staging)
-    return ConvertResult(out, index, plan.data_nbytes, time.perf_counter() - started)
+    return ConvertResult(out, index, plan.data_nbytes, time.perf_counter() - started, tuple(skipped))
 
 
 def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[str]]) -> None:
@@ -78,9 +84,8 @@ def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[st
     real_out = os.path.realpath(out)
     for item in inputs:
         path = os.fspath(item)
-        if os.path.isdir(path) and os.path.commonpath([real_out, os.path.realpath(path)]) == os.path.realpath(
-            path
-        ):
+        real_input = os.path.realpath(path)
+        if os.path.isdir(path) and os.path.commonpath([real_out, real_input]) == real_input:
             raise OutputError(f"{out}: is inside the input directory {path}; write the dataset elsewhere")
 
 
@@ -111,37 +116,91 @@ def cast_dtype(value: np.dtype | str) -> np.dtype:
     return dtype
 
 
+def _scan_source(path: str, keys: tuple[str, ...] | None, skip_bad: bool) -> dict[str, MemberHeader] | str:
+    """A source's member headers, or with ``skip_bad`` the reason it is unusable."""
+    try:
+        return read_headers(path, keys)
+    except SourceError as exc:
+        if not skip_bad:
+            raise
+        return str(exc)
+
+
 def _scan(
     sources: list[str],
-    keys: Sequence[str] | None,
+    scan_one: Callable[[str], dict[str, MemberHeader] | str],
     casts: dict[str, np.dtype],
     align: int,
     imap: Mapper[Any, Any],
     progress: Progress,
+    skipped: list[tuple[str, str]],
 ) -> Plan:
     """Pass 1: read every member header and plan the layout."""
     progress.stage("scan", len(sources), 0)
 
-    def reported(headers: Iterator[dict[str, MemberHeader]]) -> Iterator[dict[str, MemberHeader]]:
-        for item in headers:
+    def usable() -> Iterator[tuple[str, dict[str, MemberHeader]]]:
+        for path, headers in zip(sources, imap(scan_one, sources), strict=True):
             progress.advance(1, 0)
-            yield item
+            if isinstance(headers, str):
+                skipped.append((path, headers))
+            else:
+                yield path, headers
 
-    scan_one = functools.partial(read_headers, keys=tuple(keys) if keys else None)
-    return build_plan(sources, reported(imap(scan_one, sources)), align, casts)
+    return build_plan(usable(), align, casts)
 
 
-def _copy(plan: Plan, staging: str, imap: Mapper[Any, Any], progress: Progress) -> Index:
-    """Pass 2: copy every member into the blob, then write tables and index."""
+def _copy(
+    plan: Plan,
+    staging: str,
+    imap: Mapper[Any, Any],
+    progress: Progress,
+    skip_bad: bool,
+    skipped: list[tuple[str, str]],
+) -> tuple[Plan, Index]:
+    """Pass 2: copy every member into the blob, then write tables and index.
+
+    A file found bad only now (a corrupt member) is left out with ``skip_bad``
+    by planning again without it and copying into a fresh blob.
+    """
+    while True:
+        crc32s, failed = _copy_samples(plan, staging, imap, progress, skip_bad)
+        if not failed:
+            return plan, writer.finish_dataset(staging, plan, crc32s, skipped)
+        skipped.extend((plan.sources[i], reason) for i, reason in failed)
+        plan = drop_samples(plan, [i for i, _ in failed])
+        os.unlink(os.path.join(staging, BLOB_NAME))
+
+
+def _copy_samples(
+    plan: Plan, staging: str, imap: Mapper[Any, Any], progress: Progress, skip_bad: bool
+) -> tuple[list[np.ndarray], list[tuple[int, str]]]:
     progress.stage("copy", plan.num_samples, plan.data_nbytes)
     blob_path = writer.create_blob(staging, plan.payload_nbytes)
     crc32s = [np.zeros(plan.num_samples, dtype=np.uint32) for _ in plan.fields]
-    copy_one = functools.partial(writer.write_sample, blob_path)
+    failed = []
+    copy_one = functools.partial(_copy_sample, blob_path, skip_bad)
     try:
         for result in imap(copy_one, writer.sample_tasks(plan)):
+            if isinstance(result, _Failure):
+                failed.append((result.sample, result.reason))
+                continue
             for table, crc in zip(crc32s, result.crc32s, strict=True):
                 table[result.sample] = crc
             progress.advance(1, result.nbytes)
     finally:
         writer.close_blobs()
-    return writer.finish_dataset(staging, plan, crc32s)
+    return crc32s, failed
+
+
+class _Failure(NamedTuple):
+    sample: int
+    reason: str
+
+
+def _copy_sample(blob_path: str, skip_bad: bool, task: writer.SampleTask) -> writer.SampleResult | _Failure:
+    try:
+        return writer.write_sample(blob_path, task)
+    except SourceError as exc:
+        if not skip_bad:
+            raise
+        return _Failure(task.sample, str(exc))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +85,9 @@ class _FieldCollector:
             )
         self.dims.extend(header.shape)
 
+    def shapes(self, num_samples: int) -> NDArray[np.int64]:
+        return np.frombuffer(self.dims, dtype=np.int64).reshape(num_samples, self.ndim)
+
 
 def can_cast(source: np.dtype, target: np.dtype) -> bool:
     """What --cast allows: numpy's 'same_kind' rule (float64 -> float32, never float -> int)."""
@@ -92,34 +95,47 @@ def can_cast(source: np.dtype, target: np.dtype) -> bool:
 
 
 def build_plan(
-    sources: Sequence[str],
-    headers: Iterable[dict[str, MemberHeader]],
+    scanned: Iterable[tuple[str, dict[str, MemberHeader]]],
     align: int,
     casts: Mapping[str, np.dtype] | None = None,
 ) -> Plan:
     """Check that the sources agree and lay out the payload.
 
-    ``headers`` yields, for each source in order, its members' headers (the
-    selected keys only); ``casts`` maps keys to the dtype they are stored as.
-    Raises SourceError naming the first file that differs.
+    ``scanned`` yields, for each source in order, its path and its members'
+    headers (the selected keys only); ``casts`` maps keys to the dtype they are
+    stored as. Raises SourceError naming the first file that differs.
     """
     casts = dict(casts or {})
     collectors: dict[str, _FieldCollector] = {}
-    keys: list[str] = []
-    for path, members in zip(sources, headers, strict=True):
-        if not collectors:
-            keys = sorted(members)
-            collectors = {key: _FieldCollector(members[key], path, casts.get(key)) for key in keys}
-            unknown = sorted(set(casts) - set(keys))
+    sources: list[str] = []
+    for path, members in scanned:
+        if not sources:
+            collectors = {key: _FieldCollector(members[key], path, casts.get(key)) for key in sorted(members)}
+            unknown = sorted(set(casts) - set(collectors))
             if unknown:
                 raise SourceError(f"{path}: --cast names key(s) {', '.join(unknown)} that are not converted")
-        elif sorted(members) != keys:
-            raise SourceError(_describe_key_mismatch(path, sorted(members), keys, sources[0]))
-        for key in keys:
-            collectors[key].add(members[key], path)
-    if not keys:
+        elif members.keys() != collectors.keys():
+            raise SourceError(_describe_key_mismatch(path, sorted(members), sorted(collectors), sources[0]))
+        for key, collector in collectors.items():
+            collector.add(members[key], path)
+        sources.append(path)
+    if not sources:
+        raise SourceError("no usable .npz files: every input was skipped")
+    if not collectors:
         raise SourceError(f"{sources[0]}: holds no arrays")
-    return _lay_out(list(sources), collectors, align)
+    fields = [(name, c.dtype, c.shapes(len(sources)), c.cast is not None) for name, c in collectors.items()]
+    return _lay_out(sources, fields, align)
+
+
+def drop_samples(plan: Plan, samples: Iterable[int]) -> Plan:
+    """The same plan without some samples (files that turned out bad while copying)."""
+    keep = np.ones(plan.num_samples, dtype=bool)
+    keep[list(samples)] = False
+    sources = [path for path, kept in zip(plan.sources, keep, strict=True) if kept]
+    if not sources:
+        raise SourceError("no usable .npz files: every input was skipped")
+    fields = [(f.name, f.dtype, f.shapes[keep], f.cast) for f in plan.fields]
+    return _lay_out(sources, fields, plan.align)
 
 
 def _describe_key_mismatch(path: str, found: list[str], expected: list[str], first: str) -> str:
@@ -130,13 +146,15 @@ def _describe_key_mismatch(path: str, found: list[str], expected: list[str], fir
     return f"{path}: keys differ from {first} ({detail}); select common keys with --keys"
 
 
-def _lay_out(sources: list[str], collectors: dict[str, _FieldCollector], align: int) -> Plan:
+_FieldShapes = tuple[str, np.dtype, NDArray[np.int64], bool]  # name, stored dtype, shapes, cast
+
+
+def _lay_out(sources: list[str], fields: list[_FieldShapes], align: int) -> Plan:
     """All fields' data regions first, then their tables, each region aligned."""
-    num_samples = len(sources)
     allocate = _Allocator(align)
-    fields = [_place_data(name, collector, num_samples, allocate) for name, collector in collectors.items()]
-    fields = [_place_tables(f, num_samples, allocate) for f in fields]
-    return Plan(sources, tuple(fields), align, allocate.cursor)
+    placed = [_place_data(*f, allocate) for f in fields]
+    placed = [_place_tables(f, len(sources), allocate) for f in placed]
+    return Plan(sources, tuple(placed), align, allocate.cursor)
 
 
 class _Allocator:
@@ -152,19 +170,20 @@ class _Allocator:
         return region
 
 
-def _place_data(name: str, collector: _FieldCollector, num_samples: int, allocate: _Allocator) -> FieldPlan:
-    shapes = np.frombuffer(collector.dims, dtype=np.int64).reshape(num_samples, collector.ndim)
-    nbytes = np.prod(shapes, axis=1, dtype=np.int64) * collector.dtype.itemsize
-    sample_offsets = np.zeros(num_samples + 1, dtype=np.int64)
+def _place_data(
+    name: str, dtype: np.dtype, shapes: NDArray[np.int64], cast: bool, allocate: _Allocator
+) -> FieldPlan:
+    nbytes = np.prod(shapes, axis=1, dtype=np.int64) * dtype.itemsize
+    sample_offsets = np.zeros(len(shapes) + 1, dtype=np.int64)
     np.cumsum(nbytes, out=sample_offsets[1:])
     return FieldPlan(
         name=name,
-        dtype=collector.dtype,
+        dtype=dtype,
         shapes=shapes,
         sample_offsets=sample_offsets,
         fixed_shape=_fixed_shape(shapes),
         data=allocate(int(sample_offsets[-1])),
-        cast=collector.cast is not None,
+        cast=cast,
     )
 
 

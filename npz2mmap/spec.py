@@ -23,6 +23,8 @@ SUPPORTED_VERSIONS = frozenset({1})
 INDEX_NAME = "index.json"
 BLOB_NAME = "data.npy"
 SOURCES_NAME = "sources.jsonl"
+SKIPPED_NAME = "skipped.jsonl"
+DATASET_FILES = (INDEX_NAME, BLOB_NAME, SOURCES_NAME, SKIPPED_NAME)
 
 # 64 bytes is numpy's ARRAY_ALIGN and a cache line: any dtype view is aligned.
 MIN_ALIGN = 64
@@ -97,6 +99,7 @@ class Index:
     tool_version: str
     mode: str = "files"
     num_sources: int = 0
+    num_skipped: int = 0
 
     @property
     def blob_nbytes(self) -> int:
@@ -206,6 +209,7 @@ def index_to_json(index: Index) -> str:
             "tool_version": index.tool_version,
             "mode": index.mode,
             "num_sources": index.num_sources,
+            "num_skipped": index.num_skipped,
         },
     }
     return json.dumps(document, sort_keys=True, indent=1) + "\n"
@@ -279,7 +283,7 @@ def parse_index(document: Any, where: str) -> Index:
         )
     payload_nbytes = doc.get("payload_nbytes", int, minimum=0)
     provenance = _Obj(doc.get("provenance", dict), f"{where}: provenance")
-    provenance.require_keys({"tool", "tool_version", "mode", "num_sources"})
+    provenance.require_keys({"tool", "tool_version", "mode", "num_sources", "num_skipped"})
     mode = provenance.get("mode", str)
     if mode not in MODES:
         raise FormatError(f"{where}: provenance mode {mode!r} is not one of {sorted(MODES)}")
@@ -295,6 +299,7 @@ def parse_index(document: Any, where: str) -> Index:
         tool_version=provenance.get("tool_version", str),
         mode=mode,
         num_sources=provenance.get("num_sources", int, minimum=0),
+        num_skipped=provenance.get("num_skipped", int, minimum=0),
     )
     check_layout(index, where)
     return index

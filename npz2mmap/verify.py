@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from .npzfile import source_errors
 from .plan import can_cast
 from .progress import Progress, SilentProgress
 from .reader import DatasetReader
-from .spec import BLOB_HEADER_NBYTES, SOURCES_NAME, Field, Index, load_index, storage_dtype
+from .spec import BLOB_HEADER_NBYTES, SKIPPED_NAME, SOURCES_NAME, Field, Index, load_index, storage_dtype
 
 MAX_SAMPLES_NAMED = 10
 
@@ -58,7 +59,7 @@ def verify(
     for f in index.fields:
         _check_field(reader, f, report, progress)
     _check_padding(reader, index, report)
-    source_paths = _check_sources_file(report, index)
+    source_paths = _check_provenance_files(report, index)
     if sources and source_paths is not None:
         progress.stage("compare", index.num_samples, 0)
         _compare_sources(reader, source_paths, report, progress)
@@ -126,21 +127,39 @@ def _check_padding(reader: DatasetReader, index: Index, report: VerifyReport) ->
         cursor = max(cursor, end)
 
 
-def _check_sources_file(report: VerifyReport, index: Index) -> list[str] | None:
-    path = os.path.join(report.path, SOURCES_NAME)
+def _check_provenance_files(report: VerifyReport, index: Index) -> list[str] | None:
+    """Check sources.jsonl and skipped.jsonl; return the source paths if they are sound."""
+    _read_jsonl(report, SKIPPED_NAME, index.num_skipped, _is_skip_record, "skip records")
+    return _read_jsonl(
+        report, SOURCES_NAME, index.num_sources, lambda line: isinstance(line, str), "source paths"
+    )
+
+
+def _is_skip_record(line: Any) -> bool:
+    return (
+        isinstance(line, dict)
+        and set(line) == {"path", "reason"}
+        and all(isinstance(v, str) for v in line.values())
+    )
+
+
+def _read_jsonl(
+    report: VerifyReport, name: str, count: int, is_valid: Callable[[Any], bool], what: str
+) -> list[Any] | None:
+    path = os.path.join(report.path, name)
     try:
         with open(path, encoding="utf-8") as fp:
-            paths = [json.loads(line) for line in fp]
+            lines = [json.loads(line) for line in fp]
     except FileNotFoundError:
         report.problems.append(f"{path}: missing")
         return None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         report.problems.append(f"{path}: unreadable ({exc})")
         return None
-    if len(paths) != index.num_sources or not all(isinstance(p, str) for p in paths):
-        report.problems.append(f"{path}: expected {index.num_sources} source paths, found {len(paths)} lines")
+    if len(lines) != count or not all(is_valid(line) for line in lines):
+        report.problems.append(f"{path}: expected {count} {what}, found {len(lines)} lines")
         return None
-    return paths
+    return lines
 
 
 def _compare_sources(

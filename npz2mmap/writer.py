@@ -28,9 +28,11 @@ from .spec import (
     BLOB_HEADER_NBYTES,
     BLOB_NAME,
     CRC_DTYPE,
+    DATASET_FILES,
     INDEX_NAME,
     OFFSET_DTYPE,
     SHAPE_DTYPE,
+    SKIPPED_NAME,
     SOURCES_NAME,
     Field,
     Index,
@@ -226,7 +228,7 @@ def _is_replaceable(path: str) -> bool:
     if not os.path.isdir(path):
         return False
     entries = set(os.listdir(path))
-    return not entries or (INDEX_NAME in entries and entries <= {INDEX_NAME, BLOB_NAME, SOURCES_NAME})
+    return not entries or (INDEX_NAME in entries and entries <= set(DATASET_FILES))
 
 
 @contextlib.contextmanager
@@ -294,8 +296,10 @@ def create_blob(staging_dir: str, payload_nbytes: int) -> str:
     return path
 
 
-def finish_dataset(staging_dir: str, plan: Plan, sample_crc32s: Sequence[np.ndarray]) -> Index:
-    """Write the tables, sources.jsonl and, last, index.json; fsync everything."""
+def finish_dataset(
+    staging_dir: str, plan: Plan, sample_crc32s: Sequence[np.ndarray], skipped: Sequence[tuple[str, str]] = ()
+) -> Index:
+    """Write the tables, sources.jsonl, skipped.jsonl and, last, index.json; fsync everything."""
     blob_path = os.path.join(staging_dir, BLOB_NAME)
     fd = os.open(blob_path, os.O_WRONLY)
     try:
@@ -304,6 +308,12 @@ def finish_dataset(staging_dir: str, plan: Plan, sample_crc32s: Sequence[np.ndar
     finally:
         os.close(fd)
     _write_file(os.path.join(staging_dir, SOURCES_NAME), "".join(json.dumps(p) + "\n" for p in plan.sources))
+    _write_file(
+        os.path.join(staging_dir, SKIPPED_NAME),
+        "".join(
+            json.dumps({"path": path, "reason": reason}, sort_keys=True) + "\n" for path, reason in skipped
+        ),
+    )
     index = Index(
         num_samples=plan.num_samples,
         align=plan.align,
@@ -311,6 +321,7 @@ def finish_dataset(staging_dir: str, plan: Plan, sample_crc32s: Sequence[np.ndar
         fields=fields,
         tool_version=__version__,
         num_sources=plan.num_samples,
+        num_skipped=len(skipped),
     )
     _write_file(os.path.join(staging_dir, INDEX_NAME), index_to_json(index))
     _fsync_dir(staging_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from npz2mmap import writer
 from npz2mmap.cli import cli
 from npz2mmap.converter import convert
 from npz2mmap.errors import OutputError, SourceError
+from npz2mmap.reader import DatasetReader
+from npz2mmap.verify import verify
 
 BAD_FILES = {
     "zero-byte": (hostile.zero_byte, r"bad\.npz: not a valid zip/npz file \(File is not a zip file\)"),
@@ -148,3 +151,42 @@ def test_a_really_full_filesystem(tmp_path, good_sources) -> None:
         assert os.listdir(mount) == []
     finally:
         os.system(f"umount {mount}")
+
+
+def read_skipped(dataset: Path) -> list[dict]:
+    return [json.loads(line) for line in (dataset / "skipped.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_skip_bad_converts_the_good_files_and_records_the_bad(tmp_path, good_sources, workers) -> None:
+    hostile.zero_byte(good_sources / "s00001.npz")  # found bad while scanning
+    hostile.crc_mismatch(good_sources / "s00003.npz")  # found bad only while copying
+    result = CliRunner().invoke(
+        cli,
+        ["convert", str(good_sources), "-o", str(tmp_path / "out"), "--skip-bad", "--workers", str(workers)],
+    )
+    assert result.exit_code == 0, result.output
+    assert f"Warning: skipped 2 bad file(s), listed in {tmp_path / 'out' / 'skipped.jsonl'}" in result.output
+    reader = DatasetReader(tmp_path / "out")
+    assert len(reader) == 2 and reader.index.num_skipped == 2
+    assert [int(reader.view("x", i)[0]) for i in range(2)] == [0, 2]
+    skipped = read_skipped(tmp_path / "out")
+    assert [s["path"] for s in skipped] == [
+        str(good_sources / "s00001.npz"),
+        str(good_sources / "s00003.npz"),
+    ]
+    assert "File is not a zip file" in skipped[0]["reason"] and "Bad CRC-32" in skipped[1]["reason"]
+    assert verify(tmp_path / "out", sources=True).ok
+
+
+def test_skip_bad_with_nothing_usable_is_an_error(tmp_path) -> None:
+    hostile.zero_byte(tmp_path / "a.npz")
+    with pytest.raises(SourceError, match="no usable .npz files: every input was skipped"):
+        convert([tmp_path / "a.npz"], tmp_path / "out", skip_bad=True)
+    assert not (tmp_path / "out").exists()
+
+
+def test_skip_bad_does_not_skip_files_that_disagree(tmp_path, good_sources) -> None:
+    write_samples(tmp_path / "odd", [{"x": np.ones(3, np.float32)}])
+    with pytest.raises(SourceError, match="dtype float32 differs from int64"):
+        convert([good_sources, tmp_path / "odd"], tmp_path / "out", skip_bad=True, workers=1)
