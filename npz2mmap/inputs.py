@@ -59,23 +59,27 @@ def _expand_path(path: str) -> list[str]:
 
 
 def _walk_npz(top: str) -> list[str]:
-    seen_dirs: set[tuple[int, int]] = set()
+    """Every ``*.npz`` below ``top``, following directory links but never a loop twice."""
     found: list[str] = []
-
-    def on_error(exc: OSError) -> None:
-        raise SourceError(f"{exc.filename}: cannot list directory ({exc.strerror})")
-
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=on_error):
-        stat = os.stat(dirpath)
+    seen_dirs: set[tuple[int, int]] = set()
+    pending = [top]
+    while pending:
+        directory = pending.pop()
+        try:
+            stat = os.stat(directory)
+            entries = list(os.scandir(directory))
+        except OSError as exc:
+            raise SourceError(f"{directory}: cannot list directory ({exc.strerror})") from None
         if (stat.st_dev, stat.st_ino) in seen_dirs:
-            dirnames.clear()  # a symlink loop back to a directory already walked
             continue
         seen_dirs.add((stat.st_dev, stat.st_ino))
-        found.extend(
-            os.path.abspath(os.path.join(dirpath, name))
-            for name in filenames
-            if name.lower().endswith(NPZ_SUFFIX)
-        )
+        for entry in entries:
+            if entry.is_dir():
+                pending.append(entry.path)
+            elif entry.name.lower().endswith(NPZ_SUFFIX):
+                if not entry.is_file():
+                    raise SourceError(f"{entry.path}: not a regular file (broken link, pipe or device?)")
+                found.append(os.path.abspath(entry.path))
     return sorted(found)
 
 

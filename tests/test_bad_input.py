@@ -190,3 +190,13 @@ def test_skip_bad_does_not_skip_files_that_disagree(tmp_path, good_sources) -> N
     write_samples(tmp_path / "odd", [{"x": np.ones(3, np.float32)}])
     with pytest.raises(SourceError, match="dtype float32 differs from int64"):
         convert([good_sources, tmp_path / "odd"], tmp_path / "out", skip_bad=True, workers=1)
+
+
+def test_pipes_and_broken_links_named_npz_in_a_directory_are_named(tmp_path, good_sources) -> None:
+    os.mkfifo(good_sources / "pipe.npz")
+    with pytest.raises(SourceError, match=r"pipe\.npz: not a regular file \(broken link, pipe or device\?\)"):
+        convert([good_sources], tmp_path / "out", workers=1)
+    os.unlink(good_sources / "pipe.npz")
+    os.symlink(tmp_path / "gone", good_sources / "link.npz")
+    with pytest.raises(SourceError, match=r"link\.npz: not a regular file"):
+        convert([good_sources], tmp_path / "out", workers=1)
