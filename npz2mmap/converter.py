@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import writer
+from . import publish, writer
 from .errors import OutputError, SourceError
 from .inputs import discover_sources
 from .npzfile import MemberHeader, read_headers
@@ -60,22 +60,22 @@ def convert(
     started = time.perf_counter()
     out = os.fspath(out_dir)
     _check_align(align)
-    writer.check_output(out, overwrite)
+    publish.check_output(out, overwrite)
     sources = discover_sources(inputs)
     progress = progress or SilentProgress()
     _refuse_output_inside_inputs(out, inputs)
     skipped: list[tuple[str, str]] = []
-    with writer.output_lock(out), worker_map(workers or os.cpu_count() or 1, len(sources)) as imap:
+    with publish.output_lock(out), worker_map(workers or os.cpu_count() or 1, len(sources)) as imap:
         scan_one = functools.partial(_scan_source, keys=tuple(keys) if keys else None, skip_bad=skip_bad)
         plan = _scan(sources, scan_one, _parse_casts(casts), align, imap, progress, skipped)
         staging = _make_staging_dir(out)
         try:
             plan, index = _copy(plan, staging, imap, progress, skip_bad, skipped)
-            writer.publish(staging, out, overwrite)
+            publish.publish(staging, out, overwrite)
         except OSError as exc:
             raise OutputError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from exc
         finally:
-            writer.remove_staging(staging)
+            publish.remove_staging(staging)
     return ConvertResult(out, index, plan.data_nbytes, time.perf_counter() - started, tuple(skipped))
 
 
@@ -91,7 +91,7 @@ def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[st
 
 def _make_staging_dir(out: str) -> str:
     try:
-        return writer.make_staging_dir(out)
+        return publish.make_staging_dir(out)
     except OSError as exc:
         raise OutputError(f"{out}: cannot create the output beside it ({exc.strerror or exc})") from exc
 

@@ -90,3 +90,12 @@ def _same_file(fd: int, path: str) -> bool:
         return False
     held = os.fstat(fd)
     return (held.st_dev, held.st_ino) == (on_disk.st_dev, on_disk.st_ino)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

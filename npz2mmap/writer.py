@@ -1,19 +1,16 @@
-"""Writing: a Plan becomes data.npy, sources.jsonl and index.json, published atomically.
+"""Writing: a Plan becomes data.npy, its tables, sources.jsonl and index.json.
 
-The dataset is built in a hidden sibling directory of the output; every file is
-fsynced, ``index.json`` is written last, and only then is the directory renamed
-into place. Workers copy samples into disjoint byte ranges of the preallocated
-blob, so they need no locks and the bytes do not depend on their number.
+Workers copy samples into disjoint byte ranges of the preallocated blob, so
+they need no locks and the bytes do not depend on their number; the main
+process then writes the tables and, last, the index, fsyncing everything.
+Where the files go and how they are published is ``publish``'s business.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import secrets
-import shutil
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -21,14 +18,13 @@ from typing import NamedTuple
 import numpy as np
 
 from . import __version__, fsutil
-from .errors import OutputError, SourceError
+from .errors import SourceError
 from .npzfile import CHUNK_NBYTES, MemberHeader, iter_data_chunks, members, open_npz, read_member_header
 from .plan import FieldPlan, Plan, can_cast
 from .spec import (
     BLOB_HEADER_NBYTES,
     BLOB_NAME,
     CRC_DTYPE,
-    DATASET_FILES,
     INDEX_NAME,
     OFFSET_DTYPE,
     SHAPE_DTYPE,
@@ -41,10 +37,6 @@ from .spec import (
     index_to_json,
     storage_dtype,
 )
-
-STAGING_MARK = ".npz2mmap-tmp-"
-RETIRED_MARK = ".npz2mmap-old-"
-LOCK_SUFFIX = ".npz2mmap-lock"
 
 
 class MemberTask(NamedTuple):
@@ -158,8 +150,7 @@ def _copy_fortran(chunks: Iterator[bytes], header: MemberHeader, member: MemberT
     )
     reader = _ChunkReader(chunks)
     _fill_from_fortran(target.reshape([d for d in header.shape if d != 1]), reader, header.dtype)
-    if reader.pending():
-        raise SourceError(f"{header.key}: member holds more bytes than its header declares")
+    reader.finish()
     target.flush()
     flat = target.reshape(-1).view(np.uint8)
     crc = 0
@@ -204,79 +195,13 @@ class _ChunkReader:
         data, self.buffer = self.buffer[:nbytes], self.buffer[nbytes:]
         return data
 
-    def pending(self) -> bool:
-        if self.buffer:
-            return True
-        return next(self.chunks, None) is not None
+    def finish(self) -> None:
+        """Drain the chunks, so their source runs its end-of-member checks."""
+        for _ in self.chunks:
+            pass
 
 
 # --- main side ---------------------------------------------------------------
-
-
-def check_output(out_dir: str, overwrite: bool) -> None:
-    """Refuse early what publish() would refuse late: an existing OUT without overwrite."""
-    if not os.path.lexists(out_dir):
-        return
-    if not overwrite:
-        raise OutputError(f"{out_dir}: already exists; pass --overwrite to replace it")
-    if os.path.islink(out_dir) or not _is_replaceable(out_dir):
-        raise OutputError(f"{out_dir}: exists and is not an npz2mmap dataset; refusing to replace it")
-
-
-def _is_replaceable(path: str) -> bool:
-    """Only an npz2mmap dataset or an empty directory may be replaced."""
-    if not os.path.isdir(path):
-        return False
-    entries = set(os.listdir(path))
-    return not entries or (INDEX_NAME in entries and entries <= set(DATASET_FILES))
-
-
-@contextlib.contextmanager
-def output_lock(out_dir: str) -> Iterator[None]:
-    """Be the only converter writing OUT; remove what dead converters left beside it.
-
-    Raises OutputError when another conversion to OUT is running.
-    """
-    parent, name = os.path.split(os.path.abspath(out_dir))
-    try:
-        os.makedirs(parent, exist_ok=True)
-        lock = fsutil.exclusive_lock(os.path.join(parent, f".{name}{LOCK_SUFFIX}"))
-        acquired = lock.__enter__()
-    except OSError as exc:
-        raise OutputError(f"{out_dir}: cannot create the output beside it ({exc.strerror or exc})") from exc
-    with contextlib.ExitStack() as stack:
-        stack.push(lock)
-        if not acquired:
-            raise OutputError(f"{out_dir}: another npz2mmap convert is writing it")
-        _remove_leftovers(parent, name)
-        yield
-
-
-def _remove_leftovers(parent: str, name: str) -> None:
-    """Staging and retired directories of OUT whose converter was killed."""
-    prefixes = (f".{name}{STAGING_MARK}", f".{name}{RETIRED_MARK}")
-    for entry in os.listdir(parent):
-        if entry.startswith(prefixes):
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-
-
-def make_staging_dir(out_dir: str) -> str:
-    """A hidden sibling of OUT, so the final rename stays on one filesystem.
-
-    Created with the umask's permissions (not mkdtemp's 0700), since it becomes OUT.
-    """
-    parent, name = os.path.split(os.path.abspath(out_dir))
-    return _make_unique_dir(parent, f".{name}{STAGING_MARK}")
-
-
-def _make_unique_dir(parent: str, prefix: str) -> str:
-    while True:
-        path = os.path.join(parent, prefix + secrets.token_hex(4))
-        try:
-            os.mkdir(path)
-            return path
-        except FileExistsError:
-            continue
 
 
 def create_blob(staging_dir: str, payload_nbytes: int) -> str:
@@ -324,7 +249,7 @@ def finish_dataset(
         num_skipped=len(skipped),
     )
     _write_file(os.path.join(staging_dir, INDEX_NAME), index_to_json(index))
-    _fsync_dir(staging_dir)
+    fsutil.fsync_dir(staging_dir)
     return index
 
 
@@ -356,43 +281,3 @@ def _write_file(path: str, text: str) -> None:
         fp.write(text)
         fp.flush()
         os.fsync(fp.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def publish(staging_dir: str, out_dir: str, overwrite: bool) -> None:
-    """Rename the finished staging directory to OUT; an old OUT goes only after.
-
-    Replacing swaps the two directories in one atomic step where the system
-    can (the old dataset then sits at ``staging_dir`` for the caller to remove),
-    so OUT is at every moment either the old or the new complete dataset.
-    Readers that have the old dataset open keep their mapping of the old files.
-    """
-    check_output(out_dir, overwrite)
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    if not os.path.lexists(out_dir):
-        os.rename(staging_dir, out_dir)
-        _fsync_dir(parent)
-        return
-    if fsutil.exchange(staging_dir, out_dir):
-        _fsync_dir(parent)
-        return
-    retired = _make_unique_dir(parent, f".{os.path.basename(out_dir)}{RETIRED_MARK}")
-    os.rename(out_dir, retired)
-    try:
-        os.rename(staging_dir, out_dir)
-    except OSError:
-        os.rename(retired, out_dir)
-        raise
-    _fsync_dir(parent)
-    shutil.rmtree(retired, ignore_errors=True)
-
-
-def remove_staging(staging_dir: str) -> None:
-    shutil.rmtree(staging_dir, ignore_errors=True)

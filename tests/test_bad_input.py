@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import write_samples
 
-from npz2mmap import writer
+from npz2mmap import publish
 from npz2mmap.cli import cli
 from npz2mmap.converter import convert
 from npz2mmap.errors import OutputError, SourceError
@@ -52,7 +52,7 @@ def digest(directory: Path) -> dict[str, str]:
 
 def staging_leftovers(parent: Path) -> list[str]:
     return [
-        p.name for p in parent.iterdir() if writer.STAGING_MARK in p.name or writer.RETIRED_MARK in p.name
+        p.name for p in parent.iterdir() if publish.STAGING_MARK in p.name or publish.RETIRED_MARK in p.name
     ]
 
 

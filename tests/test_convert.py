@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import assert_same_array, blob_bytes, write_npz, write_samples
 
-from npz2mmap import writer
+from npz2mmap import publish, writer
 from npz2mmap.converter import convert
 from npz2mmap.errors import OutputError, SourceError
 from npz2mmap.reader import DatasetReader
@@ -23,7 +23,7 @@ def read_sources(dataset: Path) -> list[str]:
 
 def leftovers(parent: Path) -> list[str]:
     return sorted(
-        p.name for p in parent.iterdir() if writer.STAGING_MARK in p.name or "npz2mmap-old" in p.name
+        p.name for p in parent.iterdir() if publish.STAGING_MARK in p.name or "npz2mmap-old" in p.name
     )
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import write_samples
 
-from npz2mmap import writer
+from npz2mmap import publish, writer
 from npz2mmap.converter import convert
 from npz2mmap.errors import Npz2mmapError, OutputError
 from npz2mmap.reader import DatasetReader
@@ -120,7 +120,7 @@ def test_ctrl_c_cleans_up_and_exits_non_zero(tmp_path, sources, duration) -> Non
 
 def test_a_second_concurrent_conversion_to_the_same_output_is_refused(tmp_path, sources) -> None:
     out = tmp_path / "out"
-    with writer.output_lock(str(out)):
+    with publish.output_lock(str(out)):
         with pytest.raises(OutputError, match="another npz2mmap convert is writing it"):
             convert([sources], out, workers=1)
         assert not out.exists()
@@ -130,12 +130,12 @@ def test_a_second_concurrent_conversion_to_the_same_output_is_refused(tmp_path, 
 
 def test_leftovers_of_a_killed_conversion_are_removed_by_the_next(tmp_path, sources) -> None:
     out = tmp_path / "out"
-    (tmp_path / f".out{writer.STAGING_MARK}dead1").mkdir()
-    (tmp_path / f".out{writer.STAGING_MARK}dead1" / "data.npy").write_bytes(b"half")
-    (tmp_path / f".out{writer.RETIRED_MARK}dead2").mkdir()
-    (tmp_path / f".other{writer.STAGING_MARK}keep").mkdir()
+    (tmp_path / f".out{publish.STAGING_MARK}dead1").mkdir()
+    (tmp_path / f".out{publish.STAGING_MARK}dead1" / "data.npy").write_bytes(b"half")
+    (tmp_path / f".out{publish.RETIRED_MARK}dead2").mkdir()
+    (tmp_path / f".other{publish.STAGING_MARK}keep").mkdir()
     convert([sources], out, workers=1)
-    assert leftovers(tmp_path) == [f".other{writer.STAGING_MARK}keep"]
+    assert leftovers(tmp_path) == [f".other{publish.STAGING_MARK}keep"]
 
 
 def test_a_worker_killed_mid_conversion_is_an_error_not_a_hang(tmp_path, sources, monkeypatch) -> None:

@@ -1,0 +1,121 @@
+"""The output directory's life: refuse, lock, stage, publish atomically, clean up.
+
+A dataset is built in a hidden sibling directory of OUT and renamed into place
+only when complete, so OUT is at every moment absent, the old dataset or the
+new one; a lock file beside OUT keeps two conversions apart and lets the lock
+holder remove what killed conversions left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+
+from . import fsutil
+from .errors import OutputError
+from .spec import DATASET_FILES, INDEX_NAME
+
+STAGING_MARK = ".npz2mmap-tmp-"
+RETIRED_MARK = ".npz2mmap-old-"
+LOCK_SUFFIX = ".npz2mmap-lock"
+
+
+def check_output(out_dir: str, overwrite: bool) -> None:
+    """Refuse early what publish() would refuse late: an existing OUT without overwrite."""
+    if not os.path.lexists(out_dir):
+        return
+    if not overwrite:
+        raise OutputError(f"{out_dir}: already exists; pass --overwrite to replace it")
+    if os.path.islink(out_dir) or not _is_replaceable(out_dir):
+        raise OutputError(f"{out_dir}: exists and is not an npz2mmap dataset; refusing to replace it")
+
+
+def _is_replaceable(path: str) -> bool:
+    """Only an npz2mmap dataset or an empty directory may be replaced."""
+    if not os.path.isdir(path):
+        return False
+    entries = set(os.listdir(path))
+    return not entries or (INDEX_NAME in entries and entries <= set(DATASET_FILES))
+
+
+@contextlib.contextmanager
+def output_lock(out_dir: str) -> Iterator[None]:
+    """Be the only converter writing OUT; remove what dead converters left beside it.
+
+    Raises OutputError when another conversion to OUT is running.
+    """
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        lock = fsutil.exclusive_lock(os.path.join(parent, f".{name}{LOCK_SUFFIX}"))
+        acquired = lock.__enter__()
+    except OSError as exc:
+        raise OutputError(f"{out_dir}: cannot create the output beside it ({exc.strerror or exc})") from exc
+    with contextlib.ExitStack() as stack:
+        stack.push(lock)
+        if not acquired:
+            raise OutputError(f"{out_dir}: another npz2mmap convert is writing it")
+        _remove_leftovers(parent, name)
+        yield
+
+
+def _remove_leftovers(parent: str, name: str) -> None:
+    """Staging and retired directories of OUT whose converter was killed."""
+    prefixes = (f".{name}{STAGING_MARK}", f".{name}{RETIRED_MARK}")
+    for entry in os.listdir(parent):
+        if entry.startswith(prefixes):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def make_staging_dir(out_dir: str) -> str:
+    """A hidden sibling of OUT, so the final rename stays on one filesystem.
+
+    Created with the umask's permissions (not mkdtemp's 0700), since it becomes OUT.
+    """
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    return _make_unique_dir(parent, f".{name}{STAGING_MARK}")
+
+
+def _make_unique_dir(parent: str, prefix: str) -> str:
+    while True:
+        path = os.path.join(parent, prefix + secrets.token_hex(4))
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+
+
+def publish(staging_dir: str, out_dir: str, overwrite: bool) -> None:
+    """Rename the finished staging directory to OUT; an old OUT goes only after.
+
+    Replacing swaps the two directories in one atomic step where the system
+    can (the old dataset then sits at ``staging_dir`` for the caller to remove),
+    so OUT is at every moment either the old or the new complete dataset.
+    Readers that have the old dataset open keep their mapping of the old files.
+    """
+    check_output(out_dir, overwrite)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    if not os.path.lexists(out_dir):
+        os.rename(staging_dir, out_dir)
+        fsutil.fsync_dir(parent)
+        return
+    if fsutil.exchange(staging_dir, out_dir):
+        fsutil.fsync_dir(parent)
+        return
+    retired = _make_unique_dir(parent, f".{os.path.basename(out_dir)}{RETIRED_MARK}")
+    os.rename(out_dir, retired)
+    try:
+        os.rename(staging_dir, out_dir)
+    except OSError:
+        os.rename(retired, out_dir)
+        raise
+    fsutil.fsync_dir(parent)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def remove_staging(staging_dir: str) -> None:
+    shutil.rmtree(staging_dir, ignore_errors=True)
