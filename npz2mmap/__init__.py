@@ -6,34 +6,43 @@ import torch.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["DatasetReader", "MmapDataset", "Npz2mmapError", "convert", "__version__"]
+__all__ = [
+    "BlockShuffleSampler",
+    "DatasetReader",
+    "MmapDataset",
+    "MmapLoader",
+    "Npz2mmapError",
+    "collate",
+    "convert",
+    "__version__",
+]
+
+_LAZY = {
+    "BlockShuffleSampler": "samplers",
+    "DatasetReader": "reader",
+    "MmapDataset": "dataset",
+    "MmapLoader": "loader",
+    "Npz2mmapError": "errors",
+    "collate": "dataset",
+    "convert": "converter",
+}
 
 if TYPE_CHECKING:
     from .converter import convert
-    from .dataset import MmapDataset
+    from .dataset import MmapDataset, collate
     from .errors import Npz2mmapError
+    from .loader import MmapLoader
     from .reader import DatasetReader
+    from .samplers import BlockShuffleSampler
 
 
 def __getattr__(name: str) -> Any:
-    if name == "MmapDataset":
-        from .dataset import MmapDataset
-
-        return MmapDataset
-    if name == "DatasetReader":
-        from .reader import DatasetReader
-
-        return DatasetReader
-    if name == "convert":
-        from .converter import convert
-
-        return convert
-    if name == "Npz2mmapError":
-        from .errors import Npz2mmapError
-
-        return Npz2mmapError
-    raise AttributeError(f"module 'npz2mmap' has no attribute {name!r}")
+    """Import on first use, so that ``import npz2mmap`` never pulls in torch."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'npz2mmap' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence as SequenceABC
+from typing import Any, overload
 
 import numpy as np
-from torch.utils.data import Dataset
+import torch
+from torch.utils.data import Dataset, default_collate
 
-from .reader import DatasetReader, blob_identity
+from .reader import ADVICE, DatasetReader, blob_identity
 from .spec import Index, load_index
 
 
@@ -24,8 +26,9 @@ class MmapDataset(Dataset[Any]):
 
     ``ds[i]`` returns a dict field -> array, or the bare array when ``fields``
     is a single name. Arrays are fresh, writable copies: editing one never
-    reaches the file or a later read. Raises FormatError if the dataset is
-    invalid and KeyError for unknown fields.
+    reaches the file or a later read. ``advice`` ('random', 'sequential', ...)
+    is passed to madvise for each process's mapping. Raises FormatError if the
+    dataset is invalid, KeyError for unknown fields.
     """
 
     def __init__(
@@ -33,6 +36,7 @@ class MmapDataset(Dataset[Any]):
         path: str | os.PathLike[str],
         fields: str | Sequence[str] | None = None,
         transform: Callable[[Any], Any] | None = None,
+        advice: str | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.index: Index = load_index(self.path)
@@ -43,6 +47,9 @@ class MmapDataset(Dataset[Any]):
             self.index.field(name)
         self.fields: tuple[str, ...] = tuple(names)
         self.transform = transform
+        if advice is not None and advice not in ADVICE:
+            raise ValueError(f"advice must be one of {', '.join(ADVICE)}, got {advice!r}")
+        self.advice = advice
         self._reader: DatasetReader | None = None
         self._pid = -1
 
@@ -54,6 +61,8 @@ class MmapDataset(Dataset[Any]):
         """This process's mapping, opened on first use (and again after a fork)."""
         if self._reader is None or self._pid != os.getpid():
             self._reader = DatasetReader(self.path, self.index, self.blob_identity)
+            if self.advice is not None:
+                self._reader.advise(self.advice)
             self._pid = os.getpid()
         return self._reader
 
@@ -66,6 +75,19 @@ class MmapDataset(Dataset[Any]):
             sample = {name: np.array(reader.view(name, i)) for name in self.fields}
         return self.transform(sample) if self.transform is not None else sample
 
+    def __getitems__(self, indices: Sequence[int]) -> Sequence[Any]:
+        """A batch of samples, gathered with one copy per field (DataLoader calls this).
+
+        Returns a GatheredBatch: a sequence of samples that the default collate
+        accepts, and that ``npz2mmap.collate`` turns into tensors with no
+        further copy. With a transform, samples are read one by one instead.
+        """
+        if self.transform is not None:
+            return [self[i] for i in indices]
+        reader = self.reader
+        arrays = {name: reader.gather(name, indices) for name in self.fields}
+        return GatheredBatch(arrays, self.fields[0] if self.single else None, len(indices))
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_reader"] = None
@@ -74,3 +96,57 @@ class MmapDataset(Dataset[Any]):
 
     def __repr__(self) -> str:
         return f"MmapDataset({self.path!r}, samples={len(self)}, fields={list(self.fields)})"
+
+
+class GatheredBatch(SequenceABC[Any]):
+    """Samples gathered field by field: ``arrays[field]`` holds the whole batch.
+
+    Indexing gives per-sample views, so torch's default collate still works;
+    ``collate`` uses ``arrays`` directly.
+    """
+
+    def __init__(
+        self, arrays: dict[str, np.ndarray | list[np.ndarray]], single: str | None, length: int
+    ) -> None:
+        self.arrays = arrays
+        self.single = single
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    @overload
+    def __getitem__(self, j: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, j: slice) -> list[Any]: ...
+
+    def __getitem__(self, j: int | slice) -> Any:
+        if isinstance(j, slice):
+            return [self[k] for k in range(*j.indices(self.length))]
+        if self.single is not None:
+            return self.arrays[self.single][j]
+        return {name: array[j] for name, array in self.arrays.items()}
+
+
+def collate(batch: Any) -> Any:
+    """Collate for MmapDataset: a GatheredBatch becomes tensors sharing its memory.
+
+    Fixed fields become one tensor each (no copy); ragged fields stay lists of
+    tensors; dtypes torch lacks (strings, records, datetimes) stay numpy
+    arrays. Anything else goes to torch's default collate.
+    """
+    if not isinstance(batch, GatheredBatch):
+        return default_collate(batch)
+    tensors = {name: as_tensors(array) for name, array in batch.arrays.items()}
+    return tensors[batch.single] if batch.single is not None else tensors
+
+
+def as_tensors(array: np.ndarray | list[np.ndarray]) -> Any:
+    """Tensors sharing the arrays' memory; arrays of dtypes torch lacks are returned as they are."""
+    if isinstance(array, list):
+        return [as_tensors(item) for item in array]
+    try:
+        return torch.from_numpy(array)
+    except TypeError:
+        return array

@@ -124,7 +124,7 @@ def build_plan(
     if not collectors:
         raise SourceError(f"{sources[0]}: holds no arrays")
     fields = [(name, c.dtype, c.shapes(len(sources)), c.cast is not None) for name, c in collectors.items()]
-    return _lay_out(sources, fields, align)
+    return lay_out(sources, fields, align)
 
 
 def drop_samples(plan: Plan, samples: Iterable[int]) -> Plan:
@@ -135,7 +135,7 @@ def drop_samples(plan: Plan, samples: Iterable[int]) -> Plan:
     if not sources:
         raise SourceError("no usable .npz files: every input was skipped")
     fields = [(f.name, f.dtype, f.shapes[keep], f.cast) for f in plan.fields]
-    return _lay_out(sources, fields, plan.align)
+    return lay_out(sources, fields, plan.align)
 
 
 def _describe_key_mismatch(path: str, found: list[str], expected: list[str], first: str) -> str:
@@ -146,11 +146,15 @@ def _describe_key_mismatch(path: str, found: list[str], expected: list[str], fir
     return f"{path}: keys differ from {first} ({detail}); select common keys with --keys"
 
 
-_FieldShapes = tuple[str, np.dtype, NDArray[np.int64], bool]  # name, stored dtype, shapes, cast
+FieldShapes = tuple[str, np.dtype, NDArray[np.int64], bool]  # name, stored dtype, shapes, cast
 
 
-def _lay_out(sources: list[str], fields: list[_FieldShapes], align: int) -> Plan:
-    """All fields' data regions first, then their tables, each region aligned."""
+def lay_out(sources: list[str], fields: list[FieldShapes], align: int) -> Plan:
+    """Place all fields' data regions first, then their tables, each region aligned.
+
+    ``fields`` gives each field's name, stored dtype, per-sample shapes
+    (num_samples, ndim) and whether it was cast.
+    """
     allocate = _Allocator(align)
     placed = [_place_data(*f, allocate) for f in fields]
     placed = [_place_tables(f, len(sources), allocate) for f in placed]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import operator
 import os
+from collections.abc import Sequence
 
 import numpy as np
 from numpy.typing import NDArray
@@ -27,6 +28,12 @@ from .spec import (
     blob_header,
     load_index,
 )
+
+ADVICE = {
+    name: getattr(mmap, f"MADV_{name.upper()}")
+    for name in ("normal", "random", "sequential", "willneed")
+    if hasattr(mmap, f"MADV_{name.upper()}")
+}
 
 
 class DatasetReader:
@@ -86,11 +93,43 @@ class DatasetReader:
         except KeyError:
             raise KeyError(f"no field {name!r}; the dataset has: {', '.join(self._fields)}") from None
 
-    def close(self) -> None:
-        """Drop the mapping; views handed out keep their pages alive until freed."""
-        self._fields = {}
-        self.payload = np.empty(0, dtype=np.uint8)
-        self._mmap.close()
+    def advise(self, advice: str) -> None:
+        """Tell the kernel how the blob will be read: one of ADVICE ('random', 'sequential', ...)."""
+        if advice not in ADVICE:
+            raise ValueError(f"advice must be one of {', '.join(ADVICE)}, got {advice!r}")
+        if self._mmap is not None and hasattr(self._mmap, "madvise"):
+            self._mmap.madvise(ADVICE[advice])
+
+    def sample_indices(self, indices: Sequence[int] | NDArray[np.integer]) -> NDArray[np.int64]:
+        """Normalise many indices at once; IndexError naming the first out of range."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = self.index.num_samples
+        bad = np.flatnonzero((idx < -n) | (idx >= n))
+        if len(bad):
+            raise IndexError(f"sample index {idx[bad[0]]} is out of range for {n} samples")
+        return np.where(idx < 0, idx + n, idx)
+
+    def gather(
+        self, name: str, indices: Sequence[int] | NDArray[np.integer], out: np.ndarray | None = None
+    ) -> np.ndarray | list[np.ndarray]:
+        """Copy many samples of a field in one pass: one (len(indices), *shape) array.
+
+        For a fixed field, one gather straight from the mapping into ``out`` (or
+        a new array): the only copy between page cache and batch. A ragged field
+        gives a list of per-sample copies.
+        """
+        idx = self.sample_indices(indices)
+        view = self._field(name)
+        if view.column is None:
+            return [np.array(view.sample(int(i))) for i in idx]
+        if out is None:
+            out = np.empty((len(idx), *view.column.shape[1:]), dtype=view.column.dtype)
+        if len(idx) > 1 and idx[-1] - idx[0] == len(idx) - 1 and (np.diff(idx) == 1).all():
+            out[...] = view.column[idx[0] : idx[-1] + 1]  # a contiguous run: one memcpy
+        else:
+            # Indices are checked above; mode="raise" would buffer the whole batch once more.
+            np.take(view.column, idx, axis=0, out=out, mode="clip")
+        return out
 
 
 class _FieldView:

@@ -1,0 +1,136 @@
+"""MmapLoader: batches gathered straight from the mapping by a background thread.
+
+A memory-mapped read needs no decoding, so DataLoader's worker processes add
+only their cost (pickling every batch through a pipe). This loader gathers
+each batch in one copy per field from the page cache into the output tensor,
+in a thread that runs ahead of the training loop (numpy copies release the
+GIL), and needs no worker processes at all.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from .dataset import MmapDataset, as_tensors, collate
+from .reader import DatasetReader
+
+_END = object()
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class MmapLoader:
+    """Iterate an MmapDataset in batches of torch tensors, without worker processes.
+
+    ``shuffle`` draws a new order each epoch from ``seed`` and the epoch
+    (``set_epoch`` fixes it, as with DistributedSampler); ``sampler`` (any
+    iterable of indices, e.g. a DistributedSampler or BlockShuffleSampler)
+    replaces both. ``prefetch`` batches are prepared ahead. ``pin_memory``
+    gathers into page-locked tensors where CUDA is available (ignored otherwise).
+    """
+
+    def __init__(
+        self,
+        dataset: MmapDataset,
+        batch_size: int,
+        *,
+        shuffle: bool = False,
+        sampler: Iterable[int] | None = None,
+        drop_last: bool = False,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if batch_size < 1 or prefetch < 1:
+            raise ValueError("batch_size and prefetch must be at least 1")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.sampler = sampler
+        self.drop_last = drop_last
+        self.prefetch = prefetch
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_sampler_epoch is not None:
+            set_sampler_epoch(epoch)
+
+    def __len__(self) -> int:
+        count = len(self.sampler) if hasattr(self.sampler, "__len__") else len(self.dataset)  # type: ignore[arg-type]
+        return count // self.batch_size if self.drop_last else -(-count // self.batch_size)
+
+    def index_batches(self) -> Iterator[np.ndarray]:
+        """The batches of sample indices of this epoch."""
+        if self.sampler is not None:
+            order = np.fromiter(self.sampler, dtype=np.int64)
+        elif self.shuffle:
+            order = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.dataset))
+        else:
+            order = np.arange(len(self.dataset))
+        stop = len(order) - len(order) % self.batch_size if self.drop_last else len(order)
+        for start in range(0, stop, self.batch_size):
+            yield order[start : start + self.batch_size]
+
+    def __iter__(self) -> Iterator[Any]:
+        batches: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        thread = threading.Thread(target=self._produce, args=(batches, stop), daemon=True)
+        thread.start()
+        try:
+            while (item := batches.get()) is not _END:
+                if isinstance(item, _Failed):
+                    raise item.error
+                yield item
+        finally:
+            stop.set()
+            while thread.is_alive():
+                try:
+                    batches.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            thread.join()
+            if self.sampler is None and self.shuffle:
+                self.epoch += 1
+
+    def _produce(self, batches: queue.Queue[Any], stop: threading.Event) -> None:
+        try:
+            for indices in self.index_batches():
+                if stop.is_set():
+                    return
+                batches.put(self.load(indices))
+            batches.put(_END)
+        except BaseException as exc:  # handed to the consuming thread, which re-raises it
+            batches.put(_Failed(exc))
+
+    def load(self, indices: np.ndarray) -> Any:
+        """One batch: each fixed field gathered straight into its output tensor."""
+        if self.dataset.transform is not None:
+            return collate(self.dataset.__getitems__(indices.tolist()))
+        reader = self.dataset.reader
+        out = {name: self._gather(reader, name, indices) for name in self.dataset.fields}
+        return out[self.dataset.fields[0]] if self.dataset.single else out
+
+    def _gather(self, reader: DatasetReader, name: str, indices: np.ndarray) -> Any:
+        field = reader.index.field(name)
+        if field.shape is None:
+            return as_tensors(reader.gather(name, indices))
+        try:
+            dtype = torch.from_numpy(np.empty(0, dtype=field.dtype)).dtype
+        except TypeError:
+            return reader.gather(name, indices)  # a dtype torch lacks stays numpy
+        tensor = torch.empty((len(indices), *field.shape), dtype=dtype, pin_memory=self.pin_memory)
+        reader.gather(name, indices, out=tensor.numpy())
+        return tensor
