@@ -18,6 +18,7 @@ import numpy as np
 import tqdm
 
 from . import __version__
+from .cache import warm as warm_dataset
 from .converter import cast_dtype
 from .converter import convert as convert_files
 from .errors import Npz2mmapError
@@ -291,6 +292,25 @@ def verify(dataset: str, sources: bool, quiet: bool) -> None:
     if not quiet:
         checked = "checksums, tables, padding" + (" and sources" if report.sources_checked else "")
         click.echo(f"OK: {dataset}: {report.num_samples:,} samples verified ({checked})")
+
+
+@cli.command()
+@click.argument("dataset", type=click.Path(file_okay=False))
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@friendly_errors
+def warm(dataset: str, quiet: bool) -> None:
+    """Load a dataset into this node's page cache and report how much is resident."""
+    progress = BarProgress(not quiet)
+    try:
+        result = warm_dataset(dataset, progress=progress)
+    except OSError as exc:
+        raise click.ClickException(f"{dataset}: cannot read the blob ({exc.strerror or exc})") from None
+    finally:
+        progress.close()
+    click.echo(
+        f"{result.blob_path}: {human_bytes(result.resident_nbytes)} of {human_bytes(result.blob_nbytes)} "
+        f"resident in the page cache ({result.fraction:.0%})"
+    )
 
 
 def main() -> None:

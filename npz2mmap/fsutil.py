@@ -9,8 +9,11 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+import numpy as np
 
 _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 _AT_FDCWD = -100
@@ -99,3 +102,32 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def resident_nbytes(path: str) -> int:
+    """How many bytes of a file are in the page cache now (mincore(2) over a mapping)."""
+    size = os.path.getsize(path)
+    mincore = _libc_function("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    if mincore is None:
+        raise OSError(errno.ENOSYS, "mincore is not available here")
+    if size == 0:
+        return 0
+    pages = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
+    with open(path, "rb") as fp, mmap.mmap(fp.fileno(), size, access=mmap.ACCESS_READ) as mapping:
+        view = np.frombuffer(mapping, dtype=np.uint8)
+        status = mincore(view.ctypes.data, size, pages.ctypes.data)
+        del view
+    if status != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), path)
+    return min(size, int(np.count_nonzero(pages & 1)) * mmap.PAGESIZE)
+
+
+def load_into_page_cache(path: str, on_progress: Callable[[int], None] | None = None) -> None:
+    """Read a file once, in large sequential chunks, so its pages are cached."""
+    chunk = bytearray(8 << 20)
+    with open(path, "rb", buffering=0) as fp:
+        os.posix_fadvise(fp.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while count := fp.readinto(chunk):
+            if on_progress is not None:
+                on_progress(count)
