@@ -1,0 +1,748 @@
+"""Benchmark npz2mmap against the usual ways of feeding NPZ files to PyTorch.
+
+    python scripts/bench.py                  # full run (about 10 minutes on 2 cores)
+    python scripts/bench.py --quick          # a small smoke run (CI)
+    python scripts/bench.py --scale          # also the scale section (10M samples, 1M files, 2 GiB member)
+
+Everything is measured side by side in one run on workloads this script
+generates from fixed seeds. Prints a markdown table and writes results.md,
+results.json and results.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing
+import os
+import pickle
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from npz2mmap import MmapDataset, MmapLoader, collate
+from npz2mmap.converter import convert
+
+BATCH = 64
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- workloads ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    count: int
+    compressed: bool = False
+    ragged: bool = False
+
+    def sample(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        if self.ragged:
+            length = int(rng.integers(64, 2049))
+            return {
+                "tokens": rng.integers(0, 50_000, size=length, dtype=np.int32),
+                "mask": (rng.random(length) < 0.9).astype(np.uint8),
+            }
+        return {
+            "input": rng.standard_normal((3, 64, 64), dtype=np.float32),
+            "label": np.int64(rng.integers(1000)),
+        }
+
+
+def make_workload(work: Workload, root: Path) -> Path:
+    """Write the workload's NPZ files once (deterministic), reusing them if present."""
+    src = root / work.name / "npz"
+    done = root / work.name / "npz.done"
+    if done.exists():
+        return src
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir(parents=True)
+    rng = np.random.default_rng(len(work.name))
+    save = np.savez_compressed if work.compressed else np.savez
+    for i in range(work.count):
+        save(src / f"{i:07d}.npz", **work.sample(rng))
+    done.touch()
+    return src
+
+
+def npz_paths(src: Path) -> list[str]:
+    return sorted(str(p) for p in src.glob("*.npz"))
+
+
+# --- memory: the sum of PSS over a process tree ---------------------------------
+
+
+def process_tree(pid: int) -> list[int]:
+    pids, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        pids.append(current)
+        try:
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as fp:
+                    pending.extend(int(c) for c in fp.read().split())
+        except OSError:
+            continue
+    return pids
+
+
+def pss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fp:
+            for line in fp:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PssSampler:
+    """Samples the sum of PSS over this process and all its descendants; keeps the peak."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, sum(pss_bytes(p) for p in process_tree(os.getpid())))
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> PssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def drop_from_page_cache(paths: Iterable[Path | str]) -> None:
+    """Evict files' clean pages with posix_fadvise(DONTNEED): a cold cache without root."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files_under(*roots: Path) -> list[Path]:
+    return [p for root in roots if root.exists() for p in root.rglob("*") if p.is_file()]
+
+
+# --- the loaders under test ----------------------------------------------------------
+
+
+def load_npz(path: str) -> dict[str, np.ndarray]:
+    with np.load(path) as npz:
+        return {key: npz[key] for key in npz.files}
+
+
+class NaiveDataset(Dataset):
+    """np.load of the NPZ file on every item."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return load_npz(self.paths[i])
+
+
+class LruDataset(NaiveDataset):
+    """A per-worker cache of every loaded item: no locks, one copy per worker."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__(paths)
+        self.cache: dict[int, dict[str, np.ndarray]] = {}
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        if i not in self.cache:
+            self.cache[i] = load_npz(self.paths[i])
+        return self.cache[i]
+
+
+class ManagerDataset(NaiveDataset):
+    """One shared Manager().dict() cache behind a Manager lock."""
+
+    def __init__(self, paths: list[str], manager: Any) -> None:
+        super().__init__(paths)
+        self.cache = manager.dict()
+        self.lock = manager.Lock()
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        with self.lock:
+            hit = self.cache.get(i)
+        if hit is not None:
+            return hit
+        item = load_npz(self.paths[i])
+        with self.lock:
+            self.cache[i] = item
+        return item
+
+
+class DiskcacheDataset(NaiveDataset):
+    """A shared diskcache.Cache (SQLite index, pickled values)."""
+
+    def __init__(self, paths: list[str], directory: str) -> None:
+        super().__init__(paths)
+        self.directory = directory
+        self._cache: Any = None
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        import diskcache
+
+        if self._cache is None:
+            self._cache = diskcache.Cache(self.directory)
+        item = self._cache.get(i)
+        if item is None:
+            item = load_npz(self.paths[i])
+            self._cache.set(i, item)
+        return item
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_cache": None}
+
+
+class InRamBatches:
+    """The upper bound: every array already in this process's RAM, batches by fancy indexing."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], seed: int = 0) -> None:
+        self.arrays = arrays
+        self.seed = seed
+        self.epoch = 0
+
+    def __iter__(self) -> Iterable[dict[str, torch.Tensor]]:
+        count = len(next(iter(self.arrays.values())))
+        order = np.random.default_rng((self.seed, self.epoch)).permutation(count)
+        self.epoch += 1
+        for start in range(0, count, BATCH):
+            index = order[start : start + BATCH]
+            yield {key: torch.from_numpy(array[index]) for key, array in self.arrays.items()}
+
+
+def worker_loader(dataset: Any, workers: int, **kwargs: Any) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        **kwargs,
+    )
+
+
+def batch_count(batch: Any) -> int:
+    if isinstance(batch, dict):
+        batch = next(iter(batch.values()))
+    return len(batch)
+
+
+def ragged_collate(items: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    return items
+
+
+# --- measuring one loader --------------------------------------------------------------
+
+
+@dataclass
+class Measured:
+    loader: str
+    workload: str
+    workers: int
+    cold_per_s: float = 0.0
+    warm_per_s: float = 0.0
+    first_batch_s: float = 0.0
+    peak_pss_bytes: int = 0
+    note: str = ""
+
+
+def run_epochs(make: Callable[[], Iterable[Any]], cold_files: list[Path], row: Measured) -> Measured:
+    """Epoch 1 on a cold page cache, epoch 2 warm; the PSS peak over both."""
+    gc.collect()
+    drop_from_page_cache(cold_files)
+    with PssSampler() as pss:
+        started = time.perf_counter()
+        loader = make()
+        seen = 0
+        for epoch in range(2):
+            epoch_start = time.perf_counter()
+            iterator = iter(loader)
+            for batch in iterator:
+                if epoch == 0 and seen == 0:
+                    row.first_batch_s = time.perf_counter() - started
+                seen += batch_count(batch)
+            rate = seen / (time.perf_counter() - epoch_start)
+            if epoch == 0:
+                row.cold_per_s = rate
+            else:
+                row.warm_per_s = rate
+            seen = 0
+        del loader, iterator
+    row.peak_pss_bytes = pss.peak
+    return row
+
+
+# --- sections ----------------------------------------------------------------------------
+
+
+def throughput_section(
+    work: Workload, src: Path, dataset: Path, scratch: Path, quick: bool
+) -> list[Measured]:
+    paths = npz_paths(src)
+    blob_files = files_under(dataset)
+    fields = ["tokens", "mask"] if work.ragged else ["input", "label"]
+    extra = {"collate_fn": ragged_collate} if work.ragged else {}
+    loaders: dict[str, tuple[int, Callable[[], Iterable[Any]], list[Path]]] = {
+        "np.load per item": (2, lambda: worker_loader(NaiveDataset(paths), 2, **extra), []),
+        "per-worker LRU cache": (2, lambda: worker_loader(LruDataset(paths), 2, **extra), []),
+        "MmapDataset per item": (
+            2,
+            lambda: worker_loader(MmapDataset(dataset, fields=fields), 2, **extra),
+            blob_files,
+        ),
+        "MmapDataset batched, 2 workers": (
+            2,
+            lambda: worker_loader(MmapDataset(dataset, fields=fields), 2, collate_fn=collate),
+            blob_files,
+        ),
+        "MmapDataset batched, no workers": (
+            0,
+            lambda: worker_loader(MmapDataset(dataset, fields=fields), 0, collate_fn=collate),
+            blob_files,
+        ),
+        "MmapLoader (thread prefetch)": (
+            0,
+            lambda: MmapLoader(MmapDataset(dataset, fields=fields), BATCH, shuffle=True),
+            blob_files,
+        ),
+    }
+    if not work.ragged:
+        manager = multiprocessing.Manager()
+        cache_dir = scratch / f"diskcache-{work.name}"
+        loaders["Manager().dict() + lock"] = (2, lambda: worker_loader(ManagerDataset(paths, manager), 2), [])
+        loaders["diskcache"] = (2, lambda: worker_loader(DiskcacheDataset(paths, str(cache_dir)), 2), [])
+        loaders["in-RAM fancy indexing (bound)"] = (0, lambda: InRamBatches(read_all(dataset, fields)), [])
+    rows = []
+    for name, (workers, make, extra_cold) in loaders.items():
+        shutil.rmtree(scratch / f"diskcache-{work.name}", ignore_errors=True)
+        cold = [Path(p) for p in paths] + extra_cold
+        row = run_epochs(make, cold, Measured(name, work.name, workers))
+        print(
+            f"  {work.name:10s} {name:34s} cold {row.cold_per_s:>10,.0f}/s  warm {row.warm_per_s:>10,.0f}/s  "
+            f"PSS {row.peak_pss_bytes / 1e6:>8,.0f} MB",
+            flush=True,
+        )
+        rows.append(row)
+    if not work.ragged:
+        manager.shutdown()
+    return rows
+
+
+def read_all(dataset: Path, fields: list[str]) -> dict[str, np.ndarray]:
+    ds = MmapDataset(dataset, fields=fields)
+    return {name: np.array(ds.reader.column(name)) for name in fields}
+
+
+def memory_section(work: Workload, src: Path, dataset: Path, worker_counts: list[int]) -> list[Measured]:
+    """The PSS sum with 1, 2, 4 workers: a per-worker cache grows, the mapping does not."""
+    paths = npz_paths(src)
+    rows = []
+    for workers in worker_counts:
+        for name, make in {
+            "per-worker LRU cache": lambda w=workers: worker_loader(LruDataset(paths), w),
+            "MmapDataset per item": lambda w=workers: worker_loader(
+                MmapDataset(dataset, fields=["input", "label"]), w
+            ),
+        }.items():
+            row = run_epochs(make, [], Measured(name, work.name, workers, note="memory"))
+            print(f"  {workers} workers {name:24s} PSS {row.peak_pss_bytes / 1e6:,.0f} MB", flush=True)
+            rows.append(row)
+    return rows
+
+
+def advice_section(dataset: Path, quick: bool) -> list[Measured]:
+    """Cold-cache random access: default readahead vs MADV_RANDOM, and block shuffling."""
+    from npz2mmap import BlockShuffleSampler
+
+    rows = []
+    blob = files_under(dataset)
+    count = len(MmapDataset(dataset))
+    variants = {
+        "shuffle, default readahead": lambda: MmapLoader(MmapDataset(dataset), BATCH, shuffle=True),
+        "shuffle, MADV_RANDOM": lambda: MmapLoader(
+            MmapDataset(dataset, advice="random"), BATCH, shuffle=True
+        ),
+        "block shuffle (1024), default": lambda: MmapLoader(
+            MmapDataset(dataset), BATCH, sampler=BlockShuffleSampler(count, 1024)
+        ),
+        "sequential, MADV_SEQUENTIAL": lambda: MmapLoader(MmapDataset(dataset, advice="sequential"), BATCH),
+    }
+    for name, make in variants.items():
+        row = run_epochs(make, blob, Measured(name, "fixed", 0, note="advice"))
+        print(f"  {name:32s} cold {row.cold_per_s:>10,.0f}/s  warm {row.warm_per_s:>10,.0f}/s", flush=True)
+        rows.append(row)
+    return rows
+
+
+@dataclass
+class Conversion:
+    workload: str
+    files: int
+    source_bytes: int
+    dataset_bytes: int
+    workers: int
+    seconds: float
+    naive_pass_seconds: float
+
+
+def naive_pass(paths: list[str], workers: int) -> float:
+    started = time.perf_counter()
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        for _ in pool.imap_unordered(load_npz, paths, chunksize=64):
+            pass
+    return time.perf_counter() - started
+
+
+def convert_section(
+    work: Workload, src: Path, root: Path, worker_counts: list[int]
+) -> tuple[Path, list[Conversion]]:
+    paths = npz_paths(src)
+    source_bytes = sum(os.path.getsize(p) for p in paths)
+    rows = []
+    dataset = root / work.name / "dataset"
+    for workers in worker_counts:
+        drop_from_page_cache(paths)
+        naive = naive_pass(paths, workers)
+        drop_from_page_cache(paths)
+        result = convert([src], dataset, workers=workers, overwrite=True)
+        size = sum(p.stat().st_size for p in files_under(dataset))
+        rows.append(Conversion(work.name, len(paths), source_bytes, size, workers, result.seconds, naive))
+        print(
+            f"  convert {work.name:10s} workers={workers}: {result.seconds:6.1f} s "
+            f"(one naive np.load pass: {naive:6.1f} s)",
+            flush=True,
+        )
+    return dataset, rows
+
+
+def scale_section(root: Path) -> dict[str, Any]:
+    """Open cost at 10M samples, converter memory for 1M files and for a 2 GiB member."""
+    out: dict[str, Any] = {}
+    out.update(measure_in_child(["open-10m", str(root / "scale")]))
+    out.update(measure_in_child(["convert-1m", str(root / "scale")]))
+    out.update(measure_in_child(["convert-2gib", str(root / "scale")]))
+    return out
+
+
+def measure_in_child(args: list[str]) -> dict[str, Any]:
+    result = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# --- children for the scale section (fresh processes, so RSS is theirs alone) --------------
+
+
+def synthesize_ragged(dataset: Path, count: int) -> None:
+    """A ragged dataset of ``count`` zero-filled samples (lengths 1..16), written by npz2mmap's own writer.
+
+    Making 10 million NPZ files would take hours; the format is the same.
+    """
+    from npz2mmap import publish, writer
+    from npz2mmap.plan import lay_out
+    from npz2mmap.spec import MIN_ALIGN
+
+    lengths = np.random.default_rng(2).integers(1, 17, size=count).reshape(-1, 1)
+    plan = lay_out(
+        [f"synthetic/{i}" for i in range(count)], [("tokens", np.dtype("<i4"), lengths, False)], MIN_ALIGN
+    )
+    crc_of_length = {n: zlib.crc32(bytes(4 * n)) for n in range(1, 17)}
+    crcs = np.vectorize(crc_of_length.get, otypes=[np.uint32])(lengths[:, 0])
+    with publish.output_lock(str(dataset)):
+        staging = publish.make_staging_dir(str(dataset))
+        try:
+            writer.create_blob(staging, plan.payload_nbytes)
+            writer.finish_dataset(staging, plan, [crcs])
+            publish.publish(staging, str(dataset), overwrite=True)
+        finally:
+            publish.remove_staging(staging)
+
+
+def child_open_10m(root: Path) -> dict[str, Any]:
+    dataset = root / "ragged-10m"
+    if not (dataset / "index.json").exists():
+        synthesize_ragged(dataset, 10_000_000)
+    rss_before = current_rss()
+    started = time.perf_counter()
+    ds = MmapDataset(dataset)
+    ds[len(ds) - 1]
+    seconds = time.perf_counter() - started
+    return {
+        "open_10m_samples_ms": seconds * 1000,
+        "open_10m_rss_added_mb": (current_rss() - rss_before) / 1e6,
+        "open_10m_pickled_bytes": len(pickle.dumps(ds)),
+    }
+
+
+def child_convert_1m(root: Path) -> dict[str, Any]:
+    src = root / "small-1m"
+    if not (root / "small-1m.done").exists():
+        shutil.rmtree(src, ignore_errors=True)
+        rng = np.random.default_rng(1)
+        for i in range(1_000_000):
+            directory = src / f"{i // 10_000:03d}"
+            if i % 10_000 == 0:
+                directory.mkdir(parents=True)
+            np.savez(directory / f"{i:07d}.npz", x=rng.random(4, dtype=np.float32), y=np.int64(i))
+        (root / "small-1m.done").touch()
+    started = time.perf_counter()
+    convert([src], root / "small-1m-dataset", overwrite=True)
+    return {
+        "convert_1m_files_s": time.perf_counter() - started,
+        "convert_1m_peak_rss_mb": peak_rss_with_children() / 1e6,
+    }
+
+
+def child_convert_2gib(root: Path) -> dict[str, Any]:
+    src = root / "big-member.npz"
+    if not src.exists():
+        array = np.lib.format.open_memmap(root / "big.npy", mode="w+", dtype=np.float32, shape=(2**29,))
+        array[:: 2**20] = 1.0
+        del array
+        import zipfile
+
+        with zipfile.ZipFile(src, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            zf.write(root / "big.npy", "x.npy")
+        os.unlink(root / "big.npy")
+    started = time.perf_counter()
+    convert([src], root / "big-member-dataset", overwrite=True, workers=1)
+    return {
+        "convert_2gib_s": time.perf_counter() - started,
+        "convert_2gib_peak_rss_mb": peak_rss_with_children() / 1e6,
+    }
+
+
+def current_rss() -> int:
+    with open("/proc/self/statm") as fp:
+        return int(fp.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_with_children() -> int:
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, children) * 1024
+
+
+# --- output ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    machine: dict[str, Any]
+    cold_cache: str
+    conversions: list[Conversion] = field(default_factory=list)
+    throughput: list[Measured] = field(default_factory=list)
+    memory: list[Measured] = field(default_factory=list)
+    advice: list[Measured] = field(default_factory=list)
+    scale: dict[str, Any] = field(default_factory=dict)
+
+
+def machine_facts() -> dict[str, Any]:
+    with open("/proc/meminfo") as fp:
+        mem_kb = int(fp.readline().split()[1])
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(mem_kb / 2**20, 1),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def ratio(value: float, reference: float) -> str:
+    return f"{value / reference:.2f}×" if reference else "-"
+
+
+def markdown(report: Report) -> str:
+    m = report.machine
+    lines = [
+        f"Machine: {m['cpus']} cores, {m['memory_gib']} GiB, Python {m['python']}, numpy {m['numpy']}, "
+        f"torch {m['torch']}. Batch size {BATCH}, shuffled. Cold epoch: {report.cold_cache}.",
+        "",
+        "| workload | loader | workers | cold epoch (samples/s) | warm epoch (samples/s) "
+        "| vs in-RAM | vs np.load | first batch (s) | peak PSS sum (MB) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for work in dict.fromkeys(r.workload for r in report.throughput):
+        rows = [r for r in report.throughput if r.workload == work]
+        bound = next((r.warm_per_s for r in rows if "bound" in r.loader), 0.0)
+        naive = next((r.warm_per_s for r in rows if r.loader == "np.load per item"), 0.0)
+        for r in rows:
+            lines.append(
+                f"| {work} | {r.loader} | {r.workers} | {r.cold_per_s:,.0f} | {r.warm_per_s:,.0f} | "
+                f"{ratio(r.warm_per_s, bound)} | {ratio(r.warm_per_s, naive)} | {r.first_batch_s:.2f} | "
+                f"{r.peak_pss_bytes / 1e6:,.0f} |"
+            )
+    if report.memory:
+        lines += [
+            "",
+            "Peak PSS summed over the main process and all workers (MB), warm second epoch included:",
+            "",
+        ]
+        counts = sorted({r.workers for r in report.memory})
+        lines.append("| loader | " + " | ".join(f"{c} worker(s)" for c in counts) + " |")
+        lines.append("| --- |" + " ---: |" * len(counts))
+        for name in dict.fromkeys(r.loader for r in report.memory):
+            cells = [
+                f"{r.peak_pss_bytes / 1e6:,.0f}"
+                for c in counts
+                for r in report.memory
+                if r.loader == name and r.workers == c
+            ]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if report.advice:
+        lines += ["", "Access hints and sample order, MmapLoader on the fixed workload:", ""]
+        lines += [
+            "| order and hint | cold epoch (samples/s) | warm epoch (samples/s) |",
+            "| --- | ---: | ---: |",
+        ]
+        lines += [f"| {r.loader} | {r.cold_per_s:,.0f} | {r.warm_per_s:,.0f} |" for r in report.advice]
+    if report.conversions:
+        lines += ["", "Conversion (NPZ files → dataset), page cache dropped before each run:", ""]
+        lines += [
+            "| workload | files | NPZ size (MB) | dataset size (MB) | workers | convert (s) "
+            "| one np.load pass (s) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {c.workload} | {c.files:,} | {c.source_bytes / 1e6:,.0f} | {c.dataset_bytes / 1e6:,.0f} | "
+            f"{c.workers} | {c.seconds:.1f} | {c.naive_pass_seconds:.1f} |"
+            for c in report.conversions
+        ]
+    if report.scale:
+        lines += ["", "Scale:", ""] + [
+            f"- {key}: {value:,.1f}" if isinstance(value, float) else f"- {key}: {value:,}"
+            for key, value in report.scale.items()
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def chart(report: Report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report.throughput if r.workload == "fixed"] or report.throughput
+    names = [r.loader for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 1.6))
+    left.barh(names, [r.warm_per_s for r in rows], color="tab:blue", label="warm")
+    left.barh(names, [r.cold_per_s for r in rows], color="tab:orange", alpha=0.7, label="cold")
+    left.set_xscale("log")
+    left.set_xlabel("samples/s (log scale)")
+    left.legend(loc="lower right")
+    left.invert_yaxis()
+    right.barh(names, [r.peak_pss_bytes / 1e6 for r in rows], color="tab:green")
+    right.set_xlabel("peak PSS summed over processes (MB)")
+    right.set_yticks([])
+    right.invert_yaxis()
+    fig.suptitle(
+        f"{rows[0].workload if rows else ''} workload, batch {BATCH}, {report.machine['cpus']} cores"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="small workloads: a smoke run of every path")
+    parser.add_argument("--scale", action="store_true", help="also run the scale section (slow, ~10 GB disk)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench-results")
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="where workloads live (default: a temp dir)"
+    )
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        task, root = args.child
+        children = {
+            "open-10m": child_open_10m,
+            "convert-1m": child_convert_1m,
+            "convert-2gib": child_convert_2gib,
+        }
+        Path(root).mkdir(parents=True, exist_ok=True)
+        print(json.dumps(children[task](Path(root))))
+        return
+    sys.path.insert(0, str(Path(__file__).parent))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="npz2mmap-bench-"))
+    count = 600 if args.quick else 20_000
+    workloads = [
+        Workload("fixed", count),
+        Workload("ragged", count // 2, ragged=True),
+        Workload("compressed", count // 4, compressed=True),
+    ]
+    cores = os.cpu_count() or 1
+    report = Report(machine_facts(), "pages of the files read evicted with posix_fadvise(DONTNEED) before it")
+    args.out.mkdir(parents=True, exist_ok=True)
+    datasets = {}
+    print(f"workloads in {workdir}", flush=True)
+    for work in workloads:
+        src = make_workload(work, workdir)
+        counts = sorted({1, 2, cores}) if work.name == "fixed" and not args.quick else [cores]
+        datasets[work.name], rows = convert_section(work, src, workdir, counts)
+        report.conversions += rows
+    for work in workloads:
+        report.throughput += throughput_section(
+            work, workdir / work.name / "npz", datasets[work.name], workdir, args.quick
+        )
+    report.memory = memory_section(
+        workloads[0], workdir / "fixed" / "npz", datasets["fixed"], [1, 2] if args.quick else [1, 2, 4]
+    )
+    report.advice = advice_section(datasets["fixed"], args.quick)
+    if args.scale:
+        report.scale = scale_section(workdir)
+    text = markdown(report)
+    print("\n" + text)
+    (args.out / "results.md").write_text(text)
+    (args.out / "results.json").write_text(json.dumps(asdict(report), indent=1))
+    chart(report, args.out / "results.png")
+    print(f"wrote {args.out / 'results.md'}, results.json and results.png")
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
