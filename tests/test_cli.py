@@ -65,6 +65,17 @@ def test_convert_inspect_verify(tmp_path, sources) -> None:
     assert result.output == f"OK: {out}: 4 samples verified (checksums, tables, padding and sources)\n"
 
 
+def test_warm_reports_the_blob_resident(tmp_path, sources) -> None:
+    run("convert", sources, "-o", tmp_path / "out")
+    result = run("warm", tmp_path / "out", "-q")
+    assert result.exit_code == 0
+    size = (tmp_path / "out" / "data.npy").stat().st_size
+    assert (
+        result.output
+        == f"{tmp_path / 'out' / 'data.npy'}: {size} B of {size} B resident in the page cache (100%)\n"
+    )
+
+
 def test_quiet_convert_prints_nothing(tmp_path, sources) -> None:
     result = run("convert", sources, "-o", tmp_path / "out", "-q")
     assert result.exit_code == 0 and result.output == ""

@@ -1,0 +1,152 @@
+"""The batch path: __getitems__ + collate, MmapLoader, BlockShuffleSampler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_same_array
+from torch.utils.data import DataLoader, default_collate
+
+from npz2mmap import BlockShuffleSampler, MmapDataset, MmapLoader, collate
+from npz2mmap.dataset import GatheredBatch
+from npz2mmap.errors import FormatError
+
+
+def sources_by_label(sources):
+    out = {}
+    for path in sources:
+        with np.load(path) as npz:
+            out[int(npz["label"])] = {key: npz[key] for key in npz.files}
+    return out
+
+
+def test_getitems_gathers_each_field_once_and_collate_shares_its_memory(small_dataset) -> None:
+    out, sources = small_dataset
+    ds = MmapDataset(out, fields=["input", "label"])
+    batch = ds.__getitems__([4, 0, -1, 2])
+    assert isinstance(batch, GatheredBatch) and len(batch) == 4
+    expected = sources_by_label(sources)
+    assert batch.arrays["label"].tolist() == [4, 0, 5, 2]
+    for j, label in enumerate([4, 0, 5, 2]):
+        assert_same_array(batch[j]["input"], expected[label]["input"])
+    tensors = collate(batch)
+    assert tensors["input"].data_ptr() == batch.arrays["input"].ctypes.data
+    assert tensors["input"].shape == (4, 3, 4, 5) and tensors["label"].dtype == torch.int64
+    default = default_collate(batch)
+    assert torch.equal(default["input"], tensors["input"]) and torch.equal(default["label"], tensors["label"])
+
+
+def test_gathered_batches_are_copies_safe_to_edit(small_dataset) -> None:
+    out, _ = small_dataset
+    ds = MmapDataset(out, fields="input")
+    first = collate(ds.__getitems__([1, 2]))
+    first += 100
+    assert torch.equal(collate(ds.__getitems__([1, 2])), torch.from_numpy(np.stack([ds[1], ds[2]])))
+
+
+def test_contiguous_runs_and_scattered_indices_give_the_same_rows(small_dataset) -> None:
+    out, _ = small_dataset
+    reader = MmapDataset(out).reader
+    column = reader.column("input")
+    assert np.array_equal(reader.gather("input", [1, 2, 3, 4]), column[1:5])
+    assert np.array_equal(reader.gather("input", [5, 1, 3]), column[[5, 1, 3]])
+    target = np.empty((2, 3, 4, 5), np.float32)
+    assert reader.gather("input", [0, 5], out=target) is target
+    with pytest.raises(IndexError, match="sample index 6 is out of range for 6 samples"):
+        reader.gather("input", [0, 6])
+
+
+def test_ragged_fields_collate_to_lists_and_transforms_still_apply(small_dataset) -> None:
+    out, sources = small_dataset
+    expected = sources_by_label(sources)
+    batch = collate(MmapDataset(out, fields=["tokens", "label"]).__getitems__([3, 1]))
+    assert [t.tolist() for t in batch["tokens"]] == [
+        expected[3]["tokens"].tolist(),
+        expected[1]["tokens"].tolist(),
+    ]
+    doubled = MmapDataset(out, fields="label", transform=lambda a: a * 2)
+    assert collate(doubled.__getitems__([1, 2])).tolist() == [2, 4]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_with_the_batch_path_returns_exactly_the_sources(small_dataset, workers) -> None:
+    out, sources = small_dataset
+    expected = sources_by_label(sources)
+    loader = DataLoader(
+        MmapDataset(out, fields=["input", "label"]),
+        batch_size=4,
+        shuffle=True,
+        num_workers=workers,
+        collate_fn=collate,
+    )
+    seen = []
+    for batch in loader:
+        for label, image in zip(batch["label"].tolist(), batch["input"], strict=True):
+            assert_same_array(image.numpy(), expected[label]["input"])
+            seen.append(label)
+    assert sorted(seen) == list(range(6))
+
+
+def test_mmap_loader_visits_every_sample_once_per_epoch_in_a_new_order(small_dataset) -> None:
+    out, sources = small_dataset
+    expected = sources_by_label(sources)
+    loader = MmapLoader(MmapDataset(out, fields=["input", "label"]), batch_size=4, shuffle=True, seed=3)
+    assert len(loader) == 2
+    orders = []
+    for _ in range(2):
+        order = []
+        for batch in loader:
+            assert isinstance(batch["input"], torch.Tensor)
+            for label, image in zip(batch["label"].tolist(), batch["input"], strict=True):
+                assert_same_array(image.numpy(), expected[label]["input"])
+                order.append(label)
+        assert sorted(order) == list(range(6))
+        orders.append(order)
+    assert orders[0] != orders[1]
+    loader.set_epoch(0)
+    assert [int(x) for b in loader for x in b["label"]] == orders[0]
+
+
+def test_mmap_loader_drop_last_sampler_and_single_field(small_dataset) -> None:
+    out, _ = small_dataset
+    ds = MmapDataset(out, fields="label")
+    assert [b.tolist() for b in MmapLoader(ds, batch_size=4, drop_last=True)] == [[0, 1, 2, 3]]
+    assert [b.tolist() for b in MmapLoader(ds, batch_size=4, sampler=[5, 4, 3])] == [[5, 4, 3]]
+    ragged = next(iter(MmapLoader(MmapDataset(out, fields="tokens"), batch_size=3)))
+    assert [len(t) for t in ragged] == [1, 2, 3]
+
+
+def test_mmap_loader_raises_errors_from_its_thread_and_stops_when_left(small_dataset, monkeypatch) -> None:
+    out, _ = small_dataset
+    loader = MmapLoader(MmapDataset(out, fields="label"), batch_size=1, prefetch=1)
+    for _ in loader:
+        break  # leaving early must not hang
+    calls = []
+
+    def failing_gather(self, name, indices, out=None):
+        calls.append(name)
+        raise FormatError("field 'label' sample 2: tables are corrupt")
+
+    monkeypatch.setattr("npz2mmap.reader.DatasetReader.gather", failing_gather)
+    with pytest.raises(FormatError, match="tables are corrupt"):
+        list(loader)
+    assert calls
+
+
+def test_block_shuffle_sampler_covers_everything_block_by_block() -> None:
+    sampler = BlockShuffleSampler(10, block_size=4, seed=1)
+    first = list(sampler)
+    assert sorted(first) == list(range(10)) and len(sampler) == 10
+    blocks = [i // 4 for i in first]
+    assert blocks == sorted(blocks, key=lambda b: blocks.index(b))  # each block read in one stretch
+    sampler.set_epoch(1)
+    assert list(sampler) != first and sorted(sampler) == list(range(10))
+
+
+def test_advice_is_checked_and_applied(small_dataset) -> None:
+    out, _ = small_dataset
+    with pytest.raises(ValueError, match="advice must be one of"):
+        MmapDataset(out, advice="fast")
+    ds = MmapDataset(out, advice="random")
+    assert ds[0]["label"] == 0

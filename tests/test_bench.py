@@ -1,0 +1,44 @@
+"""The benchmark script runs end to end in its quick mode and writes its three outputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).parent.parent / "scripts" / "bench.py"
+
+
+def test_quick_benchmark_writes_table_json_and_chart(tmp_path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--quick",
+            "--out",
+            str(tmp_path / "out"),
+            "--workdir",
+            str(tmp_path / "w"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "out" / "results.md").read_text()
+    for loader in [
+        "np.load per item",
+        "per-worker LRU cache",
+        "Manager().dict() + lock",
+        "diskcache",
+        "MmapDataset per item",
+        "MmapDataset batched, no workers",
+        "MmapLoader (thread prefetch)",
+        "in-RAM fancy indexing (bound)",
+    ]:
+        assert f"| fixed | {loader} |" in table, loader
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {row["workload"] for row in report["throughput"]} == {"fixed", "ragged", "compressed"}
+    assert all(row["warm_per_s"] > 0 and row["peak_pss_bytes"] > 0 for row in report["throughput"])
+    assert (tmp_path / "out" / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
