@@ -34,7 +34,9 @@ class MmapLoader:
     ``shuffle`` draws a new order each epoch from ``seed`` and the epoch
     (``set_epoch`` fixes it, as with DistributedSampler); ``sampler`` (any
     iterable of indices, e.g. a DistributedSampler or BlockShuffleSampler)
-    replaces both. ``prefetch`` batches are prepared ahead. ``pin_memory``
+    replaces both. ``prefetch`` batches are prepared ahead by a background
+    thread; with 0 there is no thread and each batch is gathered when asked
+    for (fastest when nothing else runs between batches). ``pin_memory``
     gathers into page-locked tensors where CUDA is available (ignored otherwise).
     """
 
@@ -50,8 +52,8 @@ class MmapLoader:
         pin_memory: bool = False,
         seed: int = 0,
     ) -> None:
-        if batch_size < 1 or prefetch < 1:
-            raise ValueError("batch_size and prefetch must be at least 1")
+        if batch_size < 1 or prefetch < 0:
+            raise ValueError("batch_size must be at least 1 and prefetch at least 0")
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -85,6 +87,16 @@ class MmapLoader:
             yield order[start : start + self.batch_size]
 
     def __iter__(self) -> Iterator[Any]:
+        try:
+            if self.prefetch == 0:
+                yield from (self.load(indices) for indices in self.index_batches())
+            else:
+                yield from self._prefetched()
+        finally:
+            if self.sampler is None and self.shuffle:
+                self.epoch += 1
+
+    def _prefetched(self) -> Iterator[Any]:
         batches: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
         thread = threading.Thread(target=self._produce, args=(batches, stop), daemon=True)
@@ -102,8 +114,6 @@ class MmapLoader:
                 except queue.Empty:
                     pass
             thread.join()
-            if self.sampler is None and self.shuffle:
-                self.epoch += 1
 
     def _produce(self, batches: queue.Queue[Any], stop: threading.Event) -> None:
         try:

@@ -18,7 +18,6 @@ import multiprocessing
 import os
 import pickle
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -102,29 +101,40 @@ def process_tree(pid: int) -> list[int]:
     return pids
 
 
-def pss_bytes(pid: int) -> int:
+def pss_bytes(pid: int) -> tuple[int, int]:
+    """(PSS, of which file-backed) of one process, in bytes."""
+    values = {}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as fp:
             for line in fp:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
+                key, _, rest = line.partition(":")
+                if key in ("Pss", "Pss_File"):
+                    values[key] = int(rest.split()[0]) * 1024
     except OSError:
         pass
-    return 0
+    return values.get("Pss", 0), values.get("Pss_File", 0)
 
 
 class PssSampler:
-    """Samples the sum of PSS over this process and all its descendants; keeps the peak."""
+    """Samples the sum of PSS over this process and all its descendants; keeps the peak.
+
+    File-backed PSS is page cache mapped by the processes (a memory map, the
+    loaded libraries): shared by every process on the machine, counted once.
+    """
 
     def __init__(self, interval: float = 0.05) -> None:
         self.interval = interval
         self.peak = 0
+        self.peak_file = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, sum(pss_bytes(p) for p in process_tree(os.getpid())))
+            samples = [pss_bytes(p) for p in process_tree(os.getpid())]
+            total = sum(pss for pss, _ in samples)
+            if total > self.peak:
+                self.peak, self.peak_file = total, sum(file for _, file in samples)
             self._stop.wait(self.interval)
 
     def __enter__(self) -> PssSampler:
@@ -279,6 +289,7 @@ class Measured:
     warm_per_s: float = 0.0
     first_batch_s: float = 0.0
     peak_pss_bytes: int = 0
+    peak_pss_file_bytes: int = 0
     note: str = ""
 
 
@@ -305,6 +316,7 @@ def run_epochs(make: Callable[[], Iterable[Any]], cold_files: list[Path], row: M
             seen = 0
         del loader, iterator
     row.peak_pss_bytes = pss.peak
+    row.peak_pss_file_bytes = pss.peak_file
     return row
 
 
@@ -339,6 +351,11 @@ def throughput_section(
         "MmapLoader (thread prefetch)": (
             0,
             lambda: MmapLoader(MmapDataset(dataset, fields=fields), BATCH, shuffle=True),
+            blob_files,
+        ),
+        "MmapLoader (no thread)": (
+            0,
+            lambda: MmapLoader(MmapDataset(dataset, fields=fields), BATCH, shuffle=True, prefetch=0),
             blob_files,
         ),
     }
@@ -522,12 +539,8 @@ def child_convert_1m(root: Path) -> dict[str, Any]:
                 directory.mkdir(parents=True)
             np.savez(directory / f"{i:07d}.npz", x=rng.random(4, dtype=np.float32), y=np.int64(i))
         (root / "small-1m.done").touch()
-    started = time.perf_counter()
-    convert([src], root / "small-1m-dataset", overwrite=True)
-    return {
-        "convert_1m_files_s": time.perf_counter() - started,
-        "convert_1m_peak_rss_mb": peak_rss_with_children() / 1e6,
-    }
+    seconds, peak = convert_with_cli(src, root / "small-1m-dataset")
+    return {"convert_1m_files_s": seconds, "convert_1m_largest_process_peak_rss_mb": peak / 1e6}
 
 
 def child_convert_2gib(root: Path) -> dict[str, Any]:
@@ -541,23 +554,33 @@ def child_convert_2gib(root: Path) -> dict[str, Any]:
         with zipfile.ZipFile(src, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
             zf.write(root / "big.npy", "x.npy")
         os.unlink(root / "big.npy")
+    seconds, peak = convert_with_cli(src, root / "big-member-dataset")
+    return {"convert_2gib_member_s": seconds, "convert_2gib_member_largest_process_peak_rss_mb": peak / 1e6}
+
+
+PEAK_RSS_OF_COMMAND = (
+    "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)"
+)
+
+
+def convert_with_cli(src: Path, out: Path) -> tuple[float, int]:
+    """Run `npz2mmap convert` under a small parent that reports the largest peak RSS of its processes.
+
+    A child forked straight from this torch-importing process would count our memory as its own.
+    """
+    cli = str(Path(sys.executable).parent / "npz2mmap")
+    command = [cli, "convert", str(src), "-o", str(out), "--overwrite", "-q"]
     started = time.perf_counter()
-    convert([src], root / "big-member-dataset", overwrite=True, workers=1)
-    return {
-        "convert_2gib_s": time.perf_counter() - started,
-        "convert_2gib_peak_rss_mb": peak_rss_with_children() / 1e6,
-    }
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS_OF_COMMAND, *command], check=True, capture_output=True, text=True
+    )
+    return time.perf_counter() - started, int(result.stdout.strip())
 
 
 def current_rss() -> int:
     with open("/proc/self/statm") as fp:
         return int(fp.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_rss_with_children() -> int:
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return max(own, children) * 1024
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -598,8 +621,8 @@ def markdown(report: Report) -> str:
         f"torch {m['torch']}. Batch size {BATCH}, shuffled. Cold epoch: {report.cold_cache}.",
         "",
         "| workload | loader | workers | cold epoch (samples/s) | warm epoch (samples/s) "
-        "| vs in-RAM | vs np.load | first batch (s) | peak PSS sum (MB) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| vs in-RAM | vs np.load | first batch (s) | peak PSS sum (MB) | of which mapped files (MB) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for work in dict.fromkeys(r.workload for r in report.throughput):
         rows = [r for r in report.throughput if r.workload == work]
@@ -609,12 +632,13 @@ def markdown(report: Report) -> str:
             lines.append(
                 f"| {work} | {r.loader} | {r.workers} | {r.cold_per_s:,.0f} | {r.warm_per_s:,.0f} | "
                 f"{ratio(r.warm_per_s, bound)} | {ratio(r.warm_per_s, naive)} | {r.first_batch_s:.2f} | "
-                f"{r.peak_pss_bytes / 1e6:,.0f} |"
+                f"{r.peak_pss_bytes / 1e6:,.0f} | {r.peak_pss_file_bytes / 1e6:,.0f} |"
             )
     if report.memory:
         lines += [
             "",
-            "Peak PSS summed over the main process and all workers (MB), warm second epoch included:",
+            "Peak PSS summed over the main process and all workers over two epochs, in MB "
+            "(in brackets: of which mapped files, i.e. page cache shared by all processes):",
             "",
         ]
         counts = sorted({r.workers for r in report.memory})
@@ -622,7 +646,7 @@ def markdown(report: Report) -> str:
         lines.append("| --- |" + " ---: |" * len(counts))
         for name in dict.fromkeys(r.loader for r in report.memory):
             cells = [
-                f"{r.peak_pss_bytes / 1e6:,.0f}"
+                f"{r.peak_pss_bytes / 1e6:,.0f} ({r.peak_pss_file_bytes / 1e6:,.0f})"
                 for c in counts
                 for r in report.memory
                 if r.loader == name and r.workers == c

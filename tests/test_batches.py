@@ -115,6 +115,9 @@ def test_mmap_loader_drop_last_sampler_and_single_field(small_dataset) -> None:
     assert [b.tolist() for b in MmapLoader(ds, batch_size=4, sampler=[5, 4, 3])] == [[5, 4, 3]]
     ragged = next(iter(MmapLoader(MmapDataset(out, fields="tokens"), batch_size=3)))
     assert [len(t) for t in ragged] == [1, 2, 3]
+    threaded = MmapLoader(ds, batch_size=4, shuffle=True, seed=9)
+    unthreaded = MmapLoader(ds, batch_size=4, shuffle=True, seed=9, prefetch=0)
+    assert [b.tolist() for b in threaded] == [b.tolist() for b in unthreaded]
 
 
 def test_mmap_loader_raises_errors_from_its_thread_and_stops_when_left(small_dataset, monkeypatch) -> None:
