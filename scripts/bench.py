@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -258,6 +259,9 @@ class InRamBatches:
 
 
 def worker_loader(dataset: Any, workers: int, **kwargs: Any) -> DataLoader:
+    warnings.filterwarnings(
+        "ignore", message="This DataLoader will create"
+    )  # 4 workers on 2 cores, on purpose
     return DataLoader(
         dataset,
         batch_size=BATCH,
@@ -693,10 +697,20 @@ def chart(report: Report, path: Path) -> None:
     left.barh(names, [r.cold_per_s for r in rows], color="tab:orange", alpha=0.7, label="cold")
     left.set_xscale("log")
     left.set_xlabel("samples/s (log scale)")
-    left.legend(loc="lower right")
+    left.legend(loc="upper right")
     left.invert_yaxis()
-    right.barh(names, [r.peak_pss_bytes / 1e6 for r in rows], color="tab:green")
+    private = [(r.peak_pss_bytes - r.peak_pss_file_bytes) / 1e6 for r in rows]
+    right.barh(names, private, color="tab:green", label="private (anonymous)")
+    right.barh(
+        names,
+        [r.peak_pss_file_bytes / 1e6 for r in rows],
+        left=private,
+        color="tab:green",
+        alpha=0.35,
+        label="mapped files (shared page cache)",
+    )
     right.set_xlabel("peak PSS summed over processes (MB)")
+    right.legend(loc="lower right")
     right.set_yticks([])
     right.invert_yaxis()
     fig.suptitle(
