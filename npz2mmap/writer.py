@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -232,12 +232,10 @@ def finish_dataset(
         os.fsync(fd)
     finally:
         os.close(fd)
-    _write_file(os.path.join(staging_dir, SOURCES_NAME), "".join(json.dumps(p) + "\n" for p in plan.sources))
+    _write_file(os.path.join(staging_dir, SOURCES_NAME), (json.dumps(p) + "\n" for p in plan.sources))
     _write_file(
         os.path.join(staging_dir, SKIPPED_NAME),
-        "".join(
-            json.dumps({"path": path, "reason": reason}, sort_keys=True) + "\n" for path, reason in skipped
-        ),
+        (json.dumps({"path": path, "reason": why}, sort_keys=True) + "\n" for path, why in skipped),
     )
     index = Index(
         num_samples=plan.num_samples,
@@ -248,7 +246,7 @@ def finish_dataset(
         num_sources=plan.num_samples,
         num_skipped=len(skipped),
     )
-    _write_file(os.path.join(staging_dir, INDEX_NAME), index_to_json(index))
+    _write_file(os.path.join(staging_dir, INDEX_NAME), [index_to_json(index)])
     fsutil.fsync_dir(staging_dir)
     return index
 
@@ -276,8 +274,9 @@ def _write_tables(fd: int, f: FieldPlan, crcs: np.ndarray) -> Field:
     )
 
 
-def _write_file(path: str, text: str) -> None:
+def _write_file(path: str, lines: Iterable[str]) -> None:
+    """Create and fsync a text file, line by line (a million source paths need no big string)."""
     with open(path, "x", encoding="utf-8") as fp:
-        fp.write(text)
+        fp.writelines(lines)
         fp.flush()
         os.fsync(fp.fileno())
