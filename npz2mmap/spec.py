@@ -124,10 +124,6 @@ def _prod(shape: tuple[int, ...]) -> int:
     return result
 
 
-def align_up(value: int, align: int) -> int:
-    return -(-value // align) * align
-
-
 def storage_dtype(dtype: np.dtype) -> np.dtype:
     """The little-endian dtype a source dtype is stored as (recursively for records)."""
     return dtype.newbyteorder("<")
