@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -70,9 +69,3 @@ def small_dataset(tmp_path: Path) -> tuple[Path, list[Path]]:
     out = tmp_path / "dataset"
     convert([tmp_path / "src"], out, workers=1)
     return out, sources
-
-
-def env_without_warnings() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONWARNINGS"] = "error"
-    return env
