@@ -17,13 +17,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from .reader import ADVICE, DatasetReader, blob_identity
-from .spec import Index, load_index
+from .parts import Parts, PartsReader
+from .reader import ADVICE
 
 
 class MmapDataset(Dataset[Any]):
     """Samples of an npz2mmap dataset as numpy arrays.
 
+    ``path`` is a dataset directory, a directory with a ``manifest.json`` of
+    parts, or a list of either: parts are read as one dataset, in order.
     ``ds[i]`` returns a dict field -> array, or the bare array when ``fields``
     is a single name. Arrays are fresh, writable copies: editing one never
     reaches the file or a later read. ``advice`` ('random', 'sequential', ...)
@@ -33,36 +35,33 @@ class MmapDataset(Dataset[Any]):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         fields: str | Sequence[str] | None = None,
         transform: Callable[[Any], Any] | None = None,
         advice: str | None = None,
     ) -> None:
-        self.path = os.fspath(path)
-        self.index: Index = load_index(self.path)
-        self.blob_identity = blob_identity(self.path)
+        self.path = os.fspath(path) if isinstance(path, (str, os.PathLike)) else [os.fspath(p) for p in path]
+        self.parts = Parts(self.path)
         self.single = isinstance(fields, str)
-        names = [fields] if isinstance(fields, str) else list(fields or self.index.field_names)
+        names = [fields] if isinstance(fields, str) else list(fields or self.parts.field_names)
         for name in names:
-            self.index.field(name)
+            self.parts.field(name)
         self.fields: tuple[str, ...] = tuple(names)
         self.transform = transform
         if advice is not None and advice not in ADVICE:
             raise ValueError(f"advice must be one of {', '.join(ADVICE)}, got {advice!r}")
         self.advice = advice
-        self._reader: DatasetReader | None = None
+        self._reader: PartsReader | None = None
         self._pid = -1
 
     def __len__(self) -> int:
-        return self.index.num_samples
+        return self.parts.num_samples
 
     @property
-    def reader(self) -> DatasetReader:
-        """This process's mapping, opened on first use (and again after a fork)."""
+    def reader(self) -> PartsReader:
+        """This process's mappings, opened on first use (and again after a fork)."""
         if self._reader is None or self._pid != os.getpid():
-            self._reader = DatasetReader(self.path, self.index, self.blob_identity)
-            if self.advice is not None:
-                self._reader.advise(self.advice)
+            self._reader = PartsReader(self.parts, self.advice)
             self._pid = os.getpid()
         return self._reader
 
@@ -95,7 +94,8 @@ class MmapDataset(Dataset[Any]):
         return state
 
     def __repr__(self) -> str:
-        return f"MmapDataset({self.path!r}, samples={len(self)}, fields={list(self.fields)})"
+        parts = f", parts={len(self.parts.paths)}" if len(self.parts.paths) > 1 else ""
+        return f"MmapDataset({self.path!r}, samples={len(self)}{parts}, fields={list(self.fields)})"
 
 
 class GatheredBatch(SequenceABC[Any]):

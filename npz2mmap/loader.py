@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .dataset import MmapDataset, as_tensors, collate
-from .reader import DatasetReader
+from .parts import PartsReader
 
 _END = object()
 
@@ -133,8 +133,8 @@ class MmapLoader:
         out = {name: self._gather(reader, name, indices) for name in self.dataset.fields}
         return out[self.dataset.fields[0]] if self.dataset.single else out
 
-    def _gather(self, reader: DatasetReader, name: str, indices: np.ndarray) -> Any:
-        field = reader.index.field(name)
+    def _gather(self, reader: PartsReader, name: str, indices: np.ndarray) -> Any:
+        field = reader.field(name)
         if field.shape is None:
             return as_tensors(reader.gather(name, indices))
         try:

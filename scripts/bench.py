@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from npz2mmap import MmapDataset, MmapLoader, collate
 from npz2mmap.converter import convert
+from npz2mmap.reader import DatasetReader
 
 BATCH = 64
 WARM_EPOCHS = 2  # the best of these is reported: the machine is shared and noisy
@@ -387,8 +388,8 @@ def throughput_section(
 
 
 def read_all(dataset: Path, fields: list[str]) -> dict[str, np.ndarray]:
-    ds = MmapDataset(dataset, fields=fields)
-    return {name: np.array(ds.reader.column(name)) for name in fields}
+    reader = DatasetReader(dataset)
+    return {name: np.array(reader.column(name)) for name in fields}
 
 
 def memory_section(work: Workload, src: Path, dataset: Path, worker_counts: list[int]) -> list[Measured]:

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, default_collate
 from npz2mmap import BlockShuffleSampler, MmapDataset, MmapLoader, collate
 from npz2mmap.dataset import GatheredBatch
 from npz2mmap.errors import FormatError
+from npz2mmap.reader import DatasetReader
 
 
 def sources_by_label(sources):
@@ -47,7 +48,7 @@ def test_gathered_batches_are_copies_safe_to_edit(small_dataset) -> None:
 
 def test_contiguous_runs_and_scattered_indices_give_the_same_rows(small_dataset) -> None:
     out, _ = small_dataset
-    reader = MmapDataset(out).reader
+    reader = DatasetReader(out)
     column = reader.column("input")
     assert np.array_equal(reader.gather("input", [1, 2, 3, 4]), column[1:5])
     assert np.array_equal(reader.gather("input", [5, 1, 3]), column[[5, 1, 3]])

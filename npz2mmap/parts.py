@@ -1,0 +1,205 @@
+"""Datasets made of parts: several dataset directories read as one, in order.
+
+A part is an ordinary dataset directory. A multi-part dataset is either a list
+of such directories or a directory holding ``manifest.json`` that names them
+(relative paths). Parts must agree on their fields' names, dtypes and ndim;
+opening costs the same per part whatever its size, and nothing is copied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .errors import FormatError
+from .reader import DatasetReader, blob_identity
+from .spec import INDEX_NAME, Index, load_index
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "npz2mmap-parts"
+MANIFEST_VERSION = 1
+
+PathLike = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    """A field as seen across all parts: fixed only if every part has the same shape."""
+
+    name: str
+    dtype: np.dtype
+    ndim: int
+    shape: tuple[int, ...] | None
+
+
+def resolve_parts(source: PathLike | Sequence[PathLike]) -> list[str]:
+    """The dataset directories a dataset path (or list of paths) stands for, in order."""
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if os.path.isfile(os.path.join(path, MANIFEST_NAME)) and not os.path.exists(
+            os.path.join(path, INDEX_NAME)
+        ):
+            return read_manifest(path)
+        return [path]
+    parts = [part for item in source for part in resolve_parts(item)]
+    if not parts:
+        raise FormatError("no dataset parts given")
+    return parts
+
+
+def read_manifest(directory: str) -> list[str]:
+    """Parts listed by ``directory/manifest.json``; raises FormatError if it is malformed."""
+    path = os.path.join(directory, MANIFEST_NAME)
+    try:
+        with open(path, encoding="utf-8") as fp:
+            document = json.load(fp)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{path}: cannot read the manifest ({exc})") from None
+    if not isinstance(document, dict) or document.get("format") != MANIFEST_FORMAT:
+        raise FormatError(f"{path}: not an npz2mmap manifest (format {MANIFEST_FORMAT!r} expected)")
+    if document.get("version") != MANIFEST_VERSION or set(document) != {"format", "version", "parts"}:
+        raise FormatError(f"{path}: manifest version {document.get('version')!r} or keys not supported")
+    parts = document["parts"]
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, str) and p for p in parts):
+        raise FormatError(f"{path}: 'parts' must be a non-empty list of paths")
+    return [os.path.normpath(os.path.join(directory, p)) for p in parts]
+
+
+def manifest_text(directory: str, parts: Sequence[str]) -> str:
+    """The manifest naming ``parts``, relative to ``directory`` where possible."""
+    relative = [os.path.relpath(os.path.abspath(p), os.path.abspath(directory)) for p in parts]
+    document = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "parts": relative}
+    return json.dumps(document, indent=1, sort_keys=True) + "\n"
+
+
+class Parts:
+    """The indexes of all parts, checked to agree; small and picklable (no mappings)."""
+
+    def __init__(self, source: PathLike | Sequence[PathLike]) -> None:
+        self.paths = resolve_parts(source)
+        self.indexes: list[Index] = [load_index(p) for p in self.paths]
+        self.identities = [blob_identity(p) for p in self.paths]
+        self.fields = _agreeing_fields(self.paths, self.indexes)
+        sizes = np.array([index.num_samples for index in self.indexes], dtype=np.int64)
+        self.starts: NDArray[np.int64] = np.concatenate([[0], np.cumsum(sizes)])
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        return tuple(self.fields)
+
+    def field(self, name: str) -> FieldInfo:
+        try:
+            return self.fields[name]
+        except KeyError:
+            raise KeyError(f"no field {name!r}; the dataset has: {', '.join(self.fields)}") from None
+
+
+def _agreeing_fields(paths: list[str], indexes: list[Index]) -> dict[str, FieldInfo]:
+    first = indexes[0]
+    fields = {f.name: FieldInfo(f.name, f.dtype, f.ndim, f.shape) for f in first.fields}
+    for path, index in zip(paths[1:], indexes[1:], strict=True):
+        if index.field_names != first.field_names:
+            raise FormatError(
+                f"{path}: fields {', '.join(index.field_names)} differ from {paths[0]}'s "
+                f"{', '.join(first.field_names)}; parts must agree"
+            )
+        for f in index.fields:
+            seen = fields[f.name]
+            if f.dtype != seen.dtype or f.ndim != seen.ndim:
+                raise FormatError(
+                    f"{path}: field {f.name!r} is {f.dtype} with ndim {f.ndim}, but {seen.dtype} with ndim "
+                    f"{seen.ndim} in {paths[0]}; parts must agree"
+                )
+            if f.shape != seen.shape:
+                fields[f.name] = FieldInfo(f.name, f.dtype, f.ndim, None)
+    return fields
+
+
+class PartsReader:
+    """Read-only mappings of every part, addressed by global sample index."""
+
+    def __init__(self, parts: Parts, advice: str | None = None) -> None:
+        self.parts = parts
+        self.readers = [
+            DatasetReader(path, index, identity)
+            for path, index, identity in zip(parts.paths, parts.indexes, parts.identities, strict=True)
+        ]
+        if advice is not None:
+            for reader in self.readers:
+                reader.advise(advice)
+        self._single = self.readers[0] if len(self.readers) == 1 else None
+
+    def __len__(self) -> int:
+        return self.parts.num_samples
+
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        return self.parts.field_names
+
+    def field(self, name: str) -> FieldInfo:
+        return self.parts.field(name)
+
+    def sample_index(self, i: int) -> int:
+        if self._single is not None:
+            return self._single.sample_index(i)
+        return int(self.sample_indices([i])[0])
+
+    def sample_indices(self, indices: Sequence[int] | NDArray[np.integer]) -> NDArray[np.int64]:
+        """Normalise many indices at once; IndexError naming the first out of range."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = self.parts.num_samples
+        bad = np.flatnonzero((idx < -n) | (idx >= n))
+        if len(bad):
+            raise IndexError(f"sample index {idx[bad[0]]} is out of range for {n} samples")
+        return np.where(idx < 0, idx + n, idx)
+
+    def view(self, name: str, i: int) -> np.ndarray:
+        """Sample ``i`` of field ``name`` as a read-only view of its part's mapping."""
+        if self._single is not None:
+            return self._single.view(name, i)
+        i = self.sample_index(i)
+        part = int(np.searchsorted(self.parts.starts, i, side="right")) - 1
+        return self.readers[part].view(name, i - int(self.parts.starts[part]))
+
+    def gather(
+        self, name: str, indices: Sequence[int] | NDArray[np.integer], out: np.ndarray | None = None
+    ) -> np.ndarray | list[np.ndarray]:
+        """Many samples of a field in one pass (see DatasetReader.gather).
+
+        A batch spanning several parts is gathered part by part, which costs
+        one more copy for a fixed field.
+        """
+        if self._single is not None:
+            return self._single.gather(name, indices, out)
+        idx = self.sample_indices(indices)
+        part_of = np.searchsorted(self.parts.starts, idx, side="right") - 1
+        info = self.field(name)
+        if info.shape is None:
+            return [
+                np.array(self.readers[p].view(name, int(i - self.parts.starts[p])))
+                for i, p in zip(idx, part_of, strict=True)
+            ]
+        if out is None:
+            out = np.empty((len(idx), *info.shape), dtype=info.dtype)
+        for part in np.unique(part_of):
+            chosen = np.flatnonzero(part_of == part)
+            local = idx[chosen] - self.parts.starts[part]
+            out[chosen] = self.readers[int(part)].gather(name, local)
+        return out
+
+
+def describe_parts(parts: Parts) -> list[dict[str, Any]]:
+    return [
+        {"path": path, "num_samples": index.num_samples, "start": int(start)}
+        for path, index, start in zip(parts.paths, parts.indexes, parts.starts[:-1], strict=True)
+    ]
