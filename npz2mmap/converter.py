@@ -41,6 +41,7 @@ def convert(
     keys: Sequence[str] | None = None,
     casts: Mapping[str, np.dtype | str] | None = None,
     skip_bad: bool = False,
+    part: tuple[int, int] | None = None,
     workers: int | None = None,
     align: int = MIN_ALIGN,
     overwrite: bool = False,
@@ -51,7 +52,9 @@ def convert(
     ``casts`` maps keys to the dtype to store them as, for sources that differ
     (numpy's 'same_kind' casts only); otherwise every file must agree exactly.
     With ``skip_bad``, unreadable or corrupt files are left out and listed in
-    the dataset's ``skipped.jsonl`` instead of ending the conversion.
+    the dataset's ``skipped.jsonl`` instead of ending the conversion. With
+    ``part=(i, n)``, only the i-th of n contiguous slices of the sorted inputs
+    is converted, into a complete dataset of its own.
 
     Raises SourceError for unusable inputs and OutputError when ``out_dir``
     cannot be written; on any error nothing is left at ``out_dir`` and an
@@ -61,7 +64,7 @@ def convert(
     out = os.fspath(out_dir)
     _check_align(align)
     publish.check_output(out, overwrite)
-    sources = discover_sources(inputs)
+    sources = select_part(discover_sources(inputs), part)
     progress = progress or SilentProgress()
     _refuse_output_inside_inputs(out, inputs)
     skipped: list[tuple[str, str]] = []
@@ -70,13 +73,42 @@ def convert(
         plan = _scan(sources, scan_one, _parse_casts(casts), align, imap, progress, skipped)
         staging = _make_staging_dir(out)
         try:
-            plan, index = _copy(plan, staging, imap, progress, skip_bad, skipped)
+            plan, index = _copy(plan, staging, imap, progress, skip_bad, skipped, part)
             publish.publish(staging, out, overwrite)
         except OSError as exc:
             raise OutputError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from exc
         finally:
             publish.remove_staging(staging)
     return ConvertResult(out, index, plan.data_nbytes, time.perf_counter() - started, tuple(skipped))
+
+
+def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
+    """The i-th of n contiguous slices of the sources; SourceError if it would be empty."""
+    if part is None:
+        return sources
+    i, n = part
+    if not 0 <= i < n:
+        raise ValueError(f"part {i}/{n} does not exist: i must be from 0 to {n - 1}")
+    chosen = sources[len(sources) * i // n : len(sources) * (i + 1) // n]
+    if not chosen:
+        raise SourceError(f"part {i}/{n} is empty: only {len(sources)} input file(s) for {n} parts")
+    return chosen
+
+
+def part_from_environment(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(i, n) from the launcher: torchrun's RANK/WORLD_SIZE or Slurm's SLURM_PROCID/SLURM_NTASKS."""
+    environ = os.environ if environ is None else environ
+    for rank, size in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if rank in environ and size in environ:
+            try:
+                return int(environ[rank]), int(environ[size])
+            except ValueError:
+                raise ValueError(
+                    f"{rank}={environ[rank]!r} and {size}={environ[size]!r} are not integers"
+                ) from None
+    raise ValueError(
+        "--part auto needs RANK and WORLD_SIZE (torchrun) or SLURM_PROCID and SLURM_NTASKS (Slurm)"
+    )
 
 
 def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[str]]) -> None:
@@ -156,6 +188,7 @@ def _copy(
     progress: Progress,
     skip_bad: bool,
     skipped: list[tuple[str, str]],
+    part: tuple[int, int] | None,
 ) -> tuple[Plan, Index]:
     """Pass 2: copy every member into the blob, then write tables and index.
 
@@ -165,7 +198,7 @@ def _copy(
     while True:
         crc32s, failed = _copy_samples(plan, staging, imap, progress, skip_bad)
         if not failed:
-            return plan, writer.finish_dataset(staging, plan, crc32s, skipped)
+            return plan, writer.finish_dataset(staging, plan, crc32s, skipped, part)
         skipped.extend((plan.sources[i], reason) for i, reason in failed)
         plan = drop_samples(plan, [i for i, _ in failed])
         os.unlink(os.path.join(staging, BLOB_NAME))

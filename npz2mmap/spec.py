@@ -100,6 +100,7 @@ class Index:
     mode: str = "files"
     num_sources: int = 0
     num_skipped: int = 0
+    part: tuple[int, int] | None = None  # (i, n): made by ``convert --part i/n``
 
     @property
     def blob_nbytes(self) -> int:
@@ -206,6 +207,7 @@ def index_to_json(index: Index) -> str:
             "mode": index.mode,
             "num_sources": index.num_sources,
             "num_skipped": index.num_skipped,
+            "part": list(index.part) if index.part is not None else None,
         },
     }
     return json.dumps(document, sort_keys=True, indent=1) + "\n"
@@ -279,7 +281,7 @@ def parse_index(document: Any, where: str) -> Index:
         )
     payload_nbytes = doc.get("payload_nbytes", int, minimum=0)
     provenance = _Obj(doc.get("provenance", dict), f"{where}: provenance")
-    provenance.require_keys({"tool", "tool_version", "mode", "num_sources", "num_skipped"})
+    provenance.require_keys({"tool", "tool_version", "mode", "num_sources", "num_skipped", "part"})
     mode = provenance.get("mode", str)
     if mode not in MODES:
         raise FormatError(f"{where}: provenance mode {mode!r} is not one of {sorted(MODES)}")
@@ -296,9 +298,21 @@ def parse_index(document: Any, where: str) -> Index:
         mode=mode,
         num_sources=provenance.get("num_sources", int, minimum=0),
         num_skipped=provenance.get("num_skipped", int, minimum=0),
+        part=_parse_part(provenance.value["part"], f"{where}: provenance part"),
     )
     check_layout(index, where)
     return index
+
+
+def _parse_part(value: Any, where: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2:
+        raise FormatError(f"{where} must be null or [i, n], found {value!r}")
+    i, n = (_as_int(v, where, minimum=0) for v in value)
+    if not i < n:
+        raise FormatError(f"{where}: part {i} of {n} does not exist")
+    return i, n
 
 
 def _parse_field(document: Any, num_samples: int, where: str) -> Field:

@@ -129,13 +129,14 @@ def _copy_c_order(chunks: Iterator[bytes], header: MemberHeader, member: MemberT
     swap = header.dtype != member.dtype
     for chunk in chunks:
         data = np.frombuffer(chunk, header.dtype).astype(member.dtype).tobytes() if swap else chunk
-        _pwrite_all(fd, data, position)
+        pwrite_all(fd, data, position)
         crc = zlib.crc32(data, crc)
         position += len(data)
     return crc
 
 
-def _pwrite_all(fd: int, data: bytes, position: int) -> None:
+def pwrite_all(fd: int, data: bytes | memoryview, position: int) -> None:
+    """os.pwrite until every byte is written (it may write fewer)."""
     view = memoryview(data)
     while view:
         written = os.pwrite(fd, view, position)
@@ -214,7 +215,7 @@ def create_blob(staging_dir: str, payload_nbytes: int) -> str:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         fsutil.reserve(fd, BLOB_HEADER_NBYTES + payload_nbytes)
-        _pwrite_all(fd, blob_header(payload_nbytes), 0)
+        pwrite_all(fd, blob_header(payload_nbytes), 0)
         os.ftruncate(fd, BLOB_HEADER_NBYTES + payload_nbytes)
     finally:
         os.close(fd)
@@ -222,7 +223,11 @@ def create_blob(staging_dir: str, payload_nbytes: int) -> str:
 
 
 def finish_dataset(
-    staging_dir: str, plan: Plan, sample_crc32s: Sequence[np.ndarray], skipped: Sequence[tuple[str, str]] = ()
+    staging_dir: str,
+    plan: Plan,
+    sample_crc32s: Sequence[np.ndarray],
+    skipped: Sequence[tuple[str, str]] = (),
+    part: tuple[int, int] | None = None,
 ) -> Index:
     """Write the tables, sources.jsonl, skipped.jsonl and, last, index.json; fsync everything."""
     blob_path = os.path.join(staging_dir, BLOB_NAME)
@@ -245,6 +250,7 @@ def finish_dataset(
         tool_version=__version__,
         num_sources=plan.num_samples,
         num_skipped=len(skipped),
+        part=part,
     )
     _write_file(os.path.join(staging_dir, INDEX_NAME), [index_to_json(index)])
     fsutil.fsync_dir(staging_dir)
@@ -254,7 +260,7 @@ def finish_dataset(
 def _write_tables(fd: int, f: FieldPlan, crcs: np.ndarray) -> Field:
     def put(region: Region, table: np.ndarray) -> Region:
         data = np.ascontiguousarray(table).tobytes()
-        _pwrite_all(fd, data, BLOB_HEADER_NBYTES + region.offset)
+        pwrite_all(fd, data, BLOB_HEADER_NBYTES + region.offset)
         return dataclasses.replace(region, crc32=zlib.crc32(data))
 
     offsets = shapes = None
