@@ -6,13 +6,14 @@ import os
 from dataclasses import dataclass
 
 from . import fsutil
+from .parts import Parts
 from .progress import Progress, SilentProgress
-from .spec import BLOB_NAME, load_index
+from .spec import BLOB_NAME
 
 
 @dataclass(frozen=True)
 class Residency:
-    blob_path: str
+    blob_paths: tuple[str, ...]
     resident_nbytes: int
     blob_nbytes: int
 
@@ -22,21 +23,23 @@ class Residency:
 
 
 def residency(path: str | os.PathLike[str]) -> Residency:
-    """How much of a dataset's blob is in the page cache. Raises FormatError, OSError."""
-    index = load_index(path)
-    blob_path = os.path.join(os.fspath(path), BLOB_NAME)
-    return Residency(blob_path, fsutil.resident_nbytes(blob_path), index.blob_nbytes)
+    """How much of a dataset's blobs (all parts) is in the page cache. Raises FormatError, OSError."""
+    parts = Parts(path)
+    blobs = tuple(os.path.join(p, BLOB_NAME) for p in parts.paths)
+    resident = sum(fsutil.resident_nbytes(blob) for blob in blobs)
+    return Residency(blobs, resident, sum(index.blob_nbytes for index in parts.indexes))
 
 
 def warm(path: str | os.PathLike[str], progress: Progress | None = None) -> Residency:
-    """Read the blob once so that every process on this node then maps cached pages.
+    """Read every blob once so that every process on this node then maps cached pages.
 
     Run it once per node before training; the kernel may evict pages again
     under memory pressure, which the returned residency shows.
     """
     progress = progress or SilentProgress()
-    index = load_index(path)
-    blob_path = os.path.join(os.fspath(path), BLOB_NAME)
-    progress.stage("warm", 1, index.blob_nbytes)
-    fsutil.load_into_page_cache(blob_path, lambda nbytes: progress.advance(0, nbytes))
+    parts = Parts(path)
+    progress.stage("warm", len(parts.paths), sum(index.blob_nbytes for index in parts.indexes))
+    for part in parts.paths:
+        fsutil.load_into_page_cache(os.path.join(part, BLOB_NAME), lambda nbytes: progress.advance(0, nbytes))
+        progress.advance(1, 0)
     return residency(path)

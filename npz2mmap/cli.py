@@ -19,9 +19,10 @@ import tqdm
 
 from . import __version__
 from .cache import warm as warm_dataset
-from .converter import cast_dtype
+from .converter import cast_dtype, part_from_environment
 from .converter import convert as convert_files
 from .errors import Npz2mmapError
+from .merge import merge as merge_parts
 from .spec import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
 from .summary import describe_dataset, describe_sample
 from .verify import verify as verify_dataset
@@ -115,6 +116,29 @@ def _parse_casts(ctx: click.Context, param: click.Parameter, values: tuple[str, 
     return casts
 
 
+def _parse_part(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    try:
+        if value == "auto":
+            return part_from_environment()
+        i, sep, n = value.partition("/")
+        if not sep:
+            raise ValueError(f"{value!r} is not I/N or auto")
+        part = int(i), int(n)
+        if not 0 <= part[0] < part[1]:
+            raise ValueError(f"part {value} does not exist: I must be from 0 to N-1")
+        return part
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def part_directory(out_dir: str, part: tuple[int, int]) -> str:
+    """Where part I goes: OUT with {part} replaced, else OUT/part-IIIII."""
+    label = f"{part[0]:05d}"
+    return out_dir.replace("{part}", label) if "{part}" in out_dir else os.path.join(out_dir, f"part-{label}")
+
+
 def _check_align(ctx: click.Context, param: click.Parameter, value: int) -> int:
     if not MIN_ALIGN <= value <= MAX_ALIGN or value & (value - 1):
         raise click.BadParameter(f"must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, got {value}")
@@ -155,6 +179,13 @@ def cli(debug: bool) -> None:
     help="Leave out unreadable or corrupt files and list them in OUT/skipped.jsonl instead of stopping.",
 )
 @click.option(
+    "--part",
+    callback=_parse_part,
+    metavar="I/N|auto",
+    help="Convert only the I-th (from 0) of N contiguous slices of the sorted inputs into OUT/part-IIIII "
+    "(or OUT with {part} replaced); auto takes I and N from torchrun or Slurm.",
+)
+@click.option(
     "--workers", type=click.IntRange(min=1), default=None, help="Worker processes (default: all cores)."
 )
 @click.option(
@@ -176,6 +207,7 @@ def convert(
     keys: list[str] | None,
     casts: dict[str, np.dtype],
     skip_bad: bool,
+    part: tuple[int, int] | None,
     workers: int | None,
     align: int,
     overwrite: bool,
@@ -187,6 +219,8 @@ def convert(
     in sorted order) or @LIST, a text file naming one path per line. Each NPZ
     file becomes one sample, in that order.
     """
+    if part is not None:
+        out_dir = part_directory(out_dir, part)
     progress = BarProgress(not quiet)
     try:
         result = convert_files(
@@ -195,6 +229,7 @@ def convert(
             keys=keys,
             casts=casts,
             skip_bad=skip_bad,
+            part=part,
             workers=workers,
             align=align,
             overwrite=overwrite,
@@ -244,6 +279,11 @@ def _render_summary(summary: dict[str, Any]) -> str:
         f"regions aligned to {summary['align']} B",
         "",
     ]
+    if summary["parts"]:
+        lines[2:2] = [f"parts    {len(summary['parts'])}, read in order as one dataset"]
+        part_rows = [("part", "samples", "first sample")]
+        part_rows += [(p["path"], f"{p['num_samples']:,}", f"{p['start']:,}") for p in summary["parts"]]
+        lines += [*_table(part_rows), ""]
     rows = [("field", "kind", "dtype", "shape", "bytes")]
     for f in summary["fields"]:
         rows.append((f["name"], f["kind"], f["dtype"], _shape_text(f), human_bytes(f["nbytes"])))
@@ -295,6 +335,37 @@ def verify(dataset: str, sources: bool, quiet: bool) -> None:
 
 
 @cli.command()
+@click.argument("parts", nargs=-1, required=True, metavar="PART...", type=click.Path(file_okay=False))
+@click.option(
+    "-o",
+    "--output",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Directory to hold manifest.json, or with --copy the dataset to create.",
+)
+@click.option("--copy", is_flag=True, help="Copy the parts into one single dataset instead of listing them.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing manifest or dataset at OUT.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
+@friendly_errors
+def merge(parts: tuple[str, ...], out_dir: str, copy: bool, overwrite: bool, quiet: bool) -> None:
+    """Present PART... (datasets, in order) as one dataset at OUT.
+
+    By default writes OUT/manifest.json naming the parts: instant, nothing is
+    copied, and MmapDataset(OUT) reads them as one. With --copy, writes a
+    single dataset at OUT.
+    """
+    progress = BarProgress(not quiet)
+    try:
+        result = merge_parts(list(parts), out_dir, copy=copy, overwrite=overwrite, progress=progress)
+    finally:
+        progress.close()
+    if not quiet:
+        what = "one dataset" if result.copied else os.path.join(out_dir, "manifest.json")
+        click.echo(f"Merged {result.num_parts} parts, {result.num_samples:,} samples, into {what}")
+
+
+@cli.command()
 @click.argument("dataset", type=click.Path(file_okay=False))
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @friendly_errors
@@ -307,8 +378,11 @@ def warm(dataset: str, quiet: bool) -> None:
         raise click.ClickException(f"{dataset}: cannot read the blob ({exc.strerror or exc})") from None
     finally:
         progress.close()
+    where = (
+        result.blob_paths[0] if len(result.blob_paths) == 1 else f"{dataset} ({len(result.blob_paths)} parts)"
+    )
     click.echo(
-        f"{result.blob_path}: {human_bytes(result.resident_nbytes)} of {human_bytes(result.blob_nbytes)} "
+        f"{where}: {human_bytes(result.resident_nbytes)} of {human_bytes(result.blob_nbytes)} "
         f"resident in the page cache ({result.fraction:.0%})"
     )
 

@@ -50,6 +50,12 @@ def resolve_parts(source: PathLike | Sequence[PathLike]) -> list[str]:
     parts = [part for item in source for part in resolve_parts(item)]
     if not parts:
         raise FormatError("no dataset parts given")
+    seen: set[str] = set()
+    for part in parts:
+        real = os.path.realpath(part)
+        if real in seen:
+            raise FormatError(f"{part}: given twice; each part may appear only once")
+        seen.add(real)
     return parts
 
 

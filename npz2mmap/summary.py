@@ -6,48 +6,60 @@ import os
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
+from .parts import FieldInfo, Parts, PartsReader, describe_parts
 from .reader import DatasetReader
 from .spec import BLOB_NAME, FORMAT_NAME, FORMAT_VERSION
 
 
 def describe_dataset(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Format, counts, sizes and one entry per field. Raises FormatError."""
-    reader = DatasetReader(path)
-    index = reader.index
+    """Format, counts, sizes, parts and one entry per field. Raises FormatError."""
+    parts = Parts(path)
+    readers = [DatasetReader(p, index) for p, index in zip(parts.paths, parts.indexes, strict=True)]
+    first = parts.indexes[0]
     return {
-        "path": reader.path,
+        "path": os.fspath(path),
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
-        "tool_version": index.tool_version,
-        "num_samples": index.num_samples,
+        "tool_version": first.tool_version,
+        "num_samples": parts.num_samples,
         "blob": BLOB_NAME,
-        "blob_nbytes": index.blob_nbytes,
-        "align": index.align,
-        "fields": [_describe_field(reader, name) for name in index.field_names],
+        "blob_nbytes": sum(index.blob_nbytes for index in parts.indexes),
+        "align": first.align,
+        "parts": describe_parts(parts) if len(parts.paths) > 1 else [],
+        "fields": [_describe_field(parts.field(name), readers) for name in parts.field_names],
     }
 
 
-def _describe_field(reader: DatasetReader, name: str) -> dict[str, Any]:
-    f = reader.index.field(name)
+def _describe_field(info: FieldInfo, readers: list[DatasetReader]) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "name": name,
-        "kind": "ragged" if f.ragged else "fixed",
-        "dtype": dtype_name(f.dtype),
-        "nbytes": f.data.nbytes,
+        "name": info.name,
+        "kind": "ragged" if info.shape is None else "fixed",
+        "dtype": dtype_name(info.dtype),
+        "nbytes": sum(r.index.field(info.name).data.nbytes for r in readers),
     }
-    if f.shape is not None:
-        out["shape"] = list(f.shape)
-    else:
-        shapes = reader.table(name, "shapes")
-        out["min_shape"] = [int(d) for d in shapes.min(axis=0)] if len(shapes) else []
-        out["max_shape"] = [int(d) for d in shapes.max(axis=0)] if len(shapes) else []
+    if info.shape is not None:
+        out["shape"] = list(info.shape)
+        return out
+    ranges = [_shape_range(r, info.name) for r in readers if len(r)]
+    out["min_shape"] = np.min([lo for lo, _ in ranges], axis=0).tolist() if ranges else []
+    out["max_shape"] = np.max([hi for _, hi in ranges], axis=0).tolist() if ranges else []
     return out
+
+
+def _shape_range(reader: DatasetReader, name: str) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    field = reader.index.field(name)
+    if field.shape is not None:
+        shape = np.array(field.shape, dtype=np.int64)
+        return shape, shape
+    shapes = reader.table(name, "shapes")
+    return shapes.min(axis=0), shapes.max(axis=0)
 
 
 def describe_sample(path: str | os.PathLike[str], i: int) -> dict[str, Any]:
     """Shape, dtype and min/max/mean of each field of sample ``i``. Raises IndexError, FormatError."""
-    reader = DatasetReader(path)
+    reader = PartsReader(Parts(path))
     i = reader.sample_index(i)
     return {
         "sample": i,

@@ -17,6 +17,7 @@ import numpy as np
 
 from .errors import FormatError, SourceError
 from .npzfile import source_errors
+from .parts import Parts, resolve_parts
 from .plan import can_cast
 from .progress import Progress, SilentProgress
 from .reader import DatasetReader
@@ -41,13 +42,36 @@ class VerifyReport:
 def verify(
     path: str | os.PathLike[str], sources: bool = False, progress: Progress | None = None
 ) -> VerifyReport:
-    """Check a dataset end to end and report every problem found.
+    """Check a dataset (or every part of a multi-part one) and report every problem found.
 
     With ``sources``, also compare every sample with its original NPZ file.
     Raises nothing for a damaged dataset: problems go into the report.
+    Sample numbers in a multi-part report are global, problems name the part.
     """
     progress = progress or SilentProgress()
-    report = VerifyReport(os.fspath(path))
+    try:
+        parts = resolve_parts(path)
+    except FormatError as exc:
+        return VerifyReport(os.fspath(path), problems=[str(exc)])
+    if len(parts) == 1:
+        return _verify_one(parts[0], sources, progress)
+    report = VerifyReport(os.fspath(path), sources_checked=sources)
+    try:
+        Parts(parts)
+    except FormatError as exc:
+        report.problems.append(str(exc))
+    for part in parts:
+        one = _verify_one(part, sources, progress)
+        report.problems += [f"part {part}: {problem}" for problem in one.problems]
+        for name, samples in one.bad_samples.items():
+            report.bad_samples.setdefault(name, []).extend(report.num_samples + i for i in samples)
+        report.num_samples += one.num_samples
+        report.sources_checked &= one.sources_checked
+    return report
+
+
+def _verify_one(path: str, sources: bool, progress: Progress) -> VerifyReport:
+    report = VerifyReport(path)
     try:
         index = load_index(report.path)
         reader = DatasetReader(report.path, index)

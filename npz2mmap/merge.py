@@ -1,0 +1,154 @@
+"""Merging parts: a manifest that lists them (instant), or one dataset copied from them.
+
+Parts converted from contiguous slices of one sorted input list (``convert
+--part``) merge, with ``copy``, into exactly the bytes a single conversion of
+the whole list writes: the layout rules are the same and the data and
+checksum tables are concatenated, never recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from . import fsutil, publish, writer
+from .errors import FormatError, OutputError
+from .parts import MANIFEST_NAME, Parts, PathLike, manifest_text
+from .plan import Plan, lay_out
+from .progress import Progress, SilentProgress
+from .reader import DatasetReader
+from .spec import BLOB_HEADER_NBYTES, INDEX_NAME, SKIPPED_NAME, SOURCES_NAME, Index
+
+COPY_CHUNK_NBYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    out_dir: str
+    num_parts: int
+    num_samples: int
+    copied: bool
+
+
+def merge(
+    parts: Sequence[PathLike],
+    out_dir: PathLike,
+    *,
+    copy: bool = False,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> MergeResult:
+    """Present ``parts`` as one dataset at ``out_dir``.
+
+    Without ``copy``, writes ``out_dir/manifest.json`` naming the parts
+    (relative paths, so the tree can move as a whole). With ``copy``, writes a
+    single dataset at ``out_dir``. Raises FormatError when the parts are
+    invalid or disagree, OutputError when ``out_dir`` cannot be written.
+    """
+    opened = Parts(list(parts))
+    out = os.fspath(out_dir)
+    if copy:
+        _merge_by_copy(opened, out, overwrite, progress or SilentProgress())
+    else:
+        _write_manifest(opened, out, overwrite)
+    return MergeResult(out, len(opened.paths), opened.num_samples, copy)
+
+
+def _write_manifest(parts: Parts, out: str, overwrite: bool) -> None:
+    if os.path.exists(os.path.join(out, INDEX_NAME)):
+        raise OutputError(f"{out}: holds a dataset; write the manifest into another directory")
+    manifest = os.path.join(out, MANIFEST_NAME)
+    if os.path.exists(manifest) and not overwrite:
+        raise OutputError(f"{manifest}: already exists; pass --overwrite to replace it")
+    try:
+        os.makedirs(out, exist_ok=True)
+        temporary = f"{manifest}.{os.getpid()}.tmp"
+        with open(temporary, "w", encoding="utf-8") as fp:
+            fp.write(manifest_text(out, parts.paths))
+            fp.flush()
+            os.fsync(fp.fileno())
+        os.replace(temporary, manifest)
+        fsutil.fsync_dir(out)
+    except OSError as exc:
+        raise OutputError(f"{manifest}: cannot write ({exc.strerror or exc})") from exc
+
+
+def _merge_by_copy(parts: Parts, out: str, overwrite: bool, progress: Progress) -> None:
+    publish.check_output(out, overwrite)
+    plan = _plan_concatenation(parts)
+    with publish.output_lock(out):
+        staging = publish.make_staging_dir(out)
+        try:
+            progress.stage("merge", len(parts.paths), plan.data_nbytes)
+            blob_path = writer.create_blob(staging, plan.payload_nbytes)
+            _copy_data(parts, plan, blob_path, progress)
+            crcs = [np.concatenate([_table(p, f.name) for p in parts.paths]) for f in plan.fields]
+            writer.finish_dataset(staging, plan, crcs, _read_skipped(parts))
+            publish.publish(staging, out, overwrite)
+        except OSError as exc:
+            raise OutputError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from exc
+        finally:
+            publish.remove_staging(staging)
+
+
+def _plan_concatenation(parts: Parts) -> Plan:
+    sources = [line for path in parts.paths for line in _read_jsonl(path, SOURCES_NAME)]
+    fields = []
+    for name, info in parts.fields.items():
+        shapes = np.concatenate(
+            [_shapes(path, index, name) for path, index in zip(parts.paths, parts.indexes, strict=True)]
+        )
+        cast = any(index.field(name).cast for index in parts.indexes)
+        fields.append((name, info.dtype, shapes, cast))
+    return lay_out(sources, fields, max(index.align for index in parts.indexes))
+
+
+def _shapes(path: str, index: Index, name: str) -> NDArray[np.int64]:
+    field = index.field(name)
+    if field.shape is not None:
+        return np.tile(np.array(field.shape, dtype=np.int64), (index.num_samples, 1))
+    return np.array(DatasetReader(path, index).table(name, "shapes"), dtype=np.int64)
+
+
+def _table(path: str, name: str) -> NDArray[np.uint32]:
+    return np.array(DatasetReader(path).table(name, "sample_crc32"), dtype=np.uint32)
+
+
+def _copy_data(parts: Parts, plan: Plan, blob_path: str, progress: Progress) -> None:
+    """Each part's data region of each field, back to back: the bytes are already final."""
+    fd = os.open(blob_path, os.O_WRONLY)
+    try:
+        for k, (path, index) in enumerate(zip(parts.paths, parts.indexes, strict=True)):
+            reader = DatasetReader(path, index)
+            start = int(parts.starts[k])
+            for field in plan.fields:
+                source = index.field(field.name).data
+                data = reader.payload[source.offset : source.end]
+                position = BLOB_HEADER_NBYTES + field.data.offset + int(field.sample_offsets[start])
+                for chunk in range(0, len(data), COPY_CHUNK_NBYTES):
+                    piece = data[chunk : chunk + COPY_CHUNK_NBYTES]
+                    writer.pwrite_all(fd, piece.data, position + chunk)
+                    progress.advance(0, len(piece))
+            progress.advance(1, 0)
+    finally:
+        os.close(fd)
+
+
+def _read_skipped(parts: Parts) -> list[tuple[str, str]]:
+    return [
+        (line["path"], line["reason"]) for path in parts.paths for line in _read_jsonl(path, SKIPPED_NAME)
+    ]
+
+
+def _read_jsonl(directory: str, name: str) -> list:  # type: ignore[type-arg]
+    path = os.path.join(directory, name)
+    try:
+        with open(path, encoding="utf-8") as fp:
+            return [json.loads(line) for line in fp]
+    except (OSError, ValueError) as exc:
+        raise FormatError(f"{path}: cannot read ({exc})") from exc
