@@ -1,0 +1,167 @@
+"""Multi-part datasets: --part, merge (manifest and copy), reading parts as one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import assert_same_array, write_samples
+
+from npz2mmap import MmapDataset, MmapLoader
+from npz2mmap.cli import cli
+from npz2mmap.converter import convert, part_from_environment, select_part
+from npz2mmap.errors import FormatError, SourceError
+from npz2mmap.merge import merge
+from npz2mmap.verify import verify
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture
+def sources(tmp_path) -> Path:
+    rng = np.random.default_rng(5)
+    write_samples(
+        tmp_path / "src",
+        [
+            {
+                "x": rng.random((2, 3), dtype=np.float32),
+                "id": np.int64(i),
+                "tokens": np.arange(i % 7 + 1, dtype=np.int16),
+            }
+            for i in range(22)
+        ],
+    )
+    return tmp_path / "src"
+
+
+def run(*args: object):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_parts_converted_by_torchrun_merge_into_the_bytes_of_one_conversion(tmp_path, sources) -> None:
+    result = subprocess.run(
+        [
+            BIN / "torchrun",
+            "--standalone",
+            "--nproc_per_node=4",
+            "--no-python",
+            BIN / "npz2mmap",
+            "convert",
+            sources,
+            "-o",
+            tmp_path / "parts",
+            "--part",
+            "auto",
+            "--workers",
+            "1",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    parts = sorted((tmp_path / "parts").glob("part-*"))
+    assert [p.name for p in parts] == ["part-00000", "part-00001", "part-00002", "part-00003"]
+    assert [MmapDataset(p)[0]["id"] for p in parts] == [0, 5, 11, 16]
+    assert json.loads((parts[1] / "index.json").read_text())["provenance"]["part"] == [1, 4]
+    convert([sources], tmp_path / "single", workers=1)
+    assert run("merge", *parts, "-o", tmp_path / "merged", "--copy", "-q").exit_code == 0
+    for name in ("data.npy", "index.json", "sources.jsonl", "skipped.jsonl"):
+        assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "single" / name).read_bytes(), name
+
+
+def test_a_manifest_reads_the_parts_as_one_dataset(tmp_path, sources) -> None:
+    for i in range(3):
+        convert([sources], tmp_path / "parts" / f"p{i}", part=(i, 3), workers=1)
+    result = run("merge", *sorted((tmp_path / "parts").iterdir()), "-o", tmp_path / "parts")
+    assert result.exit_code == 0, result.output
+    assert result.output == f"Merged 3 parts, 22 samples, into {tmp_path / 'parts' / 'manifest.json'}\n"
+    assert json.loads((tmp_path / "parts" / "manifest.json").read_text())["parts"] == ["p0", "p1", "p2"]
+    convert([sources], tmp_path / "single", workers=1)
+    whole, single = MmapDataset(tmp_path / "parts"), MmapDataset(tmp_path / "single")
+    assert len(whole) == 22
+    for i in range(-22, 22):
+        for key in ("x", "id", "tokens"):
+            assert_same_array(whole[i][key], single[i][key])
+    batch = whole.__getitems__([21, 0, 8, 7, 15])
+    assert batch.arrays["id"].tolist() == [21, 0, 8, 7, 15]
+    assert [t.tolist() for t in batch.arrays["tokens"]] == [
+        single[i]["tokens"].tolist() for i in (21, 0, 8, 7, 15)
+    ]
+    assert sorted(
+        int(i) for b in MmapLoader(MmapDataset(tmp_path / "parts", fields="id"), 5, shuffle=True) for i in b
+    ) == list(range(22))
+    moved = tmp_path / "moved"
+    shutil.move(tmp_path / "parts", moved)
+    assert len(MmapDataset(moved)) == 22  # relative paths: the tree moves as a whole
+    assert len(MmapDataset([moved / "p0", moved / "p2"])) == 15
+
+
+def test_inspect_verify_and_warm_understand_parts(tmp_path, sources) -> None:
+    for i in range(2):
+        convert([sources], tmp_path / "ds" / f"part-{i}", part=(i, 2), workers=1)
+    merge(sorted((tmp_path / "ds").iterdir()), tmp_path / "ds")
+    summary = json.loads(run("inspect", tmp_path / "ds", "--json").output)
+    assert summary["num_samples"] == 22 and [p["num_samples"] for p in summary["parts"]] == [11, 11]
+    assert "parts    2, read in order as one dataset" in run("inspect", tmp_path / "ds").output
+    assert (
+        json.loads(run("inspect", tmp_path / "ds", "--sample", "12", "--json").output)["fields"][0]["min"]
+        == 12
+    )
+    assert run("verify", tmp_path / "ds", "--sources").exit_code == 0
+    assert "(2 parts)" in run("warm", tmp_path / "ds", "-q").output
+    blob = tmp_path / "ds" / "part-1" / "data.npy"
+    data = bytearray(blob.read_bytes())
+    data[128] ^= 1  # the first byte of part 1's first field ('id', sample 11 overall)
+    blob.write_bytes(bytes(data))
+    report = verify(tmp_path / "ds")
+    assert report.bad_samples == {"id": [11]}
+    assert report.problems == [
+        f"part {tmp_path / 'ds' / 'part-1'}: field 'id': 1 sample(s) do not match their checksums: 0"
+    ]
+
+
+def test_parts_that_disagree_are_refused(tmp_path, sources) -> None:
+    convert([sources], tmp_path / "a", workers=1)
+    write_samples(
+        tmp_path / "other",
+        [{"x": np.ones((2, 3)), "id": np.int64(0), "tokens": np.arange(2, dtype=np.int16)}],
+    )
+    convert([tmp_path / "other"], tmp_path / "b", workers=1)
+    with pytest.raises(
+        FormatError,
+        match="field 'x' is float64 with ndim 2, but float32 with ndim 2 in .*a; parts must agree",
+    ):
+        MmapDataset([tmp_path / "a", tmp_path / "b"])
+    with pytest.raises(FormatError, match="given twice"):
+        MmapDataset([tmp_path / "a", tmp_path / "a"])
+    assert run("merge", tmp_path / "a", tmp_path / "b", "-o", tmp_path / "m").exit_code == 1
+
+
+def test_part_selection_and_its_errors(tmp_path, sources, monkeypatch) -> None:
+    files = [f"f{i}" for i in range(10)]
+    assert [select_part(files, (i, 4)) for i in range(4)] == [files[0:2], files[2:5], files[5:7], files[7:10]]
+    with pytest.raises(SourceError, match="part 0/4 is empty: only 3 input file"):
+        select_part(files[:3], (0, 4))
+    assert part_from_environment({"RANK": "2", "WORLD_SIZE": "8"}) == (2, 8)
+    assert part_from_environment({"SLURM_PROCID": "5", "SLURM_NTASKS": "6"}) == (5, 6)
+    for variable in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(variable, raising=False)
+    for value, message in [
+        ("4/4", "part 4/4 does not exist"),
+        ("auto", "--part auto needs RANK and WORLD_SIZE"),
+        ("x", "'x' is not I/N or auto"),
+    ]:
+        result = run("convert", sources, "-o", tmp_path / "o", "--part", value)
+        assert result.exit_code == 2 and message in result.output, result.output
+    result = run("convert", sources, "-o", tmp_path / "o-{part}", "--part", "1/2", "-q")
+    assert result.exit_code == 0 and len(MmapDataset(tmp_path / "o-00001")) == 11
+    assert not os.path.exists(tmp_path / "o")
