@@ -119,14 +119,15 @@ def pss_bytes(pid: int) -> tuple[int, int]:
 
 
 class PssSampler:
-    """Samples the sum of PSS over this process and all its descendants; keeps the peak.
+    """Samples the sum of PSS over a process (default: this one) and all its descendants; keeps the peak.
 
     File-backed PSS is page cache mapped by the processes (a memory map, the
     loaded libraries): shared by every process on the machine, counted once.
     """
 
-    def __init__(self, interval: float = 0.05) -> None:
+    def __init__(self, interval: float = 0.05, root: int | None = None) -> None:
         self.interval = interval
+        self.root = root if root is not None else os.getpid()
         self.peak = 0
         self.peak_file = 0
         self._stop = threading.Event()
@@ -134,7 +135,7 @@ class PssSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            samples = [pss_bytes(p) for p in process_tree(os.getpid())]
+            samples = [pss_bytes(p) for p in process_tree(self.root)]
             total = sum(pss for pss, _ in samples)
             if total > self.peak:
                 self.peak, self.peak_file = total, sum(file for _, file in samples)
@@ -259,14 +260,13 @@ class InRamBatches:
             yield {key: torch.from_numpy(array[index]) for key, array in self.arrays.items()}
 
 
-def worker_loader(dataset: Any, workers: int, **kwargs: Any) -> DataLoader:
-    warnings.filterwarnings(
-        "ignore", message="This DataLoader will create"
-    )  # 4 workers on 2 cores, on purpose
+def worker_loader(dataset: Any, workers: int, shuffle: bool = True, **kwargs: Any) -> DataLoader:
+    # 4 workers on 2 cores, on purpose:
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
     return DataLoader(
         dataset,
         batch_size=BATCH,
-        shuffle=True,
+        shuffle=shuffle,
         num_workers=workers,
         persistent_workers=workers > 0,
         **kwargs,
@@ -407,6 +407,64 @@ def memory_section(work: Workload, src: Path, dataset: Path, worker_counts: list
             print(f"  {workers} workers {name:24s} PSS {row.peak_pss_bytes / 1e6:,.0f} MB", flush=True)
             rows.append(row)
     return rows
+
+
+def ranks_section(dataset: Path, rank_counts: list[int]) -> list[Measured]:
+    """torchrun with 1, 2, 4 ranks x 2 workers: the PSS summed over all of them stays near one copy."""
+    rows = []
+    for ranks in rank_counts:
+        command = [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            __file__,
+            "--child",
+            "ddp",
+            str(dataset),
+        ]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        with PssSampler(root=process.pid) as pss:
+            stdout, stderr = process.communicate()
+        if process.returncode != 0:
+            raise RuntimeError(stderr[-3000:])
+        rates = json.loads(stdout.strip().splitlines()[-1])
+        row = Measured(
+            "MmapDataset, DistributedSampler",
+            "fixed",
+            ranks * 2,
+            note=f"{ranks} ranks",
+            warm_per_s=rates["warm_per_s"],
+            cold_per_s=rates["first_epoch_per_s"],
+        )
+        row.peak_pss_bytes, row.peak_pss_file_bytes = pss.peak, pss.peak_file
+        print(
+            f"  {ranks} ranks x 2 workers: PSS {pss.peak / 1e6:,.0f} MB ({pss.peak_file / 1e6:,.0f} mapped)",
+            flush=True,
+        )
+        rows.append(row)
+    return rows
+
+
+def child_ddp(dataset: Path) -> dict[str, Any]:
+    """One rank of ranks_section: two epochs with DistributedSampler and 2 workers; reports samples/s."""
+    import torch.distributed as dist
+    from torch.utils.data import DistributedSampler
+
+    dist.init_process_group("gloo")
+    ds = MmapDataset(dataset, fields=["input", "label"])
+    sampler = DistributedSampler(ds, shuffle=True)
+    loader = worker_loader(ds, 2, sampler=sampler, shuffle=False)
+    rates = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in loader:
+            pass
+        dist.barrier()
+        rates.append(len(ds) / (time.perf_counter() - started))
+    dist.destroy_process_group()
+    return {"first_epoch_per_s": rates[0], "warm_per_s": rates[1]}
 
 
 def advice_section(dataset: Path, quick: bool) -> list[Measured]:
@@ -600,6 +658,7 @@ class Report:
     throughput: list[Measured] = field(default_factory=list)
     memory: list[Measured] = field(default_factory=list)
     advice: list[Measured] = field(default_factory=list)
+    ranks: list[Measured] = field(default_factory=list)
     scale: dict[str, Any] = field(default_factory=dict)
 
 
@@ -658,6 +717,21 @@ def markdown(report: Report) -> str:
                 if r.loader == name and r.workers == c
             ]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if report.ranks:
+        lines += [
+            "",
+            "DDP (torchrun, gloo, 2 DataLoader workers per rank), fixed workload; PSS summed over "
+            "torchrun, all ranks and all workers:",
+            "",
+            "| ranks | epoch 1 (samples/s) | epoch 2 (samples/s) | peak PSS sum (MB) "
+            "| of which mapped files (MB) |",
+            "| ---: | ---: | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {r.workers // 2} | {r.cold_per_s:,.0f} | {r.warm_per_s:,.0f} | "
+            f"{r.peak_pss_bytes / 1e6:,.0f} | {r.peak_pss_file_bytes / 1e6:,.0f} |"
+            for r in report.ranks
+        ]
     if report.advice:
         lines += ["", "Access hints and sample order, MmapLoader on the fixed workload:", ""]
         lines += [
@@ -742,6 +816,7 @@ def main() -> None:
             "open-10m": child_open_10m,
             "convert-1m": child_convert_1m,
             "convert-2gib": child_convert_2gib,
+            "ddp": child_ddp,
         }
         Path(root).mkdir(parents=True, exist_ok=True)
         print(json.dumps(children[task](Path(root))))
@@ -771,6 +846,7 @@ def main() -> None:
     report.memory = memory_section(
         workloads[0], workdir / "fixed" / "npz", datasets["fixed"], [1, 2] if args.quick else [1, 2, 4]
     )
+    report.ranks = ranks_section(datasets["fixed"], [1, 2] if args.quick else [1, 2, 4])
     report.advice = advice_section(datasets["fixed"], args.quick)
     if args.scale:
         report.scale = scale_section(workdir)
