@@ -165,3 +165,31 @@ def test_part_selection_and_its_errors(tmp_path, sources, monkeypatch) -> None:
     result = run("convert", sources, "-o", tmp_path / "o-{part}", "--part", "1/2", "-q")
     assert result.exit_code == 0 and len(MmapDataset(tmp_path / "o-00001")) == 11
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_appending_files_is_adding_a_part_and_rewriting_the_manifest(tmp_path, sources) -> None:
+    convert([sources], tmp_path / "ds" / "part-a", workers=1)
+    assert run("merge", tmp_path / "ds" / "part-a", "-o", tmp_path / "ds", "-q").exit_code == 0
+    reader = MmapDataset(tmp_path / "ds")
+    write_samples(
+        tmp_path / "new",
+        [{"x": np.zeros((2, 3), np.float32), "id": np.int64(99), "tokens": np.arange(3, dtype=np.int16)}],
+    )
+    convert([tmp_path / "new"], tmp_path / "ds" / "part-b", workers=1)
+    refused = run("merge", tmp_path / "ds" / "part-a", tmp_path / "ds" / "part-b", "-o", tmp_path / "ds")
+    assert refused.exit_code == 1 and "manifest.json: already exists; pass --overwrite" in refused.output
+    assert (
+        run(
+            "merge",
+            tmp_path / "ds" / "part-a",
+            tmp_path / "ds" / "part-b",
+            "-o",
+            tmp_path / "ds",
+            "--overwrite",
+        ).exit_code
+        == 0
+    )
+    assert len(reader) == 22 and reader[21]["id"] == 21  # opened before: still the old list
+    grown = MmapDataset(tmp_path / "ds")
+    assert len(grown) == 23 and grown[-1]["id"] == 99
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == ["manifest.json", "part-a", "part-b"]
