@@ -14,9 +14,11 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockShuffleSampler",
     "DatasetReader",
+    "LengthGroupedSampler",
     "MmapDataset",
     "MmapLoader",
     "Npz2mmapError",
+    "PaddedCollate",
     "collate",
     "convert",
     "__version__",
@@ -25,9 +27,11 @@ __all__ = [
 _LAZY = {
     "BlockShuffleSampler": "samplers",
     "DatasetReader": "reader",
+    "LengthGroupedSampler": "samplers",
     "MmapDataset": "dataset",
     "MmapLoader": "loader",
     "Npz2mmapError": "errors",
+    "PaddedCollate": "padding",
     "collate": "dataset",
     "convert": "converter",
 }
@@ -37,8 +41,9 @@ if TYPE_CHECKING:
     from .dataset import MmapDataset, collate
     from .errors import Npz2mmapError
     from .loader import MmapLoader
+    from .padding import PaddedCollate
     from .reader import DatasetReader
-    from .samplers import BlockShuffleSampler
+    from .samplers import BlockShuffleSampler, LengthGroupedSampler
 
 
 def __getattr__(name: str) -> Any:

@@ -87,6 +87,15 @@ class MmapDataset(Dataset[Any]):
         arrays = {name: reader.gather(name, indices) for name in self.fields}
         return GatheredBatch(arrays, self.fields[0] if self.single else None, len(indices))
 
+    def lengths(self, field: str) -> np.ndarray:
+        """Per-sample lengths of a field (int64 (N,) for 1-d samples, shapes (N, ndim) otherwise).
+
+        Read from the index and its shape tables only, never from sample data,
+        so building length-grouped batches costs no I/O of the data itself.
+        """
+        shapes = self.reader.shapes(field)
+        return np.ascontiguousarray(shapes[:, 0] if shapes.shape[1] == 1 else shapes)
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_reader"] = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,9 @@ class MmapLoader:
     ``shuffle`` draws a new order each epoch from ``seed`` and the epoch
     (``set_epoch`` fixes it, as with DistributedSampler); ``sampler`` (any
     iterable of indices, e.g. a DistributedSampler or BlockShuffleSampler)
-    replaces both. ``prefetch`` batches are prepared ahead by a background
+    replaces both, and ``batch_sampler`` (e.g. LengthGroupedSampler) replaces
+    the batching too. ``collate_fn`` (e.g. PaddedCollate) turns each gathered
+    batch into the output instead. ``prefetch`` batches are prepared ahead by a background
     thread; with 0 there is no thread and each batch is gathered when asked
     for (fastest when nothing else runs between batches). ``pin_memory``
     gathers into page-locked tensors where CUDA is available (ignored otherwise).
@@ -47,6 +49,8 @@ class MmapLoader:
         *,
         shuffle: bool = False,
         sampler: Iterable[int] | None = None,
+        batch_sampler: Iterable[Sequence[int]] | None = None,
+        collate_fn: Callable[[Any], Any] | None = None,
         drop_last: bool = False,
         prefetch: int = 2,
         pin_memory: bool = False,
@@ -58,6 +62,8 @@ class MmapLoader:
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self.collate_fn = collate_fn
         self.drop_last = drop_last
         self.prefetch = prefetch
         self.pin_memory = pin_memory and torch.cuda.is_available()
@@ -66,16 +72,22 @@ class MmapLoader:
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
-        set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
-        if set_sampler_epoch is not None:
-            set_sampler_epoch(epoch)
+        for sampler in (self.sampler, self.batch_sampler):
+            set_sampler_epoch = getattr(sampler, "set_epoch", None)
+            if set_sampler_epoch is not None:
+                set_sampler_epoch(epoch)
 
     def __len__(self) -> int:
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)  # type: ignore[arg-type]
         count = len(self.sampler) if hasattr(self.sampler, "__len__") else len(self.dataset)  # type: ignore[arg-type]
         return count // self.batch_size if self.drop_last else -(-count // self.batch_size)
 
     def index_batches(self) -> Iterator[np.ndarray]:
         """The batches of sample indices of this epoch."""
+        if self.batch_sampler is not None:
+            yield from (np.asarray(batch, dtype=np.int64) for batch in self.batch_sampler)
+            return
         if self.sampler is not None:
             order = np.fromiter(self.sampler, dtype=np.int64)
         elif self.shuffle:
@@ -93,7 +105,7 @@ class MmapLoader:
             else:
                 yield from self._prefetched()
         finally:
-            if self.sampler is None and self.shuffle:
+            if self.sampler is None and self.batch_sampler is None and self.shuffle:
                 self.epoch += 1
 
     def _prefetched(self) -> Iterator[Any]:
@@ -127,6 +139,8 @@ class MmapLoader:
 
     def load(self, indices: np.ndarray) -> Any:
         """One batch: each fixed field gathered straight into its output tensor."""
+        if self.collate_fn is not None:
+            return self.collate_fn(self.dataset.__getitems__(indices.tolist()))
         if self.dataset.transform is not None:
             return collate(self.dataset.__getitems__(indices.tolist()))
         reader = self.dataset.reader

@@ -169,6 +169,18 @@ class PartsReader:
             raise IndexError(f"sample index {idx[bad[0]]} is out of range for {n} samples")
         return np.where(idx < 0, idx + n, idx)
 
+    def shapes(self, name: str) -> NDArray[np.int64]:
+        """Every sample's shape of a field, (num_samples, ndim), from the tables only."""
+        info = self.field(name)
+        pieces = []
+        for reader in self.readers:
+            field = reader.index.field(name)
+            if field.shape is not None:
+                pieces.append(np.tile(np.array(field.shape, dtype=np.int64), (len(reader), 1)))
+            else:
+                pieces.append(np.asarray(reader.table(name, "shapes"), dtype=np.int64))
+        return np.concatenate(pieces) if pieces else np.zeros((0, info.ndim), dtype=np.int64)
+
     def view(self, name: str, i: int) -> np.ndarray:
         """Sample ``i`` of field ``name`` as a read-only view of its part's mapping."""
         if self._single is not None:

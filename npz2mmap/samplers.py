@@ -39,3 +39,53 @@ class BlockShuffleSampler(Sampler[int]):
             members = np.arange(start, min(start + self.block_size, self.num_samples))
             rng.shuffle(members)
             yield from members.tolist()
+
+
+class LengthGroupedSampler(Sampler[list[int]]):
+    """Batches of samples of similar length, in a new random order each epoch.
+
+    A batch sampler (``DataLoader(ds, batch_sampler=...)`` or
+    ``MmapLoader(ds, ..., sampler=...)`` flattened): samples are shuffled,
+    cut into pools of ``batch_size * pool_batches``, sorted by length within a
+    pool and cut into batches, and the batches are shuffled, so padding stays
+    small while order stays random. ``lengths`` comes from
+    ``MmapDataset.lengths(field)``. Every sample appears exactly once per epoch.
+    """
+
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        batch_size: int,
+        *,
+        pool_batches: int = 50,
+        drop_last: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if batch_size < 1 or pool_batches < 1:
+            raise ValueError("batch_size and pool_batches must be at least 1")
+        self.lengths = np.asarray(lengths).reshape(len(lengths), -1).prod(axis=1)
+        self.batch_size = batch_size
+        self.pool = batch_size * pool_batches
+        self.drop_last = drop_last
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        n = len(self.lengths)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        rng = np.random.default_rng((self.seed, self.epoch))
+        order = rng.permutation(len(self.lengths))
+        batches = []
+        for start in range(0, len(order), self.pool):
+            pool = order[start : start + self.pool]
+            pool = pool[np.argsort(self.lengths[pool], kind="stable")]
+            batches += [pool[i : i + self.batch_size] for i in range(0, len(pool), self.batch_size)]
+        if self.drop_last:
+            batches = [b for b in batches if len(b) == self.batch_size]
+        for k in rng.permutation(len(batches)):
+            yield batches[k].tolist()

@@ -1,0 +1,70 @@
+"""PaddedCollate: batches with ragged fields as padded tensors plus lengths (and masks)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .dataset import GatheredBatch, as_tensors
+
+
+class PaddedCollate:
+    """Collate for MmapDataset batches whose fields may be ragged.
+
+    A ragged field ``name`` becomes one tensor padded with ``pad_value`` to the
+    batch's largest shape, plus ``name_lengths`` (int64: (batch,) for 1-d
+    samples, (batch, ndim) otherwise) and, with ``mask``, ``name_mask`` (bool,
+    True on real elements). Fixed fields become tensors as with ``collate``.
+    One padded tensor per field also crosses from DataLoader workers cheaply,
+    where a list of tensors would cost a shared-memory handle each. Picklable.
+    """
+
+    def __init__(self, pad_value: float = 0, mask: bool = False) -> None:
+        self.pad_value = pad_value
+        self.mask = mask
+
+    def __call__(self, batch: Any) -> dict[str, Any]:
+        fields = batch.arrays if isinstance(batch, GatheredBatch) else _by_field(batch)
+        out: dict[str, Any] = {}
+        for name, value in fields.items():
+            if isinstance(value, list) and _differ(value):
+                padded, lengths = pad(value, self.pad_value)
+                out[name] = torch.from_numpy(padded)
+                out[f"{name}_lengths"] = torch.from_numpy(lengths)
+                if self.mask:
+                    out[f"{name}_mask"] = torch.from_numpy(valid_mask(value, padded.shape[1:]))
+            else:
+                out[name] = as_tensors(np.stack(value) if isinstance(value, list) else value)
+        return out
+
+
+def _by_field(samples: Sequence[Any]) -> dict[str, list[np.ndarray]]:
+    if samples and isinstance(samples[0], dict):
+        return {key: [np.asarray(s[key]) for s in samples] for key in samples[0]}
+    return {"data": [np.asarray(s) for s in samples]}
+
+
+def _differ(arrays: list[np.ndarray]) -> bool:
+    return len({a.shape for a in arrays}) > 1
+
+
+def pad(arrays: list[np.ndarray], pad_value: float = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Stack arrays of one dtype and ndim into (len, *largest shape); return it and their shapes."""
+    shapes = np.array([a.shape for a in arrays], dtype=np.int64).reshape(len(arrays), -1)
+    largest = tuple(int(d) for d in shapes.max(axis=0)) if len(arrays) else ()
+    out = np.full((len(arrays), *largest), pad_value, dtype=arrays[0].dtype if arrays else np.float32)
+    for row, array in zip(out, arrays, strict=True):
+        row[tuple(slice(0, d) for d in array.shape)] = array
+    lengths = shapes[:, 0] if shapes.shape[1] == 1 else shapes
+    return out, np.ascontiguousarray(lengths)
+
+
+def valid_mask(arrays: list[np.ndarray], padded_shape: tuple[int, ...]) -> np.ndarray:
+    """True where a padded batch holds real elements."""
+    mask = np.zeros((len(arrays), *padded_shape), dtype=bool)
+    for row, array in zip(mask, arrays, strict=True):
+        row[tuple(slice(0, d) for d in array.shape)] = True
+    return mask

@@ -1,0 +1,105 @@
+"""Ragged fields: lengths from the tables, padded collation, length-grouped batches."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_samples
+from torch.utils.data import DataLoader
+
+from npz2mmap import LengthGroupedSampler, MmapDataset, MmapLoader, PaddedCollate
+from npz2mmap.converter import convert
+from npz2mmap.merge import merge
+
+LENGTHS = [5, 1, 9, 3, 0, 7, 2, 8, 4, 6, 3, 5]
+
+
+@pytest.fixture
+def ragged(tmp_path):
+    samples = [
+        {
+            "tokens": np.arange(n, dtype=np.int32) + 100 * i,
+            "points": np.ones((n, 3), np.float32) * i,
+            "label": np.int64(i),
+        }
+        for i, n in enumerate(LENGTHS)
+    ]
+    write_samples(tmp_path / "src", samples)
+    convert([tmp_path / "src"], tmp_path / "ds", workers=1)
+    return tmp_path / "ds", samples
+
+
+def test_lengths_come_from_the_tables_without_reading_sample_data(ragged, monkeypatch) -> None:
+    dataset, _ = ragged
+    ds = MmapDataset(dataset)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("sample data was read")
+
+    monkeypatch.setattr("npz2mmap.reader.DatasetReader.view", forbidden)
+    monkeypatch.setattr("npz2mmap.reader.DatasetReader.gather", forbidden)
+    assert ds.lengths("tokens").tolist() == LENGTHS
+    assert ds.lengths("points").tolist() == [[n, 3] for n in LENGTHS]
+    assert ds.lengths("label").shape == (12, 0)  # 0-d samples have no dimensions
+
+
+def test_lengths_of_a_multi_part_dataset(ragged, tmp_path) -> None:
+    dataset, _ = ragged
+    for i in range(3):
+        convert([tmp_path / "src"], tmp_path / "parts" / f"p{i}", part=(i, 3), workers=1)
+    merge(sorted((tmp_path / "parts").iterdir()), tmp_path / "parts")
+    assert MmapDataset(tmp_path / "parts").lengths("tokens").tolist() == LENGTHS
+
+
+def test_padded_collate_pads_reports_lengths_and_masks(ragged) -> None:
+    dataset, samples = ragged
+    ds = MmapDataset(dataset)
+    batch = PaddedCollate(pad_value=-1, mask=True)(ds.__getitems__([2, 1, 4]))
+    assert batch["tokens"].tolist() == [
+        [200, 201, 202, 203, 204, 205, 206, 207, 208],
+        [100] + [-1] * 8,
+        [-1] * 9,
+    ]
+    assert batch["tokens_lengths"].tolist() == [9, 1, 0]
+    assert batch["tokens_mask"].sum(dim=1).tolist() == [9, 1, 0]
+    assert batch["points"].shape == (3, 9, 3) and batch["points_lengths"].tolist() == [[9, 3], [1, 3], [0, 3]]
+    assert batch["label"].tolist() == [2, 1, 4] and "label_lengths" not in batch
+    per_item = PaddedCollate()([ds[2], ds[1]])
+    assert per_item["tokens"].shape == (2, 9) and per_item["tokens_lengths"].tolist() == [9, 1]
+
+
+@pytest.mark.filterwarnings("ignore:.*pin_memory.*")
+def test_padded_batches_through_workers_and_pin_memory(ragged) -> None:
+    dataset, _ = ragged
+    loader = DataLoader(
+        MmapDataset(dataset), batch_size=5, num_workers=2, collate_fn=PaddedCollate(), pin_memory=True
+    )
+    seen = {}
+    for batch in loader:
+        assert isinstance(batch["tokens"], torch.Tensor)
+        for label, row, n in zip(
+            batch["label"].tolist(), batch["tokens"], batch["tokens_lengths"].tolist(), strict=True
+        ):
+            seen[label] = row[:n].tolist()
+    assert seen == {i: list(range(100 * i, 100 * i + n)) for i, n in enumerate(LENGTHS)}
+
+
+def test_length_grouped_batches_cover_everything_and_keep_lengths_close(ragged) -> None:
+    dataset, _ = ragged
+    ds = MmapDataset(dataset)
+    sampler = LengthGroupedSampler(ds.lengths("tokens"), batch_size=4, pool_batches=3, seed=2)
+    first = list(sampler)
+    assert len(sampler) == 3 and sorted(i for b in first for i in b) == list(range(12))
+    for batch in first:  # one pool holds all 12 here: each batch is a run of the sorted lengths
+        assert max(LENGTHS[i] for i in batch) - min(LENGTHS[i] for i in batch) <= 3
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+    assert len(list(LengthGroupedSampler(ds.lengths("tokens"), batch_size=5, drop_last=True))) == 2
+    loader = MmapLoader(ds, batch_size=4, batch_sampler=sampler, collate_fn=PaddedCollate())
+    assert sorted(int(x) for b in loader for x in b["label"]) == list(range(12))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(DataLoader(ds, batch_sampler=sampler, collate_fn=PaddedCollate()))) == 3
