@@ -287,7 +287,28 @@ def _render_summary(summary: dict[str, Any]) -> str:
     rows = [("field", "kind", "dtype", "shape", "bytes")]
     for f in summary["fields"]:
         rows.append((f["name"], f["kind"], f["dtype"], _shape_text(f), human_bytes(f["nbytes"])))
-    return "\n".join(lines + _table(rows))
+    lines += _table(rows)
+    for f in summary["fields"]:
+        if f.get("lengths"):
+            lines += ["", *_render_lengths(f["name"], f["lengths"])]
+    return "\n".join(lines)
+
+
+def _render_lengths(name: str, stats: dict[str, Any]) -> list[str]:
+    """A ragged field's length distribution as one line of figures and a text histogram."""
+    head = (
+        f"{name} lengths (first dimension): min {stats['min']:,}, p50 {stats['p50']:,.0f}, "
+        f"p90 {stats['p90']:,.0f}, p99 {stats['p99']:,.0f}, max {stats['max']:,}, mean {stats['mean']:,.1f}"
+    )
+    counts, edges = stats["histogram"]["counts"], stats["histogram"]["edges"]
+    widest = max(counts) or 1
+    labels = [f"{edges[k]:,.0f}..{edges[k + 1]:,.0f}" for k in range(len(counts))]
+    width = max(len(label) for label in labels)
+    bars = [
+        f"  {label.rjust(width)}  {'#' * round(30 * count / widest):<30}  {count:,}"
+        for label, count in zip(labels, counts, strict=True)
+    ]
+    return [head, *bars]
 
 
 def _shape_text(field: dict[str, Any]) -> str:

@@ -45,7 +45,31 @@ def _describe_field(info: FieldInfo, readers: list[DatasetReader]) -> dict[str, 
     ranges = [_shape_range(r, info.name) for r in readers if len(r)]
     out["min_shape"] = np.min([lo for lo, _ in ranges], axis=0).tolist() if ranges else []
     out["max_shape"] = np.max([hi for _, hi in ranges], axis=0).tolist() if ranges else []
+    lengths = np.concatenate([_first_dims(r, info.name) for r in readers])
+    out["lengths"] = length_distribution(lengths) if len(lengths) else {}
     return out
+
+
+def _first_dims(reader: DatasetReader, name: str) -> NDArray[np.int64]:
+    field = reader.index.field(name)
+    if field.shape is not None:
+        return np.full(len(reader), field.shape[0], dtype=np.int64)
+    return np.asarray(reader.table(name, "shapes")[:, 0], dtype=np.int64)
+
+
+def length_distribution(lengths: NDArray[np.int64], bins: int = 10) -> dict[str, Any]:
+    """Min, percentiles, max, mean and a histogram of a ragged field's first dimension."""
+    counts, edges = np.histogram(lengths, bins=min(bins, int(lengths.max() - lengths.min()) + 1))
+    percentiles = np.percentile(lengths, [50, 90, 99])
+    return {
+        "min": int(lengths.min()),
+        "p50": float(percentiles[0]),
+        "p90": float(percentiles[1]),
+        "p99": float(percentiles[2]),
+        "max": int(lengths.max()),
+        "mean": float(lengths.mean()),
+        "histogram": {"counts": counts.tolist(), "edges": edges.tolist()},
+    }
 
 
 def _shape_range(reader: DatasetReader, name: str) -> tuple[NDArray[np.int64], NDArray[np.int64]]:

@@ -103,3 +103,20 @@ def test_length_grouped_batches_cover_everything_and_keep_lengths_close(ragged) 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(list(DataLoader(ds, batch_sampler=sampler, collate_fn=PaddedCollate()))) == 3
+
+
+def test_inspect_shows_the_length_distribution_of_ragged_fields(ragged) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from npz2mmap.cli import cli
+
+    dataset, _ = ragged
+    summary = json.loads(CliRunner().invoke(cli, ["inspect", str(dataset), "--json"]).output)
+    tokens = next(f for f in summary["fields"] if f["name"] == "tokens")
+    assert (tokens["lengths"]["min"], tokens["lengths"]["max"], tokens["lengths"]["p50"]) == (0, 9, 4.5)
+    assert sum(tokens["lengths"]["histogram"]["counts"]) == 12
+    text = CliRunner().invoke(cli, ["inspect", str(dataset)]).output
+    assert "tokens lengths (first dimension): min 0, p50 4, p90 8, p99 9, max 9, mean 4.4" in text
+    assert "label lengths" not in text
