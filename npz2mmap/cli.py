@@ -24,7 +24,7 @@ from .converter import convert as convert_files
 from .errors import Npz2mmapError
 from .merge import merge as merge_parts
 from .spec import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
-from .summary import describe_dataset, describe_sample
+from .summary import describe_dataset, describe_sample, field_statistics
 from .verify import verify as verify_dataset
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -256,8 +256,13 @@ def convert(
 @click.argument("dataset", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
 @click.option("--sample", type=int, default=None, metavar="I", help="Show sample I's arrays instead.")
+@click.option(
+    "--stats",
+    is_flag=True,
+    help="Also compute min, max, mean and std of every numeric field (reads all data).",
+)
 @friendly_errors
-def inspect(dataset: str, as_json: bool, sample: int | None) -> None:
+def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> None:
     """Show a dataset's format, samples, size and fields."""
     if sample is not None:
         try:
@@ -267,6 +272,12 @@ def inspect(dataset: str, as_json: bool, sample: int | None) -> None:
         click.echo(json.dumps(info, indent=1) if as_json else _render_sample(info))
         return
     summary = describe_dataset(dataset)
+    if stats:
+        progress = BarProgress(not as_json)
+        try:
+            summary["stats"] = field_statistics(dataset, progress)
+        finally:
+            progress.close()
     click.echo(json.dumps(summary, indent=1) if as_json else _render_summary(summary))
 
 
@@ -288,6 +299,12 @@ def _render_summary(summary: dict[str, Any]) -> str:
     for f in summary["fields"]:
         rows.append((f["name"], f["kind"], f["dtype"], _shape_text(f), human_bytes(f["nbytes"])))
     lines += _table(rows)
+    if "stats" in summary:
+        stat_rows = [("field", "count", "min", "max", "mean", "std")]
+        for name, s in summary["stats"].items():
+            figures = [f"{s[k]:.6g}" if k in s else "-" for k in ("min", "max", "mean", "std")]
+            stat_rows.append((name, f"{s['count']:,}", *figures))
+        lines += ["", *_table(stat_rows)]
     for f in summary["fields"]:
         if f.get("lengths"):
             lines += ["", *_render_lengths(f["name"], f["lengths"])]

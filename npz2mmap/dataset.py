@@ -28,7 +28,9 @@ class MmapDataset(Dataset[Any]):
     parts, or a list of either: parts are read as one dataset, in order.
     ``ds[i]`` returns a dict field -> array, or the bare array when ``fields``
     is a single name. Arrays are fresh, writable copies: editing one never
-    reaches the file or a later read. ``advice`` ('random', 'sequential', ...)
+    reaches the file or a later read; with ``tensors=True`` they come as torch
+    tensors sharing that copy (dtypes torch lacks stay numpy). Only the
+    selected ``fields`` are ever read. ``advice`` ('random', 'sequential', ...)
     is passed to madvise for each process's mapping. Raises FormatError if the
     dataset is invalid, KeyError for unknown fields.
     """
@@ -39,6 +41,7 @@ class MmapDataset(Dataset[Any]):
         fields: str | Sequence[str] | None = None,
         transform: Callable[[Any], Any] | None = None,
         advice: str | None = None,
+        tensors: bool = False,
     ) -> None:
         self.path = os.fspath(path) if isinstance(path, (str, os.PathLike)) else [os.fspath(p) for p in path]
         self.parts = Parts(self.path)
@@ -48,6 +51,7 @@ class MmapDataset(Dataset[Any]):
             self.parts.field(name)
         self.fields: tuple[str, ...] = tuple(names)
         self.transform = transform
+        self.tensors = tensors
         if advice is not None and advice not in ADVICE:
             raise ValueError(f"advice must be one of {', '.join(ADVICE)}, got {advice!r}")
         self.advice = advice
@@ -69,10 +73,14 @@ class MmapDataset(Dataset[Any]):
         reader = self.reader
         i = reader.sample_index(i)
         if self.single:
-            sample: Any = np.array(reader.view(self.fields[0], i))
+            sample: Any = self._copy(reader.view(self.fields[0], i))
         else:
-            sample = {name: np.array(reader.view(name, i)) for name in self.fields}
+            sample = {name: self._copy(reader.view(name, i)) for name in self.fields}
         return self.transform(sample) if self.transform is not None else sample
+
+    def _copy(self, view: np.ndarray) -> Any:
+        array = np.array(view)
+        return as_tensors(array) if self.tensors else array
 
     def __getitems__(self, indices: Sequence[int]) -> Sequence[Any]:
         """A batch of samples, gathered with one copy per field (DataLoader calls this).

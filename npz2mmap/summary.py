@@ -9,6 +9,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .parts import FieldInfo, Parts, PartsReader, describe_parts
+from .progress import Progress, SilentProgress
 from .reader import DatasetReader
 from .spec import BLOB_NAME, FORMAT_NAME, FORMAT_VERSION
 
@@ -101,3 +102,50 @@ def _describe_array(name: str, array: np.ndarray) -> dict[str, Any]:
 def dtype_name(dtype: np.dtype) -> str:
     """'float32' for numbers, numpy's own spelling ('<U8', 'datetime64[s]', records) otherwise."""
     return dtype.name if dtype.kind in "biufc" else str(dtype)
+
+
+STATS_CHUNK_NBYTES = 64 << 20
+
+
+def field_statistics(
+    path: str | os.PathLike[str], progress: Progress | None = None
+) -> dict[str, dict[str, float]]:
+    """Min, max, mean and standard deviation of every numeric field, in one streaming pass.
+
+    Reads each field's data region (all parts) in bounded chunks; sums are
+    accumulated in float64. Fields of other kinds (strings, records) are left out.
+    """
+    progress = progress or SilentProgress()
+    parts = Parts(path)
+    readers = [DatasetReader(p, index) for p, index in zip(parts.paths, parts.indexes, strict=True)]
+    numeric = [name for name in parts.field_names if parts.field(name).dtype.kind in "biuf"]
+    total = sum(r.index.field(name).data.nbytes for r in readers for name in numeric)
+    progress.stage("stats", len(numeric), total)
+    return {name: _stream_stats(readers, name, progress) for name in numeric}
+
+
+def _stream_stats(readers: list[DatasetReader], name: str, progress: Progress) -> dict[str, float]:
+    count, total, squares = 0, 0.0, 0.0
+    low, high = np.inf, -np.inf
+    for reader in readers:
+        field = reader.index.field(name)
+        values = reader.payload[field.data.offset : field.data.end].view(field.dtype)
+        step = max(1, STATS_CHUNK_NBYTES // field.dtype.itemsize)
+        for start in range(0, len(values), step):
+            chunk = values[start : start + step].astype(np.float64)
+            count += len(chunk)
+            total += float(chunk.sum())
+            squares += float(np.square(chunk).sum())
+            low, high = min(low, float(chunk.min())), max(high, float(chunk.max()))
+            progress.advance(0, len(chunk) * field.dtype.itemsize)
+    progress.advance(1, 0)
+    if not count:
+        return {"count": 0}
+    mean = total / count
+    return {
+        "count": count,
+        "min": low,
+        "max": high,
+        "mean": mean,
+        "std": max(squares / count - mean * mean, 0.0) ** 0.5,
+    }

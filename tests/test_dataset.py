@@ -190,3 +190,22 @@ def test_an_open_reader_keeps_seeing_the_old_dataset_after_overwrite(tmp_path, s
     after = ds[2]
     for key in before:
         assert_same_array(after[key], before[key])
+
+
+def test_tensors_option_and_field_projection(small_dataset, monkeypatch) -> None:
+    out, sources = small_dataset
+    ds = MmapDataset(out, fields=["input", "label"], tensors=True)
+    sample = ds[3]
+    assert isinstance(sample["input"], torch.Tensor) and sample["label"].item() == 3
+    assert torch.equal(sample["input"], torch.from_numpy(load_source(sources[3], "input")))
+    read = []
+    real_view = ds.reader.readers[0].view
+
+    def recording_view(name, i):
+        read.append(name)
+        return real_view(name, i)
+
+    only_label = MmapDataset(out, fields="label")
+    monkeypatch.setattr(only_label.reader.readers[0], "view", recording_view)
+    assert [int(only_label[i]) for i in range(6)] == list(range(6))
+    assert set(read) == {"label"}

@@ -120,3 +120,29 @@ def test_inspect_shows_the_length_distribution_of_ragged_fields(ragged) -> None:
     text = CliRunner().invoke(cli, ["inspect", str(dataset)]).output
     assert "tokens lengths (first dimension): min 0, p50 4, p90 8, p99 9, max 9, mean 4.4" in text
     assert "label lengths" not in text
+
+
+def test_inspect_stats_match_numpy_over_the_sources(ragged) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from npz2mmap.cli import cli
+
+    dataset, samples = ragged
+    result = CliRunner().invoke(cli, ["inspect", str(dataset), "--stats", "--json"])
+    stats = json.loads(result.output)["stats"]
+    tokens = np.concatenate([s["tokens"] for s in samples]).astype(np.float64)
+    assert stats["tokens"]["count"] == len(tokens)
+    assert (stats["tokens"]["min"], stats["tokens"]["max"]) == (tokens.min(), tokens.max())
+    assert stats["tokens"]["mean"] == pytest.approx(tokens.mean())
+    assert stats["tokens"]["std"] == pytest.approx(tokens.std())
+    assert stats["label"] == {
+        "count": 12,
+        "min": 0.0,
+        "max": 11.0,
+        "mean": 5.5,
+        "std": pytest.approx(np.arange(12).std()),
+    }
+    text = CliRunner().invoke(cli, ["inspect", str(dataset), "--stats"]).output
+    assert any(line.split() == ["label", "12", "0", "11", "5.5", "3.45205"] for line in text.splitlines()), text
