@@ -179,6 +179,11 @@ def cli(debug: bool) -> None:
     help="Leave out unreadable or corrupt files and list them in OUT/skipped.jsonl instead of stopping.",
 )
 @click.option(
+    "--rows",
+    is_flag=True,
+    help="Each file holds many samples along axis 0 (all its arrays share that dimension).",
+)
+@click.option(
     "--part",
     callback=_parse_part,
     metavar="I/N|auto",
@@ -207,6 +212,7 @@ def convert(
     keys: list[str] | None,
     casts: dict[str, np.dtype],
     skip_bad: bool,
+    rows: bool,
     part: tuple[int, int] | None,
     workers: int | None,
     align: int,
@@ -230,6 +236,7 @@ def convert(
             casts=casts,
             skip_bad=skip_bad,
             part=part,
+            rows=rows,
             workers=workers,
             align=align,
             overwrite=overwrite,

@@ -20,7 +20,7 @@ from .errors import OutputError, SourceError
 from .inputs import discover_sources
 from .npzfile import MemberHeader, read_headers
 from .parallel import Mapper, worker_map
-from .plan import Plan, build_plan, drop_samples
+from .plan import Plan, build_plan, drop_files
 from .progress import Progress, SilentProgress
 from .spec import BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
 
@@ -42,6 +42,7 @@ def convert(
     casts: Mapping[str, np.dtype | str] | None = None,
     skip_bad: bool = False,
     part: tuple[int, int] | None = None,
+    rows: bool = False,
     workers: int | None = None,
     align: int = MIN_ALIGN,
     overwrite: bool = False,
@@ -54,7 +55,8 @@ def convert(
     With ``skip_bad``, unreadable or corrupt files are left out and listed in
     the dataset's ``skipped.jsonl`` instead of ending the conversion. With
     ``part=(i, n)``, only the i-th of n contiguous slices of the sorted inputs
-    is converted, into a complete dataset of its own.
+    is converted, into a complete dataset of its own. With ``rows``, every
+    array of a file shares its first dimension and each row is one sample.
 
     Raises SourceError for unusable inputs and OutputError when ``out_dir``
     cannot be written; on any error nothing is left at ``out_dir`` and an
@@ -70,7 +72,7 @@ def convert(
     skipped: list[tuple[str, str]] = []
     with publish.output_lock(out), worker_map(workers or os.cpu_count() or 1, len(sources)) as imap:
         scan_one = functools.partial(_scan_source, keys=tuple(keys) if keys else None, skip_bad=skip_bad)
-        plan = _scan(sources, scan_one, _parse_casts(casts), align, imap, progress, skipped)
+        plan = _scan(sources, scan_one, _parse_casts(casts), align, imap, progress, skipped, rows)
         staging = _make_staging_dir(out)
         try:
             plan, index = _copy(plan, staging, imap, progress, skip_bad, skipped, part)
@@ -166,6 +168,7 @@ def _scan(
     imap: Mapper[Any, Any],
     progress: Progress,
     skipped: list[tuple[str, str]],
+    rows: bool,
 ) -> Plan:
     """Pass 1: read every member header and plan the layout."""
     progress.stage("scan", len(sources), 0)
@@ -178,7 +181,7 @@ def _scan(
             else:
                 yield path, headers
 
-    return build_plan(usable(), align, casts)
+    return build_plan(usable(), align, casts, rows)
 
 
 def _copy(
@@ -199,8 +202,8 @@ def _copy(
         crc32s, failed = _copy_samples(plan, staging, imap, progress, skip_bad)
         if not failed:
             return plan, writer.finish_dataset(staging, plan, crc32s, skipped, part)
-        skipped.extend((plan.sources[i], reason) for i, reason in failed)
-        plan = drop_samples(plan, [i for i, _ in failed])
+        skipped.extend((plan.sources[k], reason) for k, reason in failed)
+        plan = drop_files(plan, [k for k, _ in failed])
         os.unlink(os.path.join(staging, BLOB_NAME))
 
 
@@ -215,10 +218,11 @@ def _copy_samples(
     try:
         for result in imap(copy_one, writer.sample_tasks(plan)):
             if isinstance(result, _Failure):
-                failed.append((result.sample, result.reason))
+                failed.append((result.file, result.reason))
                 continue
-            for table, crc in zip(crc32s, result.crc32s, strict=True):
-                table[result.sample] = crc
+            first, count = plan.file_rows(result.file)
+            for table, crcs in zip(crc32s, result.crc32s, strict=True):
+                table[first : first + count] = crcs
             progress.advance(1, result.nbytes)
     finally:
         writer.close_blobs()
@@ -226,7 +230,7 @@ def _copy_samples(
 
 
 class _Failure(NamedTuple):
-    sample: int
+    file: int
     reason: str
 
 
@@ -236,4 +240,4 @@ def _copy_sample(blob_path: str, skip_bad: bool, task: writer.SampleTask) -> wri
     except SourceError as exc:
         if not skip_bad:
             raise
-        return _Failure(task.sample, str(exc))
+        return _Failure(task.file, str(exc))

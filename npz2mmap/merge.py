@@ -8,10 +8,12 @@ checksum tables are concatenated, never recomputed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -97,7 +99,13 @@ def _merge_by_copy(parts: Parts, out: str, overwrite: bool, progress: Progress) 
 
 
 def _plan_concatenation(parts: Parts) -> Plan:
-    sources = [line for path in parts.paths for line in _read_jsonl(path, SOURCES_NAME)]
+    modes = {index.mode for index in parts.indexes}
+    if len(modes) > 1:
+        raise FormatError(
+            f"parts were made in different modes ({', '.join(sorted(modes))}); they cannot be copied into one"
+        )
+    mode = modes.pop()
+    lines = [line for path in parts.paths for line in _read_jsonl(path, SOURCES_NAME)]
     fields = []
     for name, info in parts.fields.items():
         shapes = np.concatenate(
@@ -105,7 +113,19 @@ def _plan_concatenation(parts: Parts) -> Plan:
         )
         cast = any(index.field(name).cast for index in parts.indexes)
         fields.append((name, info.dtype, shapes, cast))
-    return lay_out(sources, fields, max(index.align for index in parts.indexes))
+    files, starts = _files_of(lines, mode)
+    return lay_out(files, fields, max(index.align for index in parts.indexes), starts, mode)
+
+
+def _files_of(lines: list[Any], mode: str) -> tuple[list[str], NDArray[np.int64]]:
+    """The source files and their first samples, from sources.jsonl lines."""
+    if mode != "rows":
+        return list(lines), np.arange(len(lines) + 1, dtype=np.int64)
+    files, counts = [], []
+    for path, group in itertools.groupby(line[0] for line in lines):
+        files.append(path)
+        counts.append(sum(1 for _ in group))
+    return files, np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
 
 
 def _shapes(path: str, index: Index, name: str) -> NDArray[np.int64]:

@@ -42,14 +42,23 @@ class FieldPlan:
 
 @dataclass(frozen=True)
 class Plan:
+    """The layout; ``sources`` are files, file k holding samples file_starts[k] to file_starts[k+1]."""
+
     sources: list[str]
     fields: tuple[FieldPlan, ...]
     align: int
     payload_nbytes: int
+    file_starts: NDArray[np.int64]
+    mode: str = "files"  # "rows": each file holds many samples along axis 0
 
     @property
     def num_samples(self) -> int:
-        return len(self.sources)
+        return int(self.file_starts[-1])
+
+    def file_rows(self, k: int) -> tuple[int, int]:
+        """(first sample, number of samples) of file k."""
+        first = int(self.file_starts[k])
+        return first, int(self.file_starts[k + 1]) - first
 
     @property
     def data_nbytes(self) -> int:
@@ -59,10 +68,11 @@ class Plan:
 class _FieldCollector:
     """Accumulates one field's per-sample shapes in compact arrays."""
 
-    def __init__(self, header: MemberHeader, path: str, cast: np.dtype | None) -> None:
+    def __init__(self, header: MemberHeader, path: str, cast: np.dtype | None, rows: bool) -> None:
         self.cast = cast
+        self.rows = rows
         self.dtype = storage_dtype(cast if cast is not None else header.dtype)
-        self.ndim = len(header.shape)
+        self.ndim = len(header.shape) - (1 if rows else 0)
         self.first_path = path
         self.dims: array[int] = array("q")
 
@@ -78,12 +88,14 @@ class _FieldCollector:
                 f"{where}: dtype {header.dtype} differs from {self.dtype} in {self.first_path}; "
                 f"use --cast {header.key}=DTYPE to store one dtype"
             )
-        if len(header.shape) != self.ndim:
+        sample_shape = header.shape[1:] if self.rows else header.shape
+        if len(sample_shape) != self.ndim:
+            what = "rows" if self.rows else "arrays"
             raise SourceError(
                 f"{where}: {len(header.shape)}-d array {header.shape} differs from the "
-                f"{self.ndim}-d arrays in {self.first_path}"
+                f"{self.ndim + self.rows}-d {what} in {self.first_path}"
             )
-        self.dims.extend(header.shape)
+        self.dims.extend(sample_shape * (header.shape[0] if self.rows else 1))
 
     def shapes(self, num_samples: int) -> NDArray[np.int64]:
         return np.frombuffer(self.dims, dtype=np.int64).reshape(num_samples, self.ndim)
@@ -98,19 +110,25 @@ def build_plan(
     scanned: Iterable[tuple[str, dict[str, MemberHeader]]],
     align: int,
     casts: Mapping[str, np.dtype] | None = None,
+    rows: bool = False,
 ) -> Plan:
     """Check that the sources agree and lay out the payload.
 
     ``scanned`` yields, for each source in order, its path and its members'
     headers (the selected keys only); ``casts`` maps keys to the dtype they are
-    stored as. Raises SourceError naming the first file that differs.
+    stored as. With ``rows``, every array of a file shares its first dimension,
+    which indexes samples. Raises SourceError naming the first file that differs.
     """
     casts = dict(casts or {})
     collectors: dict[str, _FieldCollector] = {}
     sources: list[str] = []
+    counts: array[int] = array("q")
     for path, members in scanned:
+        counts.append(_count_rows(path, members) if rows else 1)
         if not sources:
-            collectors = {key: _FieldCollector(members[key], path, casts.get(key)) for key in sorted(members)}
+            collectors = {
+                key: _FieldCollector(members[key], path, casts.get(key), rows) for key in sorted(members)
+            }
             unknown = sorted(set(casts) - set(collectors))
             if unknown:
                 raise SourceError(f"{path}: --cast names key(s) {', '.join(unknown)} that are not converted")
@@ -123,19 +141,42 @@ def build_plan(
         raise SourceError("no usable .npz files: every input was skipped")
     if not collectors:
         raise SourceError(f"{sources[0]}: holds no arrays")
-    fields = [(name, c.dtype, c.shapes(len(sources)), c.cast is not None) for name, c in collectors.items()]
-    return lay_out(sources, fields, align)
+    starts = np.concatenate([[0], np.cumsum(np.frombuffer(counts, dtype=np.int64))]).astype(np.int64)
+    fields = [
+        (name, c.dtype, c.shapes(int(starts[-1])), c.cast is not None) for name, c in collectors.items()
+    ]
+    return lay_out(sources, fields, align, starts, "rows" if rows else "files")
 
 
-def drop_samples(plan: Plan, samples: Iterable[int]) -> Plan:
-    """The same plan without some samples (files that turned out bad while copying)."""
+def _count_rows(path: str, members: Mapping[str, MemberHeader]) -> int:
+    """The number of samples a file holds in rows mode: the first dimension all its arrays share."""
+    firsts = {}
+    for key, header in members.items():
+        if not header.shape:
+            raise SourceError(
+                f"{path}[{key}]: a 0-d array has no rows; --rows needs every array to have axis 0"
+            )
+        firsts[key] = header.shape[0]
+    if len(set(firsts.values())) > 1:
+        detail = ", ".join(f"{key} has {n}" for key, n in sorted(firsts.items()))
+        raise SourceError(f"{path}: keys disagree on the number of rows (first dimension): {detail}")
+    return next(iter(firsts.values()), 0)
+
+
+def drop_files(plan: Plan, files: Iterable[int]) -> Plan:
+    """The same plan without some files (that turned out bad while copying) and their samples."""
+    dropped = set(files)
     keep = np.ones(plan.num_samples, dtype=bool)
-    keep[list(samples)] = False
-    sources = [path for path, kept in zip(plan.sources, keep, strict=True) if kept]
-    if not sources:
+    for k in dropped:
+        first, count = plan.file_rows(k)
+        keep[first : first + count] = False
+    kept_files = [k for k in range(len(plan.sources)) if k not in dropped]
+    if not kept_files:
         raise SourceError("no usable .npz files: every input was skipped")
+    counts = np.diff(plan.file_starts)[kept_files]
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     fields = [(f.name, f.dtype, f.shapes[keep], f.cast) for f in plan.fields]
-    return lay_out(sources, fields, plan.align)
+    return lay_out([plan.sources[k] for k in kept_files], fields, plan.align, starts, plan.mode)
 
 
 def _describe_key_mismatch(path: str, found: list[str], expected: list[str], first: str) -> str:
@@ -149,16 +190,25 @@ def _describe_key_mismatch(path: str, found: list[str], expected: list[str], fir
 FieldShapes = tuple[str, np.dtype, NDArray[np.int64], bool]  # name, stored dtype, shapes, cast
 
 
-def lay_out(sources: list[str], fields: list[FieldShapes], align: int) -> Plan:
+def lay_out(
+    sources: list[str],
+    fields: list[FieldShapes],
+    align: int,
+    file_starts: NDArray[np.int64] | None = None,
+    mode: str = "files",
+) -> Plan:
     """Place all fields' data regions first, then their tables, each region aligned.
 
     ``fields`` gives each field's name, stored dtype, per-sample shapes
     (num_samples, ndim) and whether it was cast.
     """
+    if file_starts is None:
+        file_starts = np.arange(len(sources) + 1, dtype=np.int64)
+    num_samples = int(file_starts[-1])
     allocate = _Allocator(align)
     placed = [_place_data(*f, allocate) for f in fields]
-    placed = [_place_tables(f, len(sources), allocate) for f in placed]
-    return Plan(sources, tuple(placed), align, allocate.cursor)
+    placed = [_place_tables(f, num_samples, allocate) for f in placed]
+    return Plan(sources, tuple(placed), align, allocate.cursor, file_starts, mode)
 
 
 class _Allocator:

@@ -42,7 +42,7 @@ MAX_INDEX_NBYTES = 64 << 20
 
 FIXED = "fixed"
 RAGGED = "ragged"
-MODES = frozenset({"files"})
+MODES = frozenset({"files", "rows"})
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ problem it finds and names the affected fields and samples.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import zlib
@@ -151,11 +152,25 @@ def _check_padding(reader: DatasetReader, index: Index, report: VerifyReport) ->
         cursor = max(cursor, end)
 
 
-def _check_provenance_files(report: VerifyReport, index: Index) -> list[str] | None:
-    """Check sources.jsonl and skipped.jsonl; return the source paths if they are sound."""
+def _check_provenance_files(report: VerifyReport, index: Index) -> list[Any] | None:
+    """Check sources.jsonl and skipped.jsonl; return the source lines if they are sound."""
     _read_jsonl(report, SKIPPED_NAME, index.num_skipped, _is_skip_record, "skip records")
-    return _read_jsonl(
-        report, SOURCES_NAME, index.num_sources, lambda line: isinstance(line, str), "source paths"
+    is_source = _is_row_source if index.mode == "rows" else _is_file_source
+    return _read_jsonl(report, SOURCES_NAME, index.num_sources, is_source, "source lines")
+
+
+def _is_file_source(line: Any) -> bool:
+    return isinstance(line, str)
+
+
+def _is_row_source(line: Any) -> bool:
+    return (
+        isinstance(line, list)
+        and len(line) == 2
+        and isinstance(line[0], str)
+        and isinstance(line[1], int)
+        and not isinstance(line[1], bool)
+        and line[1] >= 0
     )
 
 
@@ -187,27 +202,42 @@ def _read_jsonl(
 
 
 def _compare_sources(
-    reader: DatasetReader, paths: list[str], report: VerifyReport, progress: Progress
+    reader: DatasetReader, lines: list[Any], report: VerifyReport, progress: Progress
 ) -> None:
-    for i, path in enumerate(paths):
-        for problem in _compare_sample(reader, i, path):
-            report.problems.append(f"sample {i} ({path}): {problem}")
+    """Compare each sample with its source: a file, or in rows mode a row of a file."""
+    located = [(line, None) if isinstance(line, str) else (line[0], line[1]) for line in lines]
+    first = 0
+    for path, group in itertools.groupby(located, key=lambda item: item[0]):
+        rows = [row for _, row in group]
+        for offset, problem in _compare_file(reader, first, path, rows):
+            i = first + offset
+            report.problems.append(
+                f"sample {i} ({path}{'' if rows[offset] is None else f' row {rows[offset]}'}): {problem}"
+            )
             report.bad_samples.setdefault("sources", []).append(i)
-        progress.advance(1, 0)
+        first += len(rows)
+        progress.advance(len(rows), 0)
 
 
-def _compare_sample(reader: DatasetReader, i: int, path: str) -> Iterator[str]:
-    """Load the source with numpy itself (never unpickling) and compare bit for bit."""
+def _compare_file(
+    reader: DatasetReader, first: int, path: str, rows: list[int | None]
+) -> Iterator[tuple[int, str]]:
+    """Load one source with numpy itself (never unpickling) and compare its samples bit for bit."""
     try:
         with source_errors(path), np.load(path, allow_pickle=False) as npz:
-            for name in reader.field_names:
-                if name not in npz.files:
-                    yield f"key {name!r} is missing from the source"
-                    continue
-                cast = reader.index.field(name).cast
-                yield from _compare_array(npz[name], reader.view(name, i), name, cast)
+            arrays = {name: npz[name] for name in reader.field_names if name in npz.files}
     except SourceError as exc:
-        yield str(exc)
+        yield from ((offset, str(exc)) for offset in range(len(rows)))
+        return
+    for offset, row in enumerate(rows):
+        for name in reader.field_names:
+            if name not in arrays:
+                yield offset, f"key {name!r} is missing from the source"
+                continue
+            source = arrays[name] if row is None else arrays[name][row]
+            cast = reader.index.field(name).cast
+            for problem in _compare_array(source, reader.view(name, first + offset), name, cast):
+                yield offset, problem
 
 
 def _compare_array(source: np.ndarray, stored: np.ndarray, name: str, cast: bool) -> Iterator[str]:

@@ -42,42 +42,40 @@ from .spec import (
 class MemberTask(NamedTuple):
     key: str
     dtype: np.dtype  # as stored
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] | None  # the member's expected shape; None: any with 0 rows
     file_offset: int
     cast: bool
+    rows: int  # samples this member holds: 1, or its first dimension in rows mode
 
 
 class SampleTask(NamedTuple):
     """Copy every selected member of one source file to its place in the blob."""
 
-    sample: int
+    file: int
     path: str
     members: tuple[MemberTask, ...]
 
 
 class SampleResult(NamedTuple):
-    sample: int
-    crc32s: tuple[int, ...]
+    file: int
+    crc32s: tuple[list[int], ...]  # per field, one CRC-32 per sample of the file
     nbytes: int
 
 
 def sample_tasks(plan: Plan) -> Iterator[SampleTask]:
-    """One task per sample, in order, built lazily from the plan."""
-    for i, path in enumerate(plan.sources):
-        yield SampleTask(
-            i,
-            path,
-            tuple(
-                MemberTask(
-                    f.name,
-                    f.dtype,
-                    tuple(int(d) for d in f.shapes[i]),
-                    BLOB_HEADER_NBYTES + f.data.offset + int(f.sample_offsets[i]),
-                    f.cast,
-                )
-                for f in plan.fields
-            ),
-        )
+    """One task per source file, in order, built lazily from the plan."""
+    for k, path in enumerate(plan.sources):
+        first, count = plan.file_rows(k)
+        yield SampleTask(k, path, tuple(_member_task(f, first, count, plan.mode) for f in plan.fields))
+
+
+def _member_task(f: FieldPlan, first: int, count: int, mode: str) -> MemberTask:
+    offset = BLOB_HEADER_NBYTES + f.data.offset + int(f.sample_offsets[first])
+    if mode == "rows":
+        shape = (count, *(int(d) for d in f.shapes[first])) if count else None
+    else:
+        shape = tuple(int(d) for d in f.shapes[first])
+    return MemberTask(f.name, f.dtype, shape, offset, f.cast, count)
 
 
 # --- worker side -------------------------------------------------------------
@@ -107,11 +105,14 @@ def write_sample(blob_path: str, task: SampleTask) -> SampleResult:
             else:
                 crcs.append(_copy_c_order(chunks, header, member, fd))
             nbytes += header.nbytes // header.dtype.itemsize * member.dtype.itemsize
-    return SampleResult(task.sample, tuple(crcs), nbytes)
+    return SampleResult(task.file, tuple(crcs), nbytes)
 
 
 def _matches_plan(header: MemberHeader, member: MemberTask) -> bool:
-    if header.shape != member.shape:
+    if member.shape is None:
+        if not header.shape or header.shape[0] != 0:
+            return False
+    elif header.shape != member.shape:
         return False
     if member.cast:
         return can_cast(header.dtype, member.dtype)
@@ -123,16 +124,45 @@ def close_blobs() -> None:
         os.close(_blob_fds.popitem()[1])
 
 
-def _copy_c_order(chunks: Iterator[bytes], header: MemberHeader, member: MemberTask, fd: int) -> int:
-    crc = 0
+def _copy_c_order(chunks: Iterator[bytes], header: MemberHeader, member: MemberTask, fd: int) -> list[int]:
+    crcs = _RowCrcs(member.rows, _stored_nbytes(header, member))
     position = member.file_offset
     swap = header.dtype != member.dtype
     for chunk in chunks:
         data = np.frombuffer(chunk, header.dtype).astype(member.dtype).tobytes() if swap else chunk
         pwrite_all(fd, data, position)
-        crc = zlib.crc32(data, crc)
+        crcs.feed(data)
         position += len(data)
-    return crc
+    return crcs.result()
+
+
+def _stored_nbytes(header: MemberHeader, member: MemberTask) -> int:
+    return header.nbytes // header.dtype.itemsize * member.dtype.itemsize
+
+
+class _RowCrcs:
+    """CRC-32 of each of ``rows`` equal slices of a byte stream: one per sample."""
+
+    def __init__(self, rows: int, total_nbytes: int) -> None:
+        self.rows = rows
+        self.row_nbytes = total_nbytes // rows if rows else 0
+        self.crcs: list[int] = []
+        self.current = 0
+        self.filled = 0
+
+    def feed(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view and self.row_nbytes:
+            take = min(len(view), self.row_nbytes - self.filled)
+            self.current = zlib.crc32(view[:take], self.current)
+            self.filled += take
+            view = view[take:]
+            if self.filled == self.row_nbytes:
+                self.crcs.append(self.current)
+                self.current = self.filled = 0
+
+    def result(self) -> list[int]:
+        return self.crcs if self.row_nbytes else [0] * self.rows
 
 
 def pwrite_all(fd: int, data: bytes | memoryview, position: int) -> None:
@@ -144,7 +174,9 @@ def pwrite_all(fd: int, data: bytes | memoryview, position: int) -> None:
         position += written
 
 
-def _copy_fortran(chunks: Iterator[bytes], header: MemberHeader, member: MemberTask, blob_path: str) -> int:
+def _copy_fortran(
+    chunks: Iterator[bytes], header: MemberHeader, member: MemberTask, blob_path: str
+) -> list[int]:
     """Write a Fortran-order member in C order through a mapping of its destination."""
     target = np.memmap(
         blob_path, dtype=member.dtype, mode="r+", offset=member.file_offset, shape=header.shape
@@ -154,11 +186,11 @@ def _copy_fortran(chunks: Iterator[bytes], header: MemberHeader, member: MemberT
     reader.finish()
     target.flush()
     flat = target.reshape(-1).view(np.uint8)
-    crc = 0
+    crcs = _RowCrcs(member.rows, len(flat))
     for start in range(0, len(flat), CHUNK_NBYTES):
-        crc = zlib.crc32(flat[start : start + CHUNK_NBYTES].data, crc)
+        crcs.feed(flat[start : start + CHUNK_NBYTES].data)
     del target, flat
-    return crc
+    return crcs.result()
 
 
 def _fill_from_fortran(view: np.ndarray, reader: _ChunkReader, source_dtype: np.dtype) -> None:
@@ -237,7 +269,7 @@ def finish_dataset(
         os.fsync(fd)
     finally:
         os.close(fd)
-    _write_file(os.path.join(staging_dir, SOURCES_NAME), (json.dumps(p) + "\n" for p in plan.sources))
+    _write_file(os.path.join(staging_dir, SOURCES_NAME), source_lines(plan))
     _write_file(
         os.path.join(staging_dir, SKIPPED_NAME),
         (json.dumps({"path": path, "reason": why}, sort_keys=True) + "\n" for path, why in skipped),
@@ -249,12 +281,23 @@ def finish_dataset(
         fields=fields,
         tool_version=__version__,
         num_sources=plan.num_samples,
+        mode=plan.mode,
         num_skipped=len(skipped),
         part=part,
     )
     _write_file(os.path.join(staging_dir, INDEX_NAME), [index_to_json(index)])
     fsutil.fsync_dir(staging_dir)
     return index
+
+
+def source_lines(plan: Plan) -> Iterator[str]:
+    """sources.jsonl: per sample its file, or in rows mode [file, row]."""
+    for k, path in enumerate(plan.sources):
+        if plan.mode != "rows":
+            yield json.dumps(path) + "\n"
+            continue
+        for row in range(plan.file_rows(k)[1]):
+            yield json.dumps([path, row]) + "\n"
 
 
 def _write_tables(fd: int, f: FieldPlan, crcs: np.ndarray) -> Field:

@@ -195,7 +195,7 @@ def test_a_crash_halfway_through_copying_leaves_the_old_dataset_intact(
     calls = []
 
     def crash_on_third(blob_path, task):
-        calls.append(task.sample)
+        calls.append(task.file)
         if len(calls) == 3:
             raise KeyboardInterrupt
         return real_write(blob_path, task)

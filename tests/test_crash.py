@@ -26,7 +26,7 @@ _real_write_sample = writer.write_sample
 
 def _die_in_worker_on_sample_five(blob_path: str, task: writer.SampleTask) -> writer.SampleResult:
     """Stands in for writer.write_sample: a worker process is killed as the OOM killer would."""
-    if os.getpid() != MAIN_PID and task.sample == 5:
+    if os.getpid() != MAIN_PID and task.file == 5:
         os.kill(os.getpid(), signal.SIGKILL)
     return _real_write_sample(blob_path, task)
 

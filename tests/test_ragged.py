@@ -145,4 +145,6 @@ def test_inspect_stats_match_numpy_over_the_sources(ragged) -> None:
         "std": pytest.approx(np.arange(12).std()),
     }
     text = CliRunner().invoke(cli, ["inspect", str(dataset), "--stats"]).output
-    assert any(line.split() == ["label", "12", "0", "11", "5.5", "3.45205"] for line in text.splitlines()), text
+    assert any(line.split() == ["label", "12", "0", "11", "5.5", "3.45205"] for line in text.splitlines()), (
+        text
+    )

@@ -1,0 +1,98 @@
+"""Rows mode: NPZ shards holding many samples along axis 0."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import assert_same_array, write_npz
+
+from npz2mmap import MmapDataset
+from npz2mmap.converter import convert
+from npz2mmap.errors import SourceError
+from npz2mmap.merge import merge
+from npz2mmap.verify import verify
+
+
+@pytest.fixture
+def shards(tmp_path):
+    rng = np.random.default_rng(4)
+    shard_rows = [3, 0, 5, 2]
+    for k, rows in enumerate(shard_rows):
+        write_npz(
+            tmp_path / "src" / f"shard{k}.npz",
+            x=rng.random((rows, 2, 3), dtype=np.float32),
+            y=np.arange(rows, dtype=">i8") + 100 * k,
+            points=np.asfortranarray(
+                rng.random((rows, k + 1, 2))
+            ),  # rows of (k + 1, 2): ragged across shards
+        )
+    return tmp_path / "src", shard_rows
+
+
+def rows_of(src, name):
+    out = []
+    for path in sorted(src.glob("*.npz")):
+        with np.load(path) as npz:
+            out += list(npz[name])
+    return out
+
+
+def test_rows_become_samples_in_order_fixed_and_ragged(tmp_path, shards) -> None:
+    src, shard_rows = shards
+    convert([src], tmp_path / "out", rows=True, workers=1)
+    ds = MmapDataset(tmp_path / "out")
+    assert len(ds) == sum(shard_rows) == 10
+    fields = {f.name: f for f in ds.parts.indexes[0].fields}
+    assert fields["x"].shape == (2, 3) and fields["y"].shape == () and fields["points"].shape is None
+    for name in ("x", "y", "points"):
+        for i, source in enumerate(rows_of(src, name)):
+            assert_same_array(ds[i][name], source)
+    assert ds.lengths("points").tolist() == [[1, 2]] * 3 + [[3, 2]] * 5 + [[4, 2]] * 2
+    lines = [json.loads(line) for line in (tmp_path / "out" / "sources.jsonl").read_text().splitlines()]
+    assert lines[3] == [str(src / "shard2.npz"), 0] and len(lines) == 10
+    assert json.loads((tmp_path / "out" / "index.json").read_text())["provenance"]["mode"] == "rows"
+    assert verify(tmp_path / "out", sources=True).ok
+
+
+def test_rows_mode_is_byte_identical_for_any_workers_and_merges_like_a_single_conversion(
+    tmp_path, shards
+) -> None:
+    src, _ = shards
+    convert([src], tmp_path / "w1", rows=True, workers=1)
+    convert([src], tmp_path / "w2", rows=True, workers=2)
+    assert (tmp_path / "w1" / "data.npy").read_bytes() == (tmp_path / "w2" / "data.npy").read_bytes()
+    for i in range(2):
+        convert([src], tmp_path / "parts" / f"p{i}", rows=True, part=(i, 2), workers=1)
+    merge(sorted((tmp_path / "parts").iterdir()), tmp_path / "merged", copy=True)
+    for name in ("data.npy", "index.json", "sources.jsonl"):
+        assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "w1" / name).read_bytes(), name
+
+
+def test_verify_sources_names_the_changed_row(tmp_path, shards) -> None:
+    src, _ = shards
+    convert([src], tmp_path / "out", rows=True, workers=1)
+    with np.load(src / "shard2.npz") as npz:
+        arrays = dict(npz)
+    arrays["y"] = arrays["y"].copy()
+    arrays["y"][4] += 1
+    write_npz(src / "shard2.npz", **arrays)
+    report = verify(tmp_path / "out", sources=True)
+    assert report.bad_samples == {"sources": [7]}
+    assert report.problems == [
+        f"sample 7 ({src / 'shard2.npz'} row 4): field 'y': values differ from the source"
+    ]
+
+
+def test_disagreeing_first_dimensions_and_scalars_are_refused(tmp_path) -> None:
+    write_npz(tmp_path / "bad" / "a.npz", x=np.zeros((4, 2)), y=np.zeros(3))
+    with pytest.raises(
+        SourceError,
+        match=r"a\.npz: keys disagree on the number of rows \(first dimension\): x has 4, y has 3",
+    ):
+        convert([tmp_path / "bad"], tmp_path / "out", rows=True, workers=1)
+    write_npz(tmp_path / "scalar" / "a.npz", x=np.zeros((4, 2)), y=np.int64(3))
+    with pytest.raises(SourceError, match=r"a\.npz\[y\]: a 0-d array has no rows"):
+        convert([tmp_path / "scalar"], tmp_path / "out", rows=True, workers=1)
+    assert not (tmp_path / "out").exists()
