@@ -17,20 +17,28 @@ class PaddedCollate:
     A ragged field ``name`` becomes one tensor padded with ``pad_value`` to the
     batch's largest shape, plus ``name_lengths`` (int64: (batch,) for 1-d
     samples, (batch, ndim) otherwise) and, with ``mask``, ``name_mask`` (bool,
-    True on real elements). Fixed fields become tensors as with ``collate``.
-    One padded tensor per field also crosses from DataLoader workers cheaply,
-    where a list of tensors would cost a shared-memory handle each. Picklable.
+    True on real elements). With ``nested``, a ragged field becomes one
+    jagged nested tensor instead (``torch.nested``, ragged along the first
+    dimension of each sample), with no padding. Fixed fields become tensors as
+    with ``collate``. One tensor per field also crosses from DataLoader workers
+    cheaply, where a list of tensors would cost a shared-memory handle each.
+    Picklable.
     """
 
-    def __init__(self, pad_value: float = 0, mask: bool = False) -> None:
+    def __init__(self, pad_value: float = 0, mask: bool = False, nested: bool = False) -> None:
         self.pad_value = pad_value
         self.mask = mask
+        self.nested = nested
 
     def __call__(self, batch: Any) -> dict[str, Any]:
         fields = batch.arrays if isinstance(batch, GatheredBatch) else _by_field(batch)
         out: dict[str, Any] = {}
         for name, value in fields.items():
-            if isinstance(value, list) and _differ(value):
+            if isinstance(value, list) and _differ(value) and self.nested:
+                out[name] = torch.nested.nested_tensor(
+                    [torch.from_numpy(v) for v in value], layout=torch.jagged
+                )
+            elif isinstance(value, list) and _differ(value):
                 padded, lengths = pad(value, self.pad_value)
                 out[name] = torch.from_numpy(padded)
                 out[f"{name}_lengths"] = torch.from_numpy(lengths)

@@ -148,3 +148,16 @@ def test_inspect_stats_match_numpy_over_the_sources(ragged) -> None:
     assert any(line.split() == ["label", "12", "0", "11", "5.5", "3.45205"] for line in text.splitlines()), (
         text
     )
+
+
+def test_nested_collation_gives_one_jagged_tensor(ragged) -> None:
+    dataset, samples = ragged
+    ds = MmapDataset(dataset, fields=["tokens", "label"])
+    batch = PaddedCollate(nested=True)(ds.__getitems__([2, 0, 1]))
+    assert batch["tokens"].is_nested
+    assert [t.tolist() for t in batch["tokens"].unbind()] == [
+        samples[i]["tokens"].tolist() for i in (2, 0, 1)
+    ]
+    assert batch["label"].tolist() == [2, 0, 1]
+    through_workers = DataLoader(ds, batch_size=6, num_workers=2, collate_fn=PaddedCollate(nested=True))
+    assert sum(len(b["tokens"].unbind()) for b in through_workers) == 12
