@@ -152,16 +152,15 @@ def cli(debug: bool) -> None:
     """Convert many .npz files into one memory-mapped dataset for PyTorch."""
 
 
+def output_option(help_text: str) -> Callable[[F], F]:
+    return click.option(
+        "-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False), help=help_text
+    )
+
+
 @cli.command()
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
-@click.option(
-    "-o",
-    "--output",
-    "out_dir",
-    required=True,
-    type=click.Path(file_okay=False),
-    help="Dataset directory to create.",
-)
+@output_option("Dataset directory to create.")
 @click.option(
     "--keys", callback=_parse_keys, metavar="A,B", help="Convert only these NPZ keys (default: all)."
 )
@@ -381,14 +380,7 @@ def verify(dataset: str, sources: bool, quiet: bool) -> None:
 
 @cli.command()
 @click.argument("parts", nargs=-1, required=True, metavar="PART...", type=click.Path(file_okay=False))
-@click.option(
-    "-o",
-    "--output",
-    "out_dir",
-    required=True,
-    type=click.Path(file_okay=False),
-    help="Directory to hold manifest.json, or with --copy the dataset to create.",
-)
+@output_option("Directory to hold manifest.json, or with --copy the dataset to create.")
 @click.option("--copy", is_flag=True, help="Copy the parts into one single dataset instead of listing them.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing manifest or dataset at OUT.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")

@@ -18,7 +18,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .errors import FormatError
-from .reader import DatasetReader, blob_identity
+from .reader import DatasetReader, blob_identity, normalise_indices
 from .spec import INDEX_NAME, Index, load_index
 
 MANIFEST_NAME = "manifest.json"
@@ -162,12 +162,7 @@ class PartsReader:
 
     def sample_indices(self, indices: Sequence[int] | NDArray[np.integer]) -> NDArray[np.int64]:
         """Normalise many indices at once; IndexError naming the first out of range."""
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = self.parts.num_samples
-        bad = np.flatnonzero((idx < -n) | (idx >= n))
-        if len(bad):
-            raise IndexError(f"sample index {idx[bad[0]]} is out of range for {n} samples")
-        return np.where(idx < 0, idx + n, idx)
+        return normalise_indices(indices, self.parts.num_samples)
 
     def shapes(self, name: str) -> NDArray[np.int64]:
         """Every sample's shape of a field, (num_samples, ndim), from the tables only."""

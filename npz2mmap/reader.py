@@ -102,12 +102,7 @@ class DatasetReader:
 
     def sample_indices(self, indices: Sequence[int] | NDArray[np.integer]) -> NDArray[np.int64]:
         """Normalise many indices at once; IndexError naming the first out of range."""
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = self.index.num_samples
-        bad = np.flatnonzero((idx < -n) | (idx >= n))
-        if len(bad):
-            raise IndexError(f"sample index {idx[bad[0]]} is out of range for {n} samples")
-        return np.where(idx < 0, idx + n, idx)
+        return normalise_indices(indices, self.index.num_samples)
 
     def gather(
         self, name: str, indices: Sequence[int] | NDArray[np.integer], out: np.ndarray | None = None
@@ -174,6 +169,15 @@ def _region(payload: NDArray[np.uint8], region: Region | None) -> NDArray[np.uin
     if region is None:
         raise FormatError("a ragged field lacks its tables")
     return payload[region.offset : region.end]
+
+
+def normalise_indices(indices: Sequence[int] | NDArray[np.integer], n: int) -> NDArray[np.int64]:
+    """Indices as int64 in 0..n-1 (negatives count from the end); IndexError names the first out of range."""
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    bad = np.flatnonzero((idx < -n) | (idx >= n))
+    if len(bad):
+        raise IndexError(f"sample index {idx[bad[0]]} is out of range for {n} samples")
+    return np.where(idx < 0, idx + n, idx)
 
 
 def blob_identity(dataset_dir: str) -> tuple[int, int]:
