@@ -95,7 +95,7 @@ class _FieldCollector:
                 f"{where}: {len(header.shape)}-d array {header.shape} differs from the "
                 f"{self.ndim + self.rows}-d {what} in {self.first_path}"
             )
-        self.dims.extend(sample_shape * (header.shape[0] if self.rows else 1))
+        self.dims.extend(array("q", sample_shape) * (header.shape[0] if self.rows else 1))
 
     def shapes(self, num_samples: int) -> NDArray[np.int64]:
         return np.frombuffer(self.dims, dtype=np.int64).reshape(num_samples, self.ndim)
