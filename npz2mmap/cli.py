@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
@@ -23,6 +23,7 @@ from .converter import cast_dtype, part_from_environment
 from .converter import convert as convert_files
 from .errors import Npz2mmapError
 from .merge import merge as merge_parts
+from .render import human_bytes, render_sample, render_summary
 from .spec import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
 from .summary import describe_dataset, describe_sample, field_statistics
 from .verify import verify as verify_dataset
@@ -83,15 +84,6 @@ def friendly_errors(func: F) -> F:
             raise click.ClickException(str(exc)) from None
 
     return wrapper  # type: ignore[return-value]
-
-
-def human_bytes(nbytes: int) -> str:
-    value = float(nbytes)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    raise AssertionError("unreachable")
 
 
 def _parse_keys(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
@@ -275,7 +267,7 @@ def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> Non
             info = describe_sample(dataset, sample)
         except IndexError as exc:
             raise click.BadParameter(str(exc), param_hint="--sample") from None
-        click.echo(json.dumps(info, indent=1) if as_json else _render_sample(info))
+        click.echo(json.dumps(info, indent=1) if as_json else render_sample(info))
         return
     summary = describe_dataset(dataset)
     if stats:
@@ -284,77 +276,7 @@ def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> Non
             summary["stats"] = field_statistics(dataset, progress)
         finally:
             progress.close()
-    click.echo(json.dumps(summary, indent=1) if as_json else _render_summary(summary))
-
-
-def _render_summary(summary: dict[str, Any]) -> str:
-    lines = [
-        f"dataset  {summary['path']}",
-        f"format   {summary['format']} v{summary['version']} (written by npz2mmap {summary['tool_version']})",
-        f"samples  {summary['num_samples']:,}",
-        f"blob     {summary['blob']}, {human_bytes(summary['blob_nbytes'])}, "
-        f"regions aligned to {summary['align']} B",
-        "",
-    ]
-    if summary["parts"]:
-        lines[2:2] = [f"parts    {len(summary['parts'])}, read in order as one dataset"]
-        part_rows = [("part", "samples", "first sample")]
-        part_rows += [(p["path"], f"{p['num_samples']:,}", f"{p['start']:,}") for p in summary["parts"]]
-        lines += [*_table(part_rows), ""]
-    rows = [("field", "kind", "dtype", "shape", "bytes")]
-    for f in summary["fields"]:
-        rows.append((f["name"], f["kind"], f["dtype"], _shape_text(f), human_bytes(f["nbytes"])))
-    lines += _table(rows)
-    if "stats" in summary:
-        stat_rows = [("field", "count", "min", "max", "mean", "std")]
-        for name, s in summary["stats"].items():
-            figures = [f"{s[k]:.6g}" if k in s else "-" for k in ("min", "max", "mean", "std")]
-            stat_rows.append((name, f"{s['count']:,}", *figures))
-        lines += ["", *_table(stat_rows)]
-    for f in summary["fields"]:
-        if f.get("lengths"):
-            lines += ["", *_render_lengths(f["name"], f["lengths"])]
-    return "\n".join(lines)
-
-
-def _render_lengths(name: str, stats: dict[str, Any]) -> list[str]:
-    """A ragged field's length distribution as one line of figures and a text histogram."""
-    head = (
-        f"{name} lengths (first dimension): min {stats['min']:,}, p50 {stats['p50']:,.0f}, "
-        f"p90 {stats['p90']:,.0f}, p99 {stats['p99']:,.0f}, max {stats['max']:,}, mean {stats['mean']:,.1f}"
-    )
-    counts, edges = stats["histogram"]["counts"], stats["histogram"]["edges"]
-    widest = max(counts) or 1
-    labels = [f"{edges[k]:,.0f}..{edges[k + 1]:,.0f}" for k in range(len(counts))]
-    width = max(len(label) for label in labels)
-    bars = [
-        f"  {label.rjust(width)}  {'#' * round(30 * count / widest):<30}  {count:,}"
-        for label, count in zip(labels, counts, strict=True)
-    ]
-    return [head, *bars]
-
-
-def _shape_text(field: dict[str, Any]) -> str:
-    if "shape" in field:
-        return str(tuple(field["shape"]))
-    dims = [
-        str(lo) if lo == hi else f"{lo}..{hi}"
-        for lo, hi in zip(field["min_shape"], field["max_shape"], strict=True)
-    ]
-    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
-
-
-def _render_sample(info: dict[str, Any]) -> str:
-    rows = [("field", "dtype", "shape", "min", "max", "mean")]
-    for f in info["fields"]:
-        stats = [f"{f[k]:.6g}" if k in f else "-" for k in ("min", "max", "mean")]
-        rows.append((f["name"], f["dtype"], str(tuple(f["shape"])), *stats))
-    return "\n".join([f"sample {info['sample']}", *_table(rows)])
-
-
-def _table(rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    click.echo(json.dumps(summary, indent=1) if as_json else render_summary(summary))
 
 
 @cli.command()

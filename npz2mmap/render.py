@@ -1,0 +1,88 @@
+"""Text rendering for the CLI: sizes, tables, dataset summaries and histograms."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def human_bytes(nbytes: int) -> str:
+    """1234567 -> '1.2 MB' (decimal units, as disks and network speeds are quoted)."""
+    value = float(nbytes)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+def render_summary(summary: dict[str, Any]) -> str:
+    """What `npz2mmap inspect` prints for a dataset: header lines, parts, fields, lengths, stats."""
+    lines = [
+        f"dataset  {summary['path']}",
+        f"format   {summary['format']} v{summary['version']} (written by npz2mmap {summary['tool_version']})",
+        f"samples  {summary['num_samples']:,}",
+        f"blob     {summary['blob']}, {human_bytes(summary['blob_nbytes'])}, "
+        f"regions aligned to {summary['align']} B",
+        "",
+    ]
+    if summary["parts"]:
+        lines[2:2] = [f"parts    {len(summary['parts'])}, read in order as one dataset"]
+        part_rows = [("part", "samples", "first sample")]
+        part_rows += [(p["path"], f"{p['num_samples']:,}", f"{p['start']:,}") for p in summary["parts"]]
+        lines += [*_table(part_rows), ""]
+    rows = [("field", "kind", "dtype", "shape", "bytes")]
+    for f in summary["fields"]:
+        rows.append((f["name"], f["kind"], f["dtype"], _shape_text(f), human_bytes(f["nbytes"])))
+    lines += _table(rows)
+    if "stats" in summary:
+        stat_rows = [("field", "count", "min", "max", "mean", "std")]
+        for name, s in summary["stats"].items():
+            figures = [f"{s[k]:.6g}" if k in s else "-" for k in ("min", "max", "mean", "std")]
+            stat_rows.append((name, f"{s['count']:,}", *figures))
+        lines += ["", *_table(stat_rows)]
+    for f in summary["fields"]:
+        if f.get("lengths"):
+            lines += ["", *_render_lengths(f["name"], f["lengths"])]
+    return "\n".join(lines)
+
+
+def _render_lengths(name: str, stats: dict[str, Any]) -> list[str]:
+    """A ragged field's length distribution as one line of figures and a text histogram."""
+    head = (
+        f"{name} lengths (first dimension): min {stats['min']:,}, p50 {stats['p50']:,.0f}, "
+        f"p90 {stats['p90']:,.0f}, p99 {stats['p99']:,.0f}, max {stats['max']:,}, mean {stats['mean']:,.1f}"
+    )
+    counts, edges = stats["histogram"]["counts"], stats["histogram"]["edges"]
+    widest = max(counts) or 1
+    labels = [f"{edges[k]:,.0f}..{edges[k + 1]:,.0f}" for k in range(len(counts))]
+    width = max(len(label) for label in labels)
+    bars = [
+        f"  {label.rjust(width)}  {'#' * round(30 * count / widest):<30}  {count:,}"
+        for label, count in zip(labels, counts, strict=True)
+    ]
+    return [head, *bars]
+
+
+def _shape_text(field: dict[str, Any]) -> str:
+    if "shape" in field:
+        return str(tuple(field["shape"]))
+    dims = [
+        str(lo) if lo == hi else f"{lo}..{hi}"
+        for lo, hi in zip(field["min_shape"], field["max_shape"], strict=True)
+    ]
+    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
+
+
+def render_sample(info: dict[str, Any]) -> str:
+    """What `npz2mmap inspect --sample I` prints: one row of figures per field."""
+    rows = [("field", "dtype", "shape", "min", "max", "mean")]
+    for f in info["fields"]:
+        stats = [f"{f[k]:.6g}" if k in f else "-" for k in ("min", "max", "mean")]
+        rows.append((f["name"], f["dtype"], str(tuple(f["shape"])), *stats))
+    return "\n".join([f"sample {info['sample']}", *_table(rows)])
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
