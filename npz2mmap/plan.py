@@ -254,8 +254,14 @@ def _place_tables(f: FieldPlan, num_samples: int, allocate: _Allocator) -> Field
 
 
 def _fixed_shape(shapes: NDArray[np.int64]) -> tuple[int, ...] | None:
-    """The common shape when every sample agrees, else None (a ragged field)."""
-    if len(shapes) and (shapes == shapes[0]).all():
+    """The common shape when every sample agrees, else None (a ragged field).
+
+    With no samples at all (a shard of zero rows) a 0-d field is fixed, any
+    other ragged: both describe an empty field validly.
+    """
+    if not len(shapes):
+        return () if shapes.shape[1] == 0 else None
+    if (shapes == shapes[0]).all():
         return tuple(int(d) for d in shapes[0])
     return None
 

@@ -96,3 +96,13 @@ def test_disagreeing_first_dimensions_and_scalars_are_refused(tmp_path) -> None:
     with pytest.raises(SourceError, match=r"a\.npz\[y\]: a 0-d array has no rows"):
         convert([tmp_path / "scalar"], tmp_path / "out", rows=True, workers=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_dataset_of_zero_rows_is_valid_and_empty(tmp_path) -> None:
+    write_npz(tmp_path / "src" / "empty.npz", x=np.zeros((0, 4), np.float32), y=np.zeros(0, np.int64))
+    convert([tmp_path / "src"], tmp_path / "out", rows=True, workers=1)
+    ds = MmapDataset(tmp_path / "out")
+    assert len(ds) == 0 and ds.lengths("x").shape == (0,)
+    assert verify(tmp_path / "out", sources=True).ok
+    with pytest.raises(IndexError, match="out of range for 0 samples"):
+        ds[0]
