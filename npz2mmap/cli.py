@@ -214,7 +214,7 @@ def convert(
 
     Each INPUT is an .npz file, a directory (searched recursively for *.npz,
     in sorted order) or @LIST, a text file naming one path per line. Each NPZ
-    file becomes one sample, in that order.
+    file becomes one sample, in that order (with --rows, each row of it).
     """
     if part is not None:
         out_dir = part_directory(out_dir, part)
@@ -308,7 +308,9 @@ def verify(dataset: str, sources: bool, quiet: bool) -> None:
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
 @friendly_errors
 def merge(parts: tuple[str, ...], out_dir: str, copy: bool, overwrite: bool, quiet: bool) -> None:
-    """Present PART... (datasets, in order) as one dataset at OUT.
+    """Join datasets into one at OUT: a manifest naming them, or with --copy one blob.
+
+    The PART datasets are read in the order given.
 
     By default writes OUT/manifest.json naming the parts: instant, nothing is
     copied, and MmapDataset(OUT) reads them as one. With --copy, writes a
