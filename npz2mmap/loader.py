@@ -9,6 +9,7 @@ GIL), and needs no worker processes at all.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -151,10 +152,18 @@ class MmapLoader:
         field = reader.field(name)
         if field.shape is None:
             return as_tensors(reader.gather(name, indices))
-        try:
-            dtype = torch.from_numpy(np.empty(0, dtype=field.dtype)).dtype
-        except TypeError:
+        dtype = torch_dtype(field.dtype)
+        if dtype is None:
             return reader.gather(name, indices)  # a dtype torch lacks stays numpy
         tensor = torch.empty((len(indices), *field.shape), dtype=dtype, pin_memory=self.pin_memory)
         reader.gather(name, indices, out=tensor.numpy())
         return tensor
+
+
+@functools.cache
+def torch_dtype(dtype: np.dtype) -> torch.dtype | None:
+    """The torch dtype of a numpy dtype, or None where torch has none (looked up once per dtype)."""
+    try:
+        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    except TypeError:
+        return None

@@ -20,11 +20,10 @@ from numpy.typing import NDArray
 
 from . import fsutil, publish, writer
 from .errors import FormatError, OutputError
-from .parts import MANIFEST_NAME, Parts, PathLike, manifest_text
+from .parts import MANIFEST_NAME, Parts, PartsReader, PathLike, manifest_text
 from .plan import Plan, lay_out
 from .progress import Progress, SilentProgress
-from .reader import DatasetReader
-from .spec import BLOB_HEADER_NBYTES, INDEX_NAME, SKIPPED_NAME, SOURCES_NAME, Index
+from .spec import BLOB_HEADER_NBYTES, INDEX_NAME, SKIPPED_NAME, SOURCES_NAME
 
 COPY_CHUNK_NBYTES = 8 << 20
 
@@ -82,14 +81,18 @@ def _write_manifest(parts: Parts, out: str, overwrite: bool) -> None:
 
 def _merge_by_copy(parts: Parts, out: str, overwrite: bool, progress: Progress) -> None:
     publish.check_output(out, overwrite)
-    plan = _plan_concatenation(parts)
+    reader = PartsReader(parts)
+    plan = _plan_concatenation(reader)
     with publish.output_lock(out):
         staging = publish.make_staging_dir(out)
         try:
             progress.stage("merge", len(parts.paths), plan.data_nbytes)
             blob_path = writer.create_blob(staging, plan.payload_nbytes)
-            _copy_data(parts, plan, blob_path, progress)
-            crcs = [np.concatenate([_table(p, f.name) for p in parts.paths]) for f in plan.fields]
+            _copy_data(reader, plan, blob_path, progress)
+            crcs = [
+                np.concatenate([part.table(f.name, "sample_crc32") for part in reader.readers])
+                for f in plan.fields
+            ]
             writer.finish_dataset(staging, plan, crcs, _read_skipped(parts))
             publish.publish(staging, out, overwrite)
         except OSError as exc:
@@ -98,7 +101,8 @@ def _merge_by_copy(parts: Parts, out: str, overwrite: bool, progress: Progress) 
             publish.remove_staging(staging)
 
 
-def _plan_concatenation(parts: Parts) -> Plan:
+def _plan_concatenation(reader: PartsReader) -> Plan:
+    parts = reader.parts
     modes = {index.mode for index in parts.indexes}
     if len(modes) > 1:
         raise FormatError(
@@ -108,11 +112,8 @@ def _plan_concatenation(parts: Parts) -> Plan:
     lines = [line for path in parts.paths for line in _read_jsonl(path, SOURCES_NAME)]
     fields = []
     for name, info in parts.fields.items():
-        shapes = np.concatenate(
-            [_shapes(path, index, name) for path, index in zip(parts.paths, parts.indexes, strict=True)]
-        )
         cast = any(index.field(name).cast for index in parts.indexes)
-        fields.append((name, info.dtype, shapes, cast))
+        fields.append((name, info.dtype, reader.shapes(name), cast))
     files, starts = _files_of(lines, mode)
     return lay_out(files, fields, max(index.align for index in parts.indexes), starts, mode)
 
@@ -128,24 +129,13 @@ def _files_of(lines: list[Any], mode: str) -> tuple[list[str], NDArray[np.int64]
     return files, np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
 
 
-def _shapes(path: str, index: Index, name: str) -> NDArray[np.int64]:
-    field = index.field(name)
-    if field.shape is not None:
-        return np.tile(np.array(field.shape, dtype=np.int64), (index.num_samples, 1))
-    return np.array(DatasetReader(path, index).table(name, "shapes"), dtype=np.int64)
-
-
-def _table(path: str, name: str) -> NDArray[np.uint32]:
-    return np.array(DatasetReader(path).table(name, "sample_crc32"), dtype=np.uint32)
-
-
-def _copy_data(parts: Parts, plan: Plan, blob_path: str, progress: Progress) -> None:
+def _copy_data(parts_reader: PartsReader, plan: Plan, blob_path: str, progress: Progress) -> None:
     """Each part's data region of each field, back to back: the bytes are already final."""
     fd = os.open(blob_path, os.O_WRONLY)
     try:
-        for k, (path, index) in enumerate(zip(parts.paths, parts.indexes, strict=True)):
-            reader = DatasetReader(path, index)
-            start = int(parts.starts[k])
+        for k, reader in enumerate(parts_reader.readers):
+            index = reader.index
+            start = int(parts_reader.parts.starts[k])
             for field in plan.fields:
                 source = index.field(field.name).data
                 data = reader.payload[source.offset : source.end]
