@@ -90,10 +90,16 @@ class MmapDataset(Dataset[Any]):
         further copy. With a transform, samples are read one by one instead.
         """
         if self.transform is not None:
-            return [self[i] for i in indices]
+            single = self.fields[0] if self.single else None
+            return SampleList([self[i] for i in indices], self.ragged_fields, single)
         reader = self.reader
         arrays = {name: reader.gather(name, indices) for name in self.fields}
-        return GatheredBatch(arrays, self.fields[0] if self.single else None, len(indices))
+        return GatheredBatch(arrays, self.fields[0] if self.single else None, len(indices), self.ragged_fields)
+
+    @property
+    def ragged_fields(self) -> frozenset[str]:
+        """The selected fields whose shape differs between samples (in any part)."""
+        return frozenset(name for name in self.fields if self.parts.field(name).shape is None)
 
     def lengths(self, field: str) -> np.ndarray:
         """Per-sample lengths of a field (int64 (N,) for 1-d samples, shapes (N, ndim) otherwise).
@@ -123,11 +129,16 @@ class GatheredBatch(SequenceABC[Any]):
     """
 
     def __init__(
-        self, arrays: dict[str, np.ndarray | list[np.ndarray]], single: str | None, length: int
+        self,
+        arrays: dict[str, np.ndarray | list[np.ndarray]],
+        single: str | None,
+        length: int,
+        ragged: frozenset[str] = frozenset(),
     ) -> None:
         self.arrays = arrays
         self.single = single
         self.length = length
+        self.ragged = ragged
 
     def __len__(self) -> int:
         return self.length
@@ -144,6 +155,18 @@ class GatheredBatch(SequenceABC[Any]):
         if self.single is not None:
             return self.arrays[self.single][j]
         return {name: array[j] for name, array in self.arrays.items()}
+
+
+class SampleList(list[Any]):
+    """Transformed samples of a batch, with the names of the dataset's ragged fields.
+
+    ``single`` names the field when each sample is a bare array.
+    """
+
+    def __init__(self, samples: list[Any], ragged: frozenset[str], single: str | None = None) -> None:
+        super().__init__(samples)
+        self.ragged = ragged
+        self.single = single
 
 
 def collate(batch: Any) -> Any:

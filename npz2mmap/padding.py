@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,41 +22,64 @@ class PaddedCollate:
     dimension of each sample), with no padding. Fixed fields become tensors as
     with ``collate``. One tensor per field also crosses from DataLoader workers
     cheaply, where a list of tensors would cost a shared-memory handle each.
-    Picklable.
+
+    Which fields are ragged is a property of the dataset, never of one batch:
+    a ragged field gets its lengths (and mask) even when every sample of a
+    batch has the same shape, as length-grouped batches often do. Batches from
+    ``MmapDataset`` say which fields are ragged; for samples from elsewhere,
+    name them with ``ragged``. A field not known to be ragged whose shapes
+    differ within a batch raises ValueError. Picklable.
     """
 
-    def __init__(self, pad_value: float = 0, mask: bool = False, nested: bool = False) -> None:
+    def __init__(
+        self,
+        pad_value: float = 0,
+        mask: bool = False,
+        nested: bool = False,
+        ragged: Iterable[str] | None = None,
+    ) -> None:
         self.pad_value = pad_value
         self.mask = mask
         self.nested = nested
+        self.ragged = None if ragged is None else frozenset(ragged)
 
     def __call__(self, batch: Any) -> dict[str, Any]:
         fields = batch.arrays if isinstance(batch, GatheredBatch) else _by_field(batch)
+        ragged = self.ragged if self.ragged is not None else getattr(batch, "ragged", frozenset())
         out: dict[str, Any] = {}
         for name, value in fields.items():
-            if isinstance(value, list) and _differ(value) and self.nested:
-                out[name] = torch.nested.nested_tensor(
-                    [torch.from_numpy(v) for v in value], layout=torch.jagged
-                )
-            elif isinstance(value, list) and _differ(value):
-                padded, lengths = pad(value, self.pad_value)
-                out[name] = torch.from_numpy(padded)
-                out[f"{name}_lengths"] = torch.from_numpy(lengths)
-                if self.mask:
-                    out[f"{name}_mask"] = torch.from_numpy(valid_mask(value, padded.shape[1:]))
+            if name in ragged:
+                out.update(self._collate_ragged(name, [np.asarray(v) for v in value]))
+            elif isinstance(value, list):
+                out[name] = as_tensors(_stack(name, value))
             else:
-                out[name] = as_tensors(np.stack(value) if isinstance(value, list) else value)
+                out[name] = as_tensors(value)
+        return out
+
+    def _collate_ragged(self, name: str, arrays: list[np.ndarray]) -> dict[str, Any]:
+        if self.nested:
+            return {name: torch.nested.nested_tensor([torch.from_numpy(a) for a in arrays], layout=torch.jagged)}
+        padded, lengths = pad(arrays, self.pad_value)
+        out = {name: torch.from_numpy(padded), f"{name}_lengths": torch.from_numpy(lengths)}
+        if self.mask:
+            out[f"{name}_mask"] = torch.from_numpy(valid_mask(arrays, padded.shape[1:]))
         return out
 
 
 def _by_field(samples: Sequence[Any]) -> dict[str, list[np.ndarray]]:
     if samples and isinstance(samples[0], dict):
         return {key: [np.asarray(s[key]) for s in samples] for key in samples[0]}
-    return {"data": [np.asarray(s) for s in samples]}
+    return {getattr(samples, "single", None) or "data": [np.asarray(s) for s in samples]}
 
 
-def _differ(arrays: list[np.ndarray]) -> bool:
-    return len({a.shape for a in arrays}) > 1
+def _stack(name: str, arrays: list[np.ndarray]) -> np.ndarray:
+    shapes = sorted({a.shape for a in arrays})
+    if len(shapes) > 1:
+        raise ValueError(
+            f"field {name!r} has shapes {shapes[0]} and {shapes[-1]} in one batch; "
+            f"pass PaddedCollate(ragged=[{name!r}, ...]) to pad it"
+        )
+    return np.stack(arrays)
 
 
 def pad(arrays: list[np.ndarray], pad_value: float = 0) -> tuple[np.ndarray, np.ndarray]:

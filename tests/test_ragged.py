@@ -67,8 +67,42 @@ def test_padded_collate_pads_reports_lengths_and_masks(ragged) -> None:
     assert batch["tokens_mask"].sum(dim=1).tolist() == [9, 1, 0]
     assert batch["points"].shape == (3, 9, 3) and batch["points_lengths"].tolist() == [[9, 3], [1, 3], [0, 3]]
     assert batch["label"].tolist() == [2, 1, 4] and "label_lengths" not in batch
-    per_item = PaddedCollate()([ds[2], ds[1]])
+    per_item = PaddedCollate(ragged=["tokens", "points"])([ds[2], ds[1]])
     assert per_item["tokens"].shape == (2, 9) and per_item["tokens_lengths"].tolist() == [9, 1]
+
+
+@pytest.mark.parametrize("transform", [None, lambda sample: sample])
+def test_padded_collate_output_depends_on_the_field_never_on_the_batch(ragged, transform) -> None:
+    dataset, samples = ragged
+    ds = MmapDataset(dataset, transform=transform)
+    assert LENGTHS[0] == LENGTHS[11]
+    batches = [ds.__getitems__(indices) for indices in ([0, 11], [2, 1])]  # equal lengths, then not
+    for batch in batches:
+        out = PaddedCollate(mask=True)(batch)
+        assert sorted(out) == [
+            "label", "points", "points_lengths", "points_mask", "tokens", "tokens_lengths", "tokens_mask"
+        ]
+    same = PaddedCollate(mask=True)(batches[0])
+    assert same["tokens_lengths"].tolist() == [5, 5] and same["tokens_mask"].all()
+    assert same["tokens"].tolist() == [samples[0]["tokens"].tolist(), samples[11]["tokens"].tolist()]
+    nested = PaddedCollate(nested=True)(batches[0])
+    assert nested["tokens"].is_nested and nested["points"].is_nested
+
+
+def test_padded_collate_single_field_batches_keep_the_field_name(ragged) -> None:
+    dataset, _ = ragged
+    for transform in (None, lambda sample: sample):
+        ds = MmapDataset(dataset, fields="tokens", transform=transform)
+        out = PaddedCollate()(ds.__getitems__([0, 11]))
+        assert sorted(out) == ["tokens", "tokens_lengths"] and out["tokens_lengths"].tolist() == [5, 5]
+
+
+def test_padded_collate_refuses_to_guess_for_unknown_samples(ragged) -> None:
+    dataset, _ = ragged
+    ds = MmapDataset(dataset, fields=["tokens", "label"])
+    with pytest.raises(ValueError, match=r"field 'tokens' has shapes \(1,\) and \(9,\) in one batch; "
+                       r"pass PaddedCollate\(ragged=\['tokens', \.\.\.\]\)"):
+        PaddedCollate()([ds[2], ds[1]])
 
 
 @pytest.mark.filterwarnings("ignore:.*pin_memory.*")
