@@ -94,7 +94,8 @@ class MmapDataset(Dataset[Any]):
             return SampleList([self[i] for i in indices], self.ragged_fields, single)
         reader = self.reader
         arrays = {name: reader.gather(name, indices) for name in self.fields}
-        return GatheredBatch(arrays, self.fields[0] if self.single else None, len(indices), self.ragged_fields)
+        single = self.fields[0] if self.single else None
+        return GatheredBatch(arrays, single, len(indices), self.ragged_fields)
 
     @property
     def ragged_fields(self) -> frozenset[str]:

@@ -58,7 +58,8 @@ class PaddedCollate:
 
     def _collate_ragged(self, name: str, arrays: list[np.ndarray]) -> dict[str, Any]:
         if self.nested:
-            return {name: torch.nested.nested_tensor([torch.from_numpy(a) for a in arrays], layout=torch.jagged)}
+            tensors = [torch.from_numpy(a) for a in arrays]
+            return {name: torch.nested.nested_tensor(tensors, layout=torch.jagged)}
         padded, lengths = pad(arrays, self.pad_value)
         out = {name: torch.from_numpy(padded), f"{name}_lengths": torch.from_numpy(lengths)}
         if self.mask:
