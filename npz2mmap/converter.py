@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -72,7 +73,8 @@ def convert(
     skipped: list[tuple[str, str]] = []
     with publish.output_lock(out), worker_map(workers or os.cpu_count() or 1, len(sources)) as imap:
         scan_one = functools.partial(_scan_source, keys=tuple(keys) if keys else None, skip_bad=skip_bad)
-        plan = _scan(sources, scan_one, _parse_casts(casts), align, imap, progress, skipped, rows)
+        space = _free_nbytes(out)
+        plan = _scan(sources, scan_one, _parse_casts(casts), align, imap, progress, skipped, rows, space)
         staging = _make_staging_dir(out)
         try:
             plan, index = _copy(plan, staging, imap, progress, skip_bad, skipped, part)
@@ -123,6 +125,14 @@ def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[st
             raise OutputError(f"{out}: is inside the input directory {path}; write the dataset elsewhere")
 
 
+def _free_nbytes(out: str) -> int | None:
+    """Bytes free on the file system that will hold OUT, or None where unknown."""
+    try:
+        return shutil.disk_usage(os.path.dirname(os.path.abspath(out))).free
+    except OSError:
+        return None
+
+
 def _make_staging_dir(out: str) -> str:
     try:
         return publish.make_staging_dir(out)
@@ -169,6 +179,7 @@ def _scan(
     progress: Progress,
     skipped: list[tuple[str, str]],
     rows: bool,
+    max_payload_nbytes: int | None,
 ) -> Plan:
     """Pass 1: read every member header and plan the layout."""
     progress.stage("scan", len(sources), 0)
@@ -181,7 +192,7 @@ def _scan(
             else:
                 yield path, headers
 
-    return build_plan(usable(), align, casts, rows)
+    return build_plan(usable(), align, casts, rows, max_payload_nbytes)
 
 
 def _copy(

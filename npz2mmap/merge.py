@@ -8,22 +8,18 @@ checksum tables are concatenated, never recomputed.
 
 from __future__ import annotations
 
-import itertools
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
 
-from . import fsutil, publish, writer
+from . import fsutil, provenance, publish, writer
 from .errors import FormatError, OutputError
 from .parts import MANIFEST_NAME, Parts, PartsReader, PathLike, manifest_text
 from .plan import Plan, lay_out
 from .progress import Progress, SilentProgress
-from .spec import BLOB_HEADER_NBYTES, INDEX_NAME, SKIPPED_NAME, SOURCES_NAME
+from .spec import BLOB_HEADER_NBYTES, INDEX_NAME
 
 COPY_CHUNK_NBYTES = 8 << 20
 
@@ -109,24 +105,18 @@ def _plan_concatenation(reader: PartsReader) -> Plan:
             f"parts were made in different modes ({', '.join(sorted(modes))}); they cannot be copied into one"
         )
     mode = modes.pop()
-    lines = [line for path in parts.paths for line in _read_jsonl(path, SOURCES_NAME)]
+    files: list[str] = []
+    counts = []
+    for path, index in zip(parts.paths, parts.indexes, strict=True):
+        part_files, starts = provenance.read_sources(path, index)
+        files += part_files
+        counts.append(np.diff(starts))
     fields = []
     for name, info in parts.fields.items():
         cast = any(index.field(name).cast for index in parts.indexes)
         fields.append((name, info.dtype, reader.shapes(name), cast))
-    files, starts = _files_of(lines, mode)
+    starts = np.concatenate([[0], np.cumsum(np.concatenate(counts))]).astype(np.int64)
     return lay_out(files, fields, max(index.align for index in parts.indexes), starts, mode)
-
-
-def _files_of(lines: list[Any], mode: str) -> tuple[list[str], NDArray[np.int64]]:
-    """The source files and their first samples, from sources.jsonl lines."""
-    if mode != "rows":
-        return list(lines), np.arange(len(lines) + 1, dtype=np.int64)
-    files, counts = [], []
-    for path, group in itertools.groupby(line[0] for line in lines):
-        files.append(path)
-        counts.append(sum(1 for _ in group))
-    return files, np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
 
 
 def _copy_data(parts_reader: PartsReader, plan: Plan, blob_path: str, progress: Progress) -> None:
@@ -151,14 +141,7 @@ def _copy_data(parts_reader: PartsReader, plan: Plan, blob_path: str, progress: 
 
 def _read_skipped(parts: Parts) -> list[tuple[str, str]]:
     return [
-        (line["path"], line["reason"]) for path in parts.paths for line in _read_jsonl(path, SKIPPED_NAME)
+        skip
+        for path, index in zip(parts.paths, parts.indexes, strict=True)
+        for skip in provenance.read_skipped(path, index)
     ]
-
-
-def _read_jsonl(directory: str, name: str) -> list:  # type: ignore[type-arg]
-    path = os.path.join(directory, name)
-    try:
-        with open(path, encoding="utf-8") as fp:
-            return [json.loads(line) for line in fp]
-    except (OSError, ValueError) as exc:
-        raise FormatError(f"{path}: cannot read ({exc})") from exc

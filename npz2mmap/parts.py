@@ -18,8 +18,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .errors import FormatError
-from .reader import DatasetReader, blob_identity, normalise_indices
-from .spec import INDEX_NAME, Index, load_index
+from .reader import DatasetReader, check_blob, normalise_indices
+from .spec import BLOB_NAME, INDEX_NAME, Index, load_index
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "npz2mmap-parts"
@@ -90,7 +90,8 @@ class Parts:
     def __init__(self, source: PathLike | Sequence[PathLike]) -> None:
         self.paths = resolve_parts(source)
         self.indexes: list[Index] = [load_index(p) for p in self.paths]
-        self.identities = [blob_identity(p) for p in self.paths]
+        for path, index in zip(self.paths, self.indexes, strict=True):
+            check_blob(os.path.join(path, BLOB_NAME), index)
         self.fields = _agreeing_fields(self.paths, self.indexes)
         sizes = np.array([index.num_samples for index in self.indexes], dtype=np.int64)
         self.starts: NDArray[np.int64] = np.concatenate([[0], np.cumsum(sizes)])
@@ -137,8 +138,7 @@ class PartsReader:
     def __init__(self, parts: Parts, advice: str | None = None) -> None:
         self.parts = parts
         self.readers = [
-            DatasetReader(path, index, identity)
-            for path, index, identity in zip(parts.paths, parts.indexes, parts.identities, strict=True)
+            DatasetReader(path, index) for path, index in zip(parts.paths, parts.indexes, strict=True)
         ]
         if advice is not None:
             for reader in self.readers:

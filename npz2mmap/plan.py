@@ -17,7 +17,15 @@ from numpy.typing import NDArray
 
 from .errors import SourceError
 from .npzfile import MemberHeader
-from .spec import BLOB_HEADER_NBYTES, CRC_DTYPE, OFFSET_DTYPE, SHAPE_DTYPE, Region, storage_dtype
+from .spec import (
+    BLOB_HEADER_NBYTES,
+    CRC_DTYPE,
+    IDENTITY_NBYTES,
+    OFFSET_DTYPE,
+    SHAPE_DTYPE,
+    Region,
+    storage_dtype,
+)
 
 
 @dataclass(frozen=True)
@@ -111,20 +119,27 @@ def build_plan(
     align: int,
     casts: Mapping[str, np.dtype] | None = None,
     rows: bool = False,
+    max_payload_nbytes: int | None = None,
 ) -> Plan:
     """Check that the sources agree and lay out the payload.
 
     ``scanned`` yields, for each source in order, its path and its members'
     headers (the selected keys only); ``casts`` maps keys to the dtype they are
     stored as. With ``rows``, every array of a file shares its first dimension,
-    which indexes samples. Raises SourceError naming the first file that differs.
+    which indexes samples. Raises SourceError naming the first file that
+    differs, or the file whose rows would need more per-sample tables than
+    ``max_payload_nbytes`` (the space free for the output) can hold.
     """
     casts = dict(casts or {})
     collectors: dict[str, _FieldCollector] = {}
     sources: list[str] = []
     counts: array[int] = array("q")
+    num_samples = 0
     for path, members in scanned:
-        counts.append(_count_rows(path, members) if rows else 1)
+        count = _count_rows(path, members) if rows else 1
+        num_samples += count
+        _check_table_space(path, count, num_samples, len(members), max_payload_nbytes)
+        counts.append(count)
         if not sources:
             collectors = {
                 key: _FieldCollector(members[key], path, casts.get(key), rows) for key in sorted(members)
@@ -146,6 +161,19 @@ def build_plan(
         (name, c.dtype, c.shapes(int(starts[-1])), c.cast is not None) for name, c in collectors.items()
     ]
     return lay_out(sources, fields, align, starts, "rows" if rows else "files")
+
+
+def _check_table_space(
+    path: str, count: int, num_samples: int, num_fields: int, max_payload_nbytes: int | None
+) -> None:
+    """Refuse, before planning them in memory, rows whose checksum tables alone cannot be written."""
+    table_nbytes = num_samples * num_fields * CRC_DTYPE.itemsize
+    if max_payload_nbytes is not None and table_nbytes > max_payload_nbytes:
+        raise SourceError(
+            f"{path}: its {count:,} rows bring the dataset to {num_samples:,} samples, whose "
+            f"checksum tables alone need {table_nbytes:,} bytes, more than the {max_payload_nbytes:,} "
+            "bytes free for the output"
+        )
 
 
 def _count_rows(path: str, members: Mapping[str, MemberHeader]) -> int:
@@ -216,7 +244,7 @@ class _Allocator:
 
     def __init__(self, align: int) -> None:
         self.align = align
-        self.cursor = _aligned(0, align)
+        self.cursor = _aligned(IDENTITY_NBYTES, align)  # the blob identity comes first
 
     def __call__(self, nbytes: int) -> Region:
         region = Region(self.cursor, nbytes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import operator
 import os
+import stat
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,12 +21,14 @@ from .spec import (
     BLOB_HEADER_NBYTES,
     BLOB_NAME,
     CRC_DTYPE,
+    IDENTITY_NBYTES,
     OFFSET_DTYPE,
     SHAPE_DTYPE,
     Field,
     Index,
     Region,
     blob_header,
+    blob_identity,
     load_index,
 )
 
@@ -39,19 +42,17 @@ ADVICE = {
 class DatasetReader:
     """A read-only mapping of one dataset directory.
 
-    Raises FormatError when the index is invalid or the blob does not match it.
+    Raises FormatError when the index is invalid or the blob does not match it
+    (``check_identity=False`` lets ``verify`` go on past an edited index).
     """
 
     def __init__(
-        self,
-        path: str | os.PathLike[str],
-        index: Index | None = None,
-        blob_identity: tuple[int, int] | None = None,
+        self, path: str | os.PathLike[str], index: Index | None = None, check_identity: bool = True
     ) -> None:
         self.path = os.fspath(path)
         self.index = index if index is not None else load_index(self.path)
         self.blob_path = os.path.join(self.path, BLOB_NAME)
-        self._mmap = _map_blob(self.blob_path, self.index, blob_identity)
+        self._mmap = _map_blob(self.blob_path, self.index, check_identity)
         self.payload: NDArray[np.uint8] = np.frombuffer(
             self._mmap, dtype=np.uint8, count=self.index.payload_nbytes, offset=BLOB_HEADER_NBYTES
         )
@@ -92,6 +93,10 @@ class DatasetReader:
             return self._fields[name]
         except KeyError:
             raise KeyError(f"no field {name!r}; the dataset has: {', '.join(self._fields)}") from None
+
+    def has_identity(self) -> bool:
+        """Whether the blob names exactly the index read (an edited index does not)."""
+        return bytes(self.payload[:IDENTITY_NBYTES]) == blob_identity(self.index.digest)
 
     def advise(self, advice: str) -> None:
         """Tell the kernel how the blob will be read: one of ADVICE ('random', 'sequential', ...)."""
@@ -180,43 +185,69 @@ def normalise_indices(indices: Sequence[int] | NDArray[np.integer], n: int) -> N
     return np.where(idx < 0, idx + n, idx)
 
 
-def blob_identity(dataset_dir: str) -> tuple[int, int]:
-    """(device, inode) of a dataset's blob: it changes when the dataset is replaced."""
+def check_blob(blob_path: str, index: Index) -> None:
+    """Check a blob against its index without mapping it; FormatError if it does not match."""
+    fd = open_regular(blob_path)
     try:
-        stat = os.stat(os.path.join(dataset_dir, BLOB_NAME))
-    except OSError as exc:
-        raise FormatError(f"{os.path.join(dataset_dir, BLOB_NAME)}: cannot open ({exc.strerror})") from None
-    return stat.st_dev, stat.st_ino
-
-
-def _map_blob(blob_path: str, index: Index, identity: tuple[int, int] | None) -> mmap.mmap:
-    """Map the blob read-only after checking its size and header against the index.
-
-    The size check comes first: mapping a truncated file and touching past its
-    end would kill the process with SIGBUS. With ``identity``, the blob must be
-    the very file seen when the index was read, not a replacement.
-    """
-    try:
-        fd = os.open(blob_path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise FormatError(f"{blob_path}: missing") from None
-    except OSError as exc:
-        raise FormatError(f"{blob_path}: cannot open ({exc.strerror})") from None
-    try:
-        stat = os.fstat(fd)
-        if identity is not None and (stat.st_dev, stat.st_ino) != identity:
-            raise FormatError(
-                f"{blob_path}: the dataset was replaced after it was opened; open it again to read it"
-            )
-        size = stat.st_size
-        if size != index.blob_nbytes:
-            raise FormatError(
-                f"{blob_path}: {size} bytes, but the index expects {index.blob_nbytes}; "
-                "the blob is truncated or does not belong to this index"
-            )
-        header = os.pread(fd, BLOB_HEADER_NBYTES, 0)
-        if header != blob_header(index.payload_nbytes):
-            raise FormatError(f"{blob_path}: .npy header does not match the index")
-        return mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        _check_blob(fd, blob_path, index)
     finally:
         os.close(fd)
+
+
+def _map_blob(blob_path: str, index: Index, check_identity: bool = True) -> mmap.mmap:
+    """Map the blob read-only after checking its type, size, header and identity.
+
+    The size check comes first: mapping a truncated file and touching past its
+    end would kill the process with SIGBUS. The identity names the exact index
+    read, so a blob replaced since (or an edited index) is refused here.
+    """
+    fd = open_regular(blob_path)
+    try:
+        _check_blob(fd, blob_path, index, check_identity)
+        return mmap.mmap(fd, index.blob_nbytes, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of a regular file, opened without blocking (a FIFO in its
+    place must not hang us) and checked on the descriptor itself; FormatError otherwise."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing") from None
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot open ({exc.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FormatError(f"{path}: not a regular file")
+    return fd
+
+
+def _check_blob(fd: int, blob_path: str, index: Index, check_identity: bool = True) -> None:
+    if check_identity and read_at(fd, IDENTITY_NBYTES, BLOB_HEADER_NBYTES) != blob_identity(index.digest):
+        raise FormatError(identity_problem(blob_path))
+    size = os.fstat(fd).st_size
+    if size != index.blob_nbytes:
+        raise FormatError(
+            f"{blob_path}: {size} bytes, but the index expects {index.blob_nbytes}; "
+            "the blob is truncated or does not belong to this index"
+        )
+    if read_at(fd, BLOB_HEADER_NBYTES, 0) != blob_header(index.payload_nbytes):
+        raise FormatError(f"{blob_path}: .npy header does not match the index")
+
+
+def identity_problem(blob_path: str) -> str:
+    return (
+        f"{blob_path}: does not belong to the index read (index.json was edited, or the "
+        "dataset was replaced after it was opened); open it again, or run npz2mmap verify"
+    )
+
+
+def read_at(fd: int, nbytes: int, offset: int) -> bytes:
+    """Up to ``nbytes`` from ``offset``: os.pread where the platform has it, else seek and read."""
+    if hasattr(os, "pread"):
+        return os.pread(fd, nbytes, offset)
+    os.lseek(fd, offset, os.SEEK_SET)
+    return os.read(fd, nbytes)

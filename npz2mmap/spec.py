@@ -7,6 +7,8 @@ the reader and ``verify`` all go through it.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -17,8 +19,8 @@ import numpy as np
 from .errors import FormatError
 
 FORMAT_NAME = "npz2mmap"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({1})
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = frozenset({2})
 
 INDEX_NAME = "index.json"
 BLOB_NAME = "data.npy"
@@ -39,6 +41,10 @@ NPY_MAGIC = b"\x93NUMPY"
 # payload starts aligned and region file offsets do not depend on its size.
 BLOB_HEADER_NBYTES = 128
 MAX_INDEX_NBYTES = 64 << 20
+
+# The payload starts with the blob's identity: what ties it to its index.
+IDENTITY_MAGIC = b"npz2mmap-blob\x00\x00\x00"
+IDENTITY_NBYTES = 64
 
 FIXED = "fixed"
 RAGGED = "ragged"
@@ -101,6 +107,7 @@ class Index:
     num_sources: int = 0
     num_skipped: int = 0
     part: tuple[int, int] | None = None  # (i, n): made by ``convert --part i/n``
+    digest: bytes = b""  # SHA-256 of index.json as read; empty for an index not yet written
 
     @property
     def blob_nbytes(self) -> int:
@@ -144,6 +151,24 @@ def blob_header(payload_nbytes: int) -> bytes:
     text = f"{{'descr': '|u1', 'fortran_order': False, 'shape': ({payload_nbytes},), }}"
     prefix = NPY_MAGIC + b"\x01\x00" + (BLOB_HEADER_NBYTES - 10).to_bytes(2, "little")
     return prefix + text.ljust(BLOB_HEADER_NBYTES - 11).encode("latin1") + b"\n"
+
+
+def blob_identity(index_digest: bytes) -> bytes:
+    """The identity region at payload offset 0: magic, version, and the index's SHA-256.
+
+    A blob names the exact bytes of its index, so an edited index, or a
+    dataset replaced after a reader read its index, is found before any read.
+    Derived from content, not drawn at random, so a conversion stays
+    byte-identical from run to run.
+    """
+    if len(index_digest) != 32:
+        raise ValueError("an index digest is 32 bytes of SHA-256")
+    head = IDENTITY_MAGIC + FORMAT_VERSION.to_bytes(4, "little")
+    return (head + index_digest).ljust(IDENTITY_NBYTES, b"\0")
+
+
+def index_digest(index_text: bytes) -> bytes:
+    return hashlib.sha256(index_text).digest()
 
 
 # --- dtypes in JSON --------------------------------------------------------
@@ -256,7 +281,7 @@ def load_index(dataset_dir: str | os.PathLike[str]) -> Index:
         raise FormatError(f"{path}: not valid JSON ({exc})") from None
     except RecursionError:
         raise FormatError(f"{path}: JSON nested too deeply") from None
-    return parse_index(document, path)
+    return dataclasses.replace(parse_index(document, path), digest=index_digest(raw))
 
 
 def parse_index(document: Any, where: str) -> Index:
@@ -268,9 +293,10 @@ def parse_index(document: Any, where: str) -> Index:
         raise FormatError(f"{where}: format is {name!r}, expected {FORMAT_NAME!r}")
     if version not in SUPPORTED_VERSIONS:
         supported = ", ".join(str(v) for v in sorted(SUPPORTED_VERSIONS))
+        advice = "convert the sources again" if version < FORMAT_VERSION else "upgrade npz2mmap"
         raise FormatError(
             f"{where}: format version {version} is not supported by this reader "
-            f"(supports {supported}); upgrade npz2mmap"
+            f"(supports {supported}); {advice}"
         )
     doc.require_keys({"format", "version", "num_samples", "align", "payload_nbytes", "fields", "provenance"})
     num_samples = doc.get("num_samples", int, minimum=0)
@@ -383,7 +409,12 @@ def check_layout(index: Index, where: str) -> None:
     names = [f.name for f in index.fields]
     if len(set(names)) != len(names):
         raise FormatError(f"{where}: field names are not unique")
-    spans = []
+    if index.payload_nbytes < IDENTITY_NBYTES:
+        raise FormatError(
+            f"{where}: payload of {index.payload_nbytes} bytes has no room for its "
+            f"{IDENTITY_NBYTES}-byte identity"
+        )
+    spans = [(0, IDENTITY_NBYTES, "the blob identity")]
     for f in index.fields:
         for name, region in {"data": f.data, **f.tables()}.items():
             label = f"field {f.name!r} {name}"

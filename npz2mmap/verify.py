@@ -6,23 +6,22 @@ problem it finds and names the affected fields and samples.
 
 from __future__ import annotations
 
-import itertools
-import json
 import os
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from . import provenance
 from .errors import FormatError, SourceError
 from .npzfile import source_errors
 from .parts import Parts, resolve_parts
 from .plan import can_cast
 from .progress import Progress, SilentProgress
-from .reader import DatasetReader
-from .spec import BLOB_HEADER_NBYTES, SKIPPED_NAME, SOURCES_NAME, Field, Index, load_index, storage_dtype
+from .reader import DatasetReader, identity_problem
+from .spec import BLOB_HEADER_NBYTES, IDENTITY_NBYTES, Field, Index, load_index, storage_dtype
 
 MAX_SAMPLES_NAMED = 10
 
@@ -75,19 +74,21 @@ def _verify_one(path: str, sources: bool, progress: Progress) -> VerifyReport:
     report = VerifyReport(path)
     try:
         index = load_index(report.path)
-        reader = DatasetReader(report.path, index)
+        reader = DatasetReader(report.path, index, check_identity=False)
     except FormatError as exc:
         report.problems.append(str(exc))
         return report
+    if not reader.has_identity():
+        report.problems.append(identity_problem(reader.blob_path))
     report.num_samples = index.num_samples
     progress.stage("verify", index.num_samples, index.payload_nbytes)
     for f in index.fields:
         _check_field(reader, f, report, progress)
     _check_padding(reader, index, report)
-    source_paths = _check_provenance_files(report, index)
-    if sources and source_paths is not None:
+    source_files = _check_provenance_files(report, index)
+    if sources and source_files is not None:
         progress.stage("compare", index.num_samples, 0)
-        _compare_sources(reader, source_paths, report, progress)
+        _compare_sources(reader, source_files, report, progress)
         report.sources_checked = True
     return report
 
@@ -141,7 +142,10 @@ def _check_ragged_tables(reader: DatasetReader, f: Field, report: VerifyReport) 
 
 def _check_padding(reader: DatasetReader, index: Index, report: VerifyReport) -> None:
     """Bytes between regions must be zero, so any flipped byte is detected somewhere."""
-    spans = sorted((r.offset, r.end) for f in index.fields for r in (f.data, *f.tables().values()))
+    regions = [(0, IDENTITY_NBYTES)] + [
+        (r.offset, r.end) for f in index.fields for r in (f.data, *f.tables().values())
+    ]
+    spans = sorted(regions)
     cursor = 0
     for start, end in [*spans, (index.payload_nbytes, index.payload_nbytes)]:
         if start > cursor and reader.payload[cursor:start].any():
@@ -152,71 +156,35 @@ def _check_padding(reader: DatasetReader, index: Index, report: VerifyReport) ->
         cursor = max(cursor, end)
 
 
-def _check_provenance_files(report: VerifyReport, index: Index) -> list[Any] | None:
-    """Check sources.jsonl and skipped.jsonl; return the source lines if they are sound."""
-    _read_jsonl(report, SKIPPED_NAME, index.num_skipped, _is_skip_record, "skip records")
-    is_source = _is_row_source if index.mode == "rows" else _is_file_source
-    return _read_jsonl(report, SOURCES_NAME, index.num_sources, is_source, "source lines")
-
-
-def _is_file_source(line: Any) -> bool:
-    return isinstance(line, str)
-
-
-def _is_row_source(line: Any) -> bool:
-    return (
-        isinstance(line, list)
-        and len(line) == 2
-        and isinstance(line[0], str)
-        and isinstance(line[1], int)
-        and not isinstance(line[1], bool)
-        and line[1] >= 0
-    )
-
-
-def _is_skip_record(line: Any) -> bool:
-    return (
-        isinstance(line, dict)
-        and set(line) == {"path", "reason"}
-        and all(isinstance(v, str) for v in line.values())
-    )
-
-
-def _read_jsonl(
-    report: VerifyReport, name: str, count: int, is_valid: Callable[[Any], bool], what: str
-) -> list[Any] | None:
-    path = os.path.join(report.path, name)
+def _check_provenance_files(report: VerifyReport, index: Index) -> tuple[list[str], Any] | None:
+    """Check sources.jsonl and skipped.jsonl; return the source files and their first samples."""
     try:
-        with open(path, encoding="utf-8") as fp:
-            lines = [json.loads(line) for line in fp]
-    except FileNotFoundError:
-        report.problems.append(f"{path}: missing")
+        provenance.read_skipped(report.path, index)
+    except FormatError as exc:
+        report.problems.append(str(exc))
+    try:
+        return provenance.read_sources(report.path, index)
+    except FormatError as exc:
+        report.problems.append(str(exc))
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        report.problems.append(f"{path}: unreadable ({exc})")
-        return None
-    if len(lines) != count or not all(is_valid(line) for line in lines):
-        report.problems.append(f"{path}: expected {count} {what}, found {len(lines)} lines")
-        return None
-    return lines
 
 
 def _compare_sources(
-    reader: DatasetReader, lines: list[Any], report: VerifyReport, progress: Progress
+    reader: DatasetReader, sources: tuple[list[str], Any], report: VerifyReport, progress: Progress
 ) -> None:
     """Compare each sample with its source: a file, or in rows mode a row of a file."""
-    located = [(line, None) if isinstance(line, str) else (line[0], line[1]) for line in lines]
-    first = 0
-    for path, group in itertools.groupby(located, key=lambda item: item[0]):
-        rows = [row for _, row in group]
+    files, starts = sources
+    rows_mode = reader.index.mode == "rows"
+    for k, path in enumerate(files):
+        first, count = int(starts[k]), int(starts[k + 1] - starts[k])
+        rows: list[int | None] = list(range(count)) if rows_mode else [None]
         for offset, problem in _compare_file(reader, first, path, rows):
             i = first + offset
             report.problems.append(
                 f"sample {i} ({path}{'' if rows[offset] is None else f' row {rows[offset]}'}): {problem}"
             )
             report.bad_samples.setdefault("sources", []).append(i)
-        first += len(rows)
-        progress.advance(len(rows), 0)
+        progress.advance(count, 0)
 
 
 def _compare_file(

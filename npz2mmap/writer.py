@@ -9,7 +9,6 @@ Where the files go and how they are published is ``publish``'s business.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
@@ -17,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import __version__, fsutil
+from . import __version__, fsutil, provenance
 from .errors import SourceError
 from .npzfile import CHUNK_NBYTES, MemberHeader, iter_data_chunks, members, open_npz, read_member_header
 from .plan import FieldPlan, Plan, can_cast
@@ -34,6 +33,8 @@ from .spec import (
     Index,
     Region,
     blob_header,
+    blob_identity,
+    index_digest,
     index_to_json,
     storage_dtype,
 )
@@ -266,38 +267,28 @@ def finish_dataset(
     fd = os.open(blob_path, os.O_WRONLY)
     try:
         fields = tuple(_write_tables(fd, f, crcs) for f, crcs in zip(plan.fields, sample_crc32s, strict=True))
+        index = Index(
+            num_samples=plan.num_samples,
+            align=plan.align,
+            payload_nbytes=plan.payload_nbytes,
+            fields=fields,
+            tool_version=__version__,
+            num_sources=len(plan.sources),
+            mode=plan.mode,
+            num_skipped=len(skipped),
+            part=part,
+        )
+        index_text = index_to_json(index).encode("utf-8")
+        digest = index_digest(index_text)
+        pwrite_all(fd, blob_identity(digest), BLOB_HEADER_NBYTES)
         os.fsync(fd)
     finally:
         os.close(fd)
-    _write_file(os.path.join(staging_dir, SOURCES_NAME), source_lines(plan))
-    _write_file(
-        os.path.join(staging_dir, SKIPPED_NAME),
-        (json.dumps({"path": path, "reason": why}, sort_keys=True) + "\n" for path, why in skipped),
-    )
-    index = Index(
-        num_samples=plan.num_samples,
-        align=plan.align,
-        payload_nbytes=plan.payload_nbytes,
-        fields=fields,
-        tool_version=__version__,
-        num_sources=plan.num_samples,
-        mode=plan.mode,
-        num_skipped=len(skipped),
-        part=part,
-    )
-    _write_file(os.path.join(staging_dir, INDEX_NAME), [index_to_json(index)])
+    _write_file(os.path.join(staging_dir, SOURCES_NAME), provenance.source_lines(plan))
+    _write_file(os.path.join(staging_dir, SKIPPED_NAME), provenance.skipped_lines(skipped))
+    _write_index(os.path.join(staging_dir, INDEX_NAME), index_text)
     fsutil.fsync_dir(staging_dir)
-    return index
-
-
-def source_lines(plan: Plan) -> Iterator[str]:
-    """sources.jsonl: per sample its file, or in rows mode [file, row]."""
-    for k, path in enumerate(plan.sources):
-        if plan.mode != "rows":
-            yield json.dumps(path) + "\n"
-            continue
-        for row in range(plan.file_rows(k)[1]):
-            yield json.dumps([path, row]) + "\n"
+    return dataclasses.replace(index, digest=digest)
 
 
 def _write_tables(fd: int, f: FieldPlan, crcs: np.ndarray) -> Field:
@@ -321,6 +312,14 @@ def _write_tables(fd: int, f: FieldPlan, crcs: np.ndarray) -> Field:
         shapes=shapes,
         cast=f.cast,
     )
+
+
+def _write_index(path: str, text: bytes) -> None:
+    """Binary, so the bytes on disk are the bytes the blob's identity names on every platform."""
+    with open(path, "xb") as fp:
+        fp.write(text)
+        fp.flush()
+        os.fsync(fp.fileno())
 
 
 def _write_file(path: str, lines: Iterable[str]) -> None:

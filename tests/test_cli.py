@@ -122,7 +122,7 @@ def test_verify_failure_lists_problems_and_exits_1(tmp_path, sources) -> None:
     out = tmp_path / "out"
     run("convert", sources, "-o", out)
     blob = bytearray((out / "data.npy").read_bytes())
-    blob[130] ^= 0xFF
+    blob[128 + 64 + 2] ^= 0xFF  # a byte of sample 0, after the header and the blob identity
     (out / "data.npy").write_bytes(bytes(blob))
     result = run("verify", out)
     assert result.exit_code == 1

@@ -176,7 +176,9 @@ def test_a_dataset_replaced_after_opening_is_not_mixed_with_the_old_index(tmp_pa
     ds = MmapDataset(out)
     write_samples(tmp_path / "new", [{"input": np.zeros((3, 4, 5), np.float32)}] * 6)
     convert([tmp_path / "new"], out, overwrite=True, workers=1)
-    with pytest.raises(FormatError, match="the dataset was replaced after it was opened; open it again"):
+    with pytest.raises(
+        FormatError, match=r"or the dataset was replaced after it was opened\); open it again"
+    ):
         ds[0]
     assert MmapDataset(out).fields == ("input",)
 
@@ -209,3 +211,14 @@ def test_tensors_option_and_field_projection(small_dataset, monkeypatch) -> None
     monkeypatch.setattr(only_label.reader.readers[0], "view", recording_view)
     assert [int(only_label[i]) for i in range(6)] == list(range(6))
     assert set(read) == {"label"}
+
+
+def test_a_replaced_dataset_is_refused_even_when_its_blob_reuses_the_inode(tmp_path, small_dataset) -> None:
+    """Replaced twice, the blob may come back with the old inode number; its identity does not."""
+    out, _ = small_dataset
+    ds = MmapDataset(out, fields="label")
+    for value in (1, 2):
+        write_samples(tmp_path / f"v{value}", [{"label": np.int64(value)}] * 6)
+        convert([tmp_path / f"v{value}"], out, overwrite=True, workers=1)
+    with pytest.raises(FormatError, match="does not belong to the index read"):
+        ds[0]

@@ -17,7 +17,7 @@ from npz2mmap.errors import FormatError
 from npz2mmap.reader import DatasetReader
 from npz2mmap.verify import verify
 
-GOLDEN = Path(__file__).parent / "data" / "golden" / "v1"
+GOLDEN = Path(__file__).parent / "data" / "golden" / "v2"
 VALID = json.loads((GOLDEN / "index.json").read_text())
 
 json_values = st.recursive(

@@ -120,7 +120,7 @@ def test_inspect_verify_and_warm_understand_parts(tmp_path, sources) -> None:
     assert "(2 parts)" in run("warm", tmp_path / "ds", "-q").output
     blob = tmp_path / "ds" / "part-1" / "data.npy"
     data = bytearray(blob.read_bytes())
-    data[128] ^= 1  # the first byte of part 1's first field ('id', sample 11 overall)
+    data[128 + 64] ^= 1  # the first byte of part 1's first field ('id', sample 11 overall)
     blob.write_bytes(bytes(data))
     report = verify(tmp_path / "ds")
     assert report.bad_samples == {"id": [11]}

@@ -80,7 +80,13 @@ def test_padded_collate_output_depends_on_the_field_never_on_the_batch(ragged, t
     for batch in batches:
         out = PaddedCollate(mask=True)(batch)
         assert sorted(out) == [
-            "label", "points", "points_lengths", "points_mask", "tokens", "tokens_lengths", "tokens_mask"
+            "label",
+            "points",
+            "points_lengths",
+            "points_mask",
+            "tokens",
+            "tokens_lengths",
+            "tokens_mask",
         ]
     same = PaddedCollate(mask=True)(batches[0])
     assert same["tokens_lengths"].tolist() == [5, 5] and same["tokens_mask"].all()
@@ -100,8 +106,11 @@ def test_padded_collate_single_field_batches_keep_the_field_name(ragged) -> None
 def test_padded_collate_refuses_to_guess_for_unknown_samples(ragged) -> None:
     dataset, _ = ragged
     ds = MmapDataset(dataset, fields=["tokens", "label"])
-    with pytest.raises(ValueError, match=r"field 'tokens' has shapes \(1,\) and \(9,\) in one batch; "
-                       r"pass PaddedCollate\(ragged=\['tokens', \.\.\.\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"field 'tokens' has shapes \(1,\) and \(9,\) in one batch; "
+        r"pass PaddedCollate\(ragged=\['tokens', \.\.\.\]\)",
+    ):
         PaddedCollate()([ds[2], ds[1]])
 
 

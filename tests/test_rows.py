@@ -51,7 +51,7 @@ def test_rows_become_samples_in_order_fixed_and_ragged(tmp_path, shards) -> None
             assert_same_array(ds[i][name], source)
     assert ds.lengths("points").tolist() == [[1, 2]] * 3 + [[3, 2]] * 5 + [[4, 2]] * 2
     lines = [json.loads(line) for line in (tmp_path / "out" / "sources.jsonl").read_text().splitlines()]
-    assert lines[3] == [str(src / "shard2.npz"), 0] and len(lines) == 10
+    assert lines == [[str(src / f"shard{k}.npz"), rows] for k, rows in enumerate(shard_rows)]
     assert json.loads((tmp_path / "out" / "index.json").read_text())["provenance"]["mode"] == "rows"
     assert verify(tmp_path / "out", sources=True).ok
 
@@ -106,3 +106,53 @@ def test_a_dataset_of_zero_rows_is_valid_and_empty(tmp_path) -> None:
     assert verify(tmp_path / "out", sources=True).ok
     with pytest.raises(IndexError, match="out of range for 0 samples"):
         ds[0]
+
+
+def test_merging_two_datasets_of_the_same_shard_keeps_each_ones_row_numbers(tmp_path, shards) -> None:
+    src, shard_rows = shards
+    convert([src / "shard2.npz"], tmp_path / "a", rows=True, workers=1)
+    convert([src / "shard2.npz"], tmp_path / "b", rows=True, workers=1)
+    merge([tmp_path / "a", tmp_path / "b"], tmp_path / "ab", copy=True)
+    lines = [json.loads(line) for line in (tmp_path / "ab" / "sources.jsonl").read_text().splitlines()]
+    assert lines == [[str(src / "shard2.npz"), 5], [str(src / "shard2.npz"), 5]]
+    ds = MmapDataset(tmp_path / "ab")
+    for i, source in enumerate(rows_of_file(src / "shard2.npz", "y") * 2):
+        assert_same_array(ds[i]["y"], source)
+    assert verify(tmp_path / "ab", sources=True).ok
+    with np.load(src / "shard2.npz") as npz:
+        arrays = dict(npz)
+    arrays["y"] = arrays["y"] + 1
+    write_npz(src / "shard2.npz", **arrays)
+    problems = verify(tmp_path / "ab", sources=True).problems
+    assert [p.split(": ")[0] for p in problems if "'y'" in p] == [
+        f"sample {i} ({src / 'shard2.npz'} row {i % 5})" for i in range(10)
+    ]
+
+
+def rows_of_file(path, name):
+    with np.load(path) as npz:
+        return list(npz[name])
+
+
+def test_provenance_of_many_rows_is_one_line_per_file(tmp_path) -> None:
+    """A (2**20, 0) shard of a few hundred bytes must not become megabytes of provenance."""
+    path = write_npz(tmp_path / "src" / "wide.npz", x=np.zeros((2**20, 0), np.float32))
+    assert path.stat().st_size < 400
+    convert([path], tmp_path / "out", rows=True, workers=1)
+    assert (tmp_path / "out" / "sources.jsonl").read_text() == json.dumps([str(path), 2**20]) + "\n"
+    assert len(MmapDataset(tmp_path / "out")) == 2**20
+    assert verify(tmp_path / "out", sources=True).ok
+
+
+def test_rows_whose_tables_cannot_fit_are_refused_naming_the_file(tmp_path) -> None:
+    """(2**50, 0): 2**50 samples need 4 PiB of checksum tables; planned in memory it was a MemoryError."""
+    from click.testing import CliRunner
+
+    from npz2mmap.cli import cli
+
+    path = write_npz(tmp_path / "src" / "huge.npz", x=np.zeros((2**50, 0), np.float32))
+    result = CliRunner().invoke(cli, ["convert", str(path), "-o", str(tmp_path / "out"), "--rows", "-q"])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: {path}: its 1,125,899,906,842,624 rows bring the dataset to ")
+    assert "checksum tables alone need 4,503,599,627,370,496 bytes, more than the" in result.output
+    assert len(result.output.splitlines()) == 1 and not (tmp_path / "out").exists()

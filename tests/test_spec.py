@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -25,16 +26,36 @@ def without_tool_version(index_text: str) -> dict:
     return document
 
 
+def without_digest(blob: bytes) -> bytes:
+    digest_at = spec.BLOB_HEADER_NBYTES + len(spec.IDENTITY_MAGIC) + 4
+    return blob[:digest_at] + blob[digest_at + 32 :]
+
+
 def test_converting_the_golden_sources_reproduces_the_golden_bytes(tmp_path) -> None:
     convert([GOLDEN / "src"], tmp_path / "out", workers=2)
-    assert (tmp_path / "out" / "data.npy").read_bytes() == (GOLDEN / "v1" / "data.npy").read_bytes()
-    assert without_tool_version((tmp_path / "out" / "index.json").read_text()) == without_tool_version(
-        (GOLDEN / "v1" / "index.json").read_text()
+    blob = (tmp_path / "out" / "data.npy").read_bytes()
+    assert without_digest(blob) == without_digest((GOLDEN / "v2" / "data.npy").read_bytes())
+    index_text = (tmp_path / "out" / "index.json").read_bytes()
+    assert without_tool_version(index_text.decode()) == without_tool_version(
+        (GOLDEN / "v2" / "index.json").read_text()
     )
+    identity = blob[spec.BLOB_HEADER_NBYTES : spec.BLOB_HEADER_NBYTES + spec.IDENTITY_NBYTES]
+    assert identity == b"npz2mmap-blob\0\0\0" + (2).to_bytes(4, "little") + hashlib.sha256(
+        index_text
+    ).digest() + bytes(12)
+
+
+def test_a_version_1_dataset_is_refused_with_what_to_do(tmp_path) -> None:
+    with pytest.raises(
+        FormatError,
+        match=r"format version 1 is not supported by this reader "
+        r"\(supports 2\); convert the sources again",
+    ):
+        DatasetReader(GOLDEN / "v1")
 
 
 def test_the_golden_dataset_reads_as_written() -> None:
-    reader = DatasetReader(GOLDEN / "v1")
+    reader = DatasetReader(GOLDEN / "v2")
     assert len(reader) == 3 and reader.field_names == ("image", "label", "points")
     assert reader.column("image").tolist() == [
         [[0, 1, 2], [3, 4, 5]],
@@ -51,12 +72,12 @@ def test_the_golden_dataset_reads_as_written() -> None:
 def test_numpy_alone_opens_the_blob() -> None:
     script = (
         "import sys, numpy as np\n"
-        f"blob = np.load({str(GOLDEN / 'v1' / 'data.npy')!r}, mmap_mode='r')\n"
+        f"blob = np.load({str(GOLDEN / 'v2' / 'data.npy')!r}, mmap_mode='r')\n"
         "assert 'npz2mmap' not in sys.modules\n"
         "print(blob.dtype, blob.shape, bytes(blob[:12]).hex())\n"
     )
     result = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, check=True)
-    assert result.stdout.split() == ["uint8", "(512,)", "000102030405060708090a0b"]
+    assert result.stdout.split() == ["uint8", "(576,)", b"npz2mmap-blo".hex()]
 
 
 @pytest.mark.parametrize("payload_nbytes", [0, 1, 512, 10**12, 2**63 - 1])
@@ -72,7 +93,7 @@ def test_blob_header_is_128_bytes_and_what_numpy_reads(tmp_path, payload_nbytes)
 
 def golden_copy(tmp_path: Path) -> Path:
     target = tmp_path / "ds"
-    shutil.copytree(GOLDEN / "v1", target)
+    shutil.copytree(GOLDEN / "v2", target)
     return target
 
 
@@ -88,7 +109,10 @@ def field(document: dict, name: str) -> dict:
 
 INDEX_EDITS = [
     (lambda d: d.update(format="other"), "format is 'other', expected 'npz2mmap'"),
-    (lambda d: d.update(version=2), "format version 2 is not supported by this reader \\(supports 1\\)"),
+    (
+        lambda d: d.update(version=3),
+        "format version 3 is not supported by this reader \\(supports 2\\); upgrade",
+    ),
     (lambda d: d.update(version="1"), "version must be an integer, found str"),
     (lambda d: d.pop("num_samples"), "missing key\\(s\\) num_samples"),
     (lambda d: d.update(extra=1), "unexpected key\\(s\\) extra"),
@@ -106,7 +130,7 @@ INDEX_EDITS = [
     (lambda d: field(d, "image").update(shape=[2, -3]), "shape must be at least 0, found -3"),
     (lambda d: field(d, "image").update(shape=[2]), "shape \\[2\\] does not have ndim 2"),
     (lambda d: field(d, "image")["data"].update(offset=1), "is not 64-byte aligned"),
-    (lambda d: field(d, "image")["data"].update(offset=512), "ends at 530, past the payload of 512 bytes"),
+    (lambda d: field(d, "image")["data"].update(offset=576), "ends at 594, past the payload of 576 bytes"),
     (lambda d: field(d, "label")["data"].update(offset=0), "overlaps"),
     (lambda d: field(d, "points").pop("offsets"), "missing key\\(s\\) offsets"),
     (lambda d: field(d, "points")["offsets"].update(crc32=-1), "crc32 must be at least 0"),
@@ -143,10 +167,10 @@ def test_unreadable_index_files_are_refused(tmp_path, content, message) -> None:
     ("damage", "message"),
     [
         (lambda p: p.unlink(), "data.npy: missing"),
-        (lambda p: p.write_bytes(p.read_bytes()[:-1]), "639 bytes, but the index expects 640"),
-        (lambda p: p.write_bytes(p.read_bytes() + b"\0"), "641 bytes, but the index expects 640"),
+        (lambda p: p.write_bytes(p.read_bytes()[:-1]), "703 bytes, but the index expects 704"),
+        (lambda p: p.write_bytes(p.read_bytes() + b"\0"), "705 bytes, but the index expects 704"),
         (
-            lambda p: p.write_bytes(p.read_bytes().replace(b"(512,)", b"(513,)")),
+            lambda p: p.write_bytes(p.read_bytes().replace(b"(576,)", b"(577,)")),
             "header does not match the index",
         ),
     ],
@@ -177,7 +201,7 @@ def test_dtypes_survive_the_json_round_trip() -> None:
 def test_corrupt_ragged_tables_raise_on_access_instead_of_reading_out_of_bounds(tmp_path) -> None:
     dataset = golden_copy(tmp_path)
     blob = bytearray((dataset / "data.npy").read_bytes())
-    offsets_at = spec.BLOB_HEADER_NBYTES + 384  # the golden 'points' offsets table
+    offsets_at = spec.BLOB_HEADER_NBYTES + 448  # the golden 'points' offsets table
     blob[offsets_at + 16 : offsets_at + 24] = (10**6).to_bytes(8, "little")
     (dataset / "data.npy").write_bytes(bytes(blob))
     reader = DatasetReader(dataset)

@@ -7,13 +7,15 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import write_npz
 
+from npz2mmap.errors import FormatError
 from npz2mmap.reader import DatasetReader
 from npz2mmap.spec import BLOB_HEADER_NBYTES
 from npz2mmap.verify import verify
 
-GOLDEN = Path(__file__).parent / "data" / "golden" / "v1"
+GOLDEN = Path(__file__).parent / "data" / "golden" / "v2"
 
 
 def flip_byte(path: Path, file_offset: int) -> None:
@@ -58,20 +60,20 @@ def test_every_single_flipped_byte_of_the_blob_is_detected(tmp_path) -> None:
 def test_corrupt_tables_padding_and_size_are_reported(tmp_path) -> None:
     cases = {
         "table": (
-            lambda d: flip_byte(d / "data.npy", BLOB_HEADER_NBYTES + 384 + 8),
+            lambda d: flip_byte(d / "data.npy", BLOB_HEADER_NBYTES + 448 + 8),
             "the offsets table is corrupt",
         ),
         "padding": (
             lambda d: flip_byte(d / "data.npy", BLOB_HEADER_NBYTES + 100),
-            "padding at blob offset 216..256 is not zero",
+            "padding at blob offset 210..256 is not zero",
         ),
         "truncated": (
             lambda d: (d / "data.npy").write_bytes((d / "data.npy").read_bytes()[:-64]),
-            "576 bytes, but the index expects 640",
+            "640 bytes, but the index expects 704",
         ),
         "extended": (
             lambda d: (d / "data.npy").write_bytes((d / "data.npy").read_bytes() + b"\0" * 64),
-            "704 bytes, but the index expects 640",
+            "768 bytes, but the index expects 704",
         ),
     }
     for name, (damage, message) in cases.items():
@@ -89,7 +91,9 @@ def test_an_edited_index_is_reported(tmp_path) -> None:
     document["fields"][1]["sample_crc32"]["crc32"] += 1
     (dataset / "index.json").write_text(json.dumps(document))
     assert verify(dataset).problems == [
-        "field 'label': the sample_crc32 table is corrupt (checksum mismatch)"
+        f"{dataset / 'data.npy'}: does not belong to the index read (index.json was edited, or the dataset "
+        "was replaced after it was opened); open it again, or run npz2mmap verify",
+        "field 'label': the sample_crc32 table is corrupt (checksum mismatch)",
     ]
 
 
@@ -104,3 +108,29 @@ def test_sources_that_changed_since_conversion_are_named(small_dataset) -> None:
     assert report.bad_samples == {"sources": [3, 5]}
     assert report.problems[0] == f"sample 3 ({sources[3]}): field 'input': values differ from the source"
     assert report.problems[1].startswith(f"sample 5 ({sources[5]}): {sources[5]}: No such file or directory")
+
+
+INDEX_EDITS_OF_THE_SAME_SIZE = {
+    "dtype": lambda d: d["fields"][1].update(dtype="<u8"),
+    "shape": lambda d: d["fields"][0].update(shape=[3, 2]),
+    "names swapped": lambda d: (d["fields"][0].update(name="label"), d["fields"][1].update(name="image")),
+    "whitespace": None,
+}
+
+
+@pytest.mark.parametrize("edit", INDEX_EDITS_OF_THE_SAME_SIZE, ids=list(INDEX_EDITS_OF_THE_SAME_SIZE))
+def test_an_index_edited_into_another_valid_index_is_refused_at_open_and_by_verify(tmp_path, edit) -> None:
+    dataset = tmp_path / "ds"
+    shutil.copytree(GOLDEN, dataset)
+    text = (dataset / "index.json").read_text()
+    if INDEX_EDITS_OF_THE_SAME_SIZE[edit] is None:
+        edited = text.replace('"align": 64', '"align":  64')
+    else:
+        document = json.loads(text)
+        INDEX_EDITS_OF_THE_SAME_SIZE[edit](document)
+        edited = json.dumps(document, sort_keys=True, indent=1) + "\n"
+    assert edited != text
+    (dataset / "index.json").write_text(edited)
+    with pytest.raises(FormatError, match="does not belong to the index read"):
+        DatasetReader(dataset)
+    assert "does not belong to the index read" in verify(dataset).problems[0]
