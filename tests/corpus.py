@@ -1,0 +1,248 @@
+"""Random NPZ corpora and conversion options for the oracle test, and the oracle itself.
+
+A corpus is a few files holding the same fields: any dtype family (records
+with padding in both byte orders included), 0-d to 3-d, fixed or ragged, C or
+Fortran order, stored or compressed, and bad files placed so that some are
+found while scanning and others only while copying. Array bytes are drawn raw,
+so padding bytes, NaN payloads and odd booleans all occur.
+
+The oracle knows nothing of npz2mmap: it loads each source with ``np.load``
+and computes the bytes a sample must have (C order, every primitive
+little-endian, padding kept) with its own byte permutation.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+LEAF_CODES = ["?", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "c8", "c16"]
+LEAF_CODES += ["M8[s]", "m8[ms]", "S3", "U2", "V3"]
+# Casts every value survives (numpy's same-kind rule, and exact): source code -> stored dtype.
+LOSSLESS_CASTS = {"i1": "i4", "u1": "u2", "i2": "i8", "u2": "u4", "f2": "f4", "f4": "f8", "i4": "i8"}
+COPY_BAD_NBYTES = 64 << 10  # a member this large is read to its end (and CRC-checked) only when copied
+
+
+@st.composite
+def leaf_dtypes(draw: st.DrawFn) -> np.dtype:
+    code = draw(st.sampled_from(LEAF_CODES))
+    dtype = np.dtype(code)
+    return dtype.newbyteorder(draw(st.sampled_from("<>"))) if dtype.byteorder not in "|" else dtype
+
+
+@st.composite
+def record_dtypes(draw: st.DrawFn, depth: int = 0) -> np.dtype:
+    """Records with gaps: aligned layouts, explicit offsets, nesting and subarrays."""
+    count = draw(st.integers(1, 3))
+    names = [f"f{i}" for i in range(count)]
+    formats: list[Any] = []
+    for _ in names:
+        if depth < 1 and draw(st.integers(0, 4)) == 0:
+            formats.append(draw(record_dtypes(depth=depth + 1)))
+        elif draw(st.integers(0, 3)) == 0:
+            formats.append((draw(leaf_dtypes()), (draw(st.integers(1, 3)),)))
+        else:
+            formats.append(draw(leaf_dtypes()))
+    if draw(st.booleans()):
+        return np.dtype({"names": names, "formats": formats}, align=True)
+    offsets, cursor = [], 0
+    for fmt in formats:
+        cursor += draw(st.integers(0, 3))  # a gap of padding before the field
+        offsets.append(cursor)
+        cursor += np.dtype(fmt).itemsize
+    return np.dtype(
+        {"names": names, "formats": formats, "offsets": offsets, "itemsize": cursor + draw(st.integers(0, 3))}
+    )
+
+
+def any_dtypes() -> st.SearchStrategy[np.dtype]:
+    return st.one_of(leaf_dtypes(), leaf_dtypes(), record_dtypes())
+
+
+@dataclass
+class FieldSpec:
+    name: str
+    dtype: np.dtype
+    sample_shapes: list[tuple[int, ...]]  # per file: the array's shape (rows mode: including axis 0)
+    fortran: list[bool]
+
+
+@dataclass
+class Corpus:
+    fields: list[FieldSpec]
+    compressed: list[bool]
+    rows: bool
+    num_files: int
+    scan_bad: list[int] = field(default_factory=list)  # positions of zero-byte files
+    copy_bad: list[int] = field(default_factory=list)  # positions of files corrupt past their header
+    seed: int = 0
+
+
+@st.composite
+def corpora(draw: st.DrawFn) -> Corpus:
+    rows = draw(st.booleans())
+    num_files = draw(st.integers(1, 5))
+    row_counts = [draw(st.integers(0, 3)) for _ in range(num_files)]
+    fields = []
+    for k in range(draw(st.integers(1, 3))):
+        ndim = draw(st.integers(0, 2))
+        ragged = ndim > 0 and draw(st.booleans())
+        fixed = tuple(draw(st.lists(st.integers(0, 3), min_size=ndim, max_size=ndim)))
+        shapes = []
+        for n in range(num_files):
+            shape = (
+                tuple(draw(st.lists(st.integers(0, 3), min_size=ndim, max_size=ndim))) if ragged else fixed
+            )
+            shapes.append((row_counts[n], *shape) if rows else shape)
+        fortran = [draw(st.booleans()) for _ in range(num_files)]
+        fields.append(FieldSpec(f"k{k}", draw(any_dtypes()), shapes, fortran))
+    compressed = [draw(st.booleans()) for _ in range(num_files)]
+    corpus = Corpus(fields, compressed, rows, num_files, seed=draw(st.integers(0, 2**32 - 1)))
+    if draw(st.booleans()):
+        corpus.scan_bad = sorted(draw(st.sets(st.integers(0, num_files), max_size=2)))
+        if any(f.sample_shapes[0] for f in fields) or rows:
+            corpus.copy_bad = sorted(draw(st.sets(st.integers(0, num_files), max_size=2)))
+    return corpus
+
+
+@dataclass
+class Options:
+    workers: int
+    keys: list[str] | None
+    casts: dict[str, str]
+    align: int
+    parts: int
+
+
+@st.composite
+def options_for(draw: st.DrawFn, corpus: Corpus) -> Options:
+    names = [f.name for f in corpus.fields]
+    keys = sorted(draw(st.sets(st.sampled_from(names), min_size=1))) if draw(st.booleans()) else None
+    casts = {}
+    for f in corpus.fields:
+        code = f.dtype.newbyteorder("=").str[1:] if f.dtype.fields is None else None
+        if code in LOSSLESS_CASTS and (keys is None or f.name in keys) and draw(st.booleans()):
+            casts[f.name] = LOSSLESS_CASTS[code]
+    return Options(
+        workers=draw(st.integers(1, 3)),
+        keys=keys,
+        casts=casts,
+        align=draw(st.sampled_from([64, 128, 4096])),
+        parts=draw(st.integers(1, 3)),
+    )
+
+
+# --- writing the corpus ------------------------------------------------------
+
+
+def write_corpus(corpus: Corpus, src: Path) -> tuple[list[Path], list[Path]]:
+    """Write every file; return (good files in order, bad files). Names sort in corpus order."""
+    rng = np.random.default_rng(corpus.seed)
+    src.mkdir(parents=True)
+    good, bad, position = [], [], 0
+    for n in range(corpus.num_files + 1):
+        if n in corpus.scan_bad:
+            path = src / f"{position:03d}-scan-bad.npz"
+            path.write_bytes(b"")
+            bad.append(path)
+            position += 1
+        if n in corpus.copy_bad:
+            path = src / f"{position:03d}-copy-bad.npz"
+            write_copy_bad(corpus, path, rng)
+            bad.append(path)
+            position += 1
+        if n < corpus.num_files:
+            path = src / f"{position:03d}.npz"
+            arrays = {
+                f.name: raw_array(f.dtype, f.sample_shapes[n], f.fortran[n], rng) for f in corpus.fields
+            }
+            (np.savez_compressed if corpus.compressed[n] else np.savez)(path, **arrays)
+            good.append(path)
+            position += 1
+    return good, bad
+
+
+def raw_array(dtype: np.dtype, shape: tuple[int, ...], fortran: bool, rng: np.random.Generator) -> np.ndarray:
+    """An array of arbitrary bytes: every bit pattern, padding included."""
+    count = int(np.prod(shape, dtype=np.int64))
+    data = rng.integers(0, 256, size=count * dtype.itemsize, dtype=np.uint8).tobytes()
+    array = np.frombuffer(data, dtype=dtype).reshape(shape)
+    if fortran and array.ndim > 1:
+        return np.frombuffer(data, dtype=dtype).reshape(shape[::-1]).T  # Fortran order, bytes untouched
+    return array
+
+
+def write_copy_bad(corpus: Corpus, path: Path, rng: np.random.Generator) -> None:
+    """A file that agrees with the others on keys, dtypes and ndim, whose first large
+    member is corrupt only far past its header: found when copied, not when scanned."""
+    arrays = {}
+    for f in corpus.fields:
+        shape = f.sample_shapes[0]
+        if corpus.rows or shape:
+            first = -(-COPY_BAD_NBYTES // max(1, f.dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))))
+            shape = (first, *shape[1:]) if all(shape[1:]) else (first, *(1 for _ in shape[1:]))
+        arrays[f.name] = raw_array(f.dtype, shape, False, rng)
+    if corpus.rows:
+        first_rows = {a.shape[0] for a in arrays.values()}
+        arrays = {k: v[: min(first_rows)] for k, v in arrays.items()}
+    np.savez(path, **arrays)
+    big = max(arrays, key=lambda k: arrays[k].nbytes)
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo(f"{big}.npy")
+    data = bytearray(path.read_bytes())
+    name_nbytes = int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little")
+    extra_nbytes = int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little")
+    end = info.header_offset + 30 + name_nbytes + extra_nbytes + info.compress_size
+    data[end - 1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# --- the oracle -----------------------------------------------------------------
+
+
+def expected_samples(path: Path, name: str, rows: bool, cast: str | None) -> list[bytes]:
+    """The bytes each sample of ``name`` from ``path`` must be stored as."""
+    with np.load(path, allow_pickle=False) as npz:
+        array = npz[name]
+    samples = [array[i, ...] for i in range(len(array))] if rows else [array]  # arrays, never scalars
+    if cast is not None:
+        target = np.dtype(cast).newbyteorder("<")
+        return [np.ascontiguousarray(np.asarray(s).astype(target)).tobytes() for s in samples]
+    return [little_endian_bytes(np.asarray(s)) for s in samples]
+
+
+def little_endian_bytes(array: np.ndarray) -> bytes:
+    """C-order bytes with every primitive little-endian; padding bytes exactly as loaded."""
+    raw = np.ascontiguousarray(array.view(np.dtype((np.void, array.dtype.itemsize)))).view(np.uint8)
+    permutation = np.arange(array.dtype.itemsize)
+    for offset, size, unit in swapped_leaves(array.dtype, 0):
+        for start in range(offset, offset + size, unit):
+            permutation[start : start + unit] = permutation[start : start + unit][::-1]
+    return raw.reshape(-1, array.dtype.itemsize)[:, permutation].tobytes() if array.size else b""
+
+
+def swapped_leaves(dtype: np.dtype, base: int) -> list[tuple[int, int, int]]:
+    """(offset, nbytes, unit) of every big-endian primitive run in one item of ``dtype``."""
+    if dtype.subdtype is not None:
+        inner, shape = dtype.subdtype
+        count = int(np.prod(shape))
+        return [
+            (base + k * inner.itemsize + offset, size, unit)
+            for k in range(count)
+            for offset, size, unit in swapped_leaves(inner, 0)
+        ]
+    if dtype.fields is not None:
+        return [
+            leaf
+            for name in dtype.names or ()
+            for leaf in swapped_leaves(dtype.fields[name][0], base + dtype.fields[name][1])
+        ]
+    if dtype.byteorder != ">" or dtype.itemsize == 1:
+        return []
+    unit = {"c": dtype.itemsize // 2, "U": 4}.get(dtype.kind, dtype.itemsize)
+    return [(base, dtype.itemsize, unit)]

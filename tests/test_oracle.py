@@ -1,0 +1,112 @@
+"""The independent oracle: random corpora and options, checked against np.load of the sources.
+
+Every sample's raw bytes are compared with what the oracle (tests/corpus.py)
+computes from ``np.load`` alone; the output must be byte-identical for any
+number of workers, for parts merged with ``merge --copy``, and ``verify
+--sources`` must agree. NPZ2MMAP_ORACLE_EXAMPLES sets how many random cases
+run (CI runs the default; a long run sets it to thousands).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from corpus import Corpus, FieldSpec, Options, corpora, expected_samples, options_for, write_corpus
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from npz2mmap.converter import convert
+from npz2mmap.merge import merge
+from npz2mmap.parts import Parts, PartsReader
+from npz2mmap.reader import DatasetReader
+from npz2mmap.spec import DATASET_FILES
+from npz2mmap.verify import verify
+
+EXAMPLES = int(os.environ.get("NPZ2MMAP_ORACLE_EXAMPLES", "25"))
+LONG_RUN = "NPZ2MMAP_ORACLE_EXAMPLES" in os.environ
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[Corpus, Options]:
+    corpus = draw(corpora())
+    return corpus, draw(options_for(corpus))
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=not LONG_RUN,  # CI runs the same cases every time; a long run explores
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(case=cases())
+def test_converted_bytes_match_numpy_for_any_corpus_and_options(tmp_path_factory, case) -> None:
+    corpus, options = case
+    root = tmp_path_factory.mktemp("oracle")
+    good, bad = write_corpus(corpus, root / "src")
+    kwargs = dict(keys=options.keys, casts=options.casts, skip_bad=bool(bad), rows=corpus.rows)
+    kwargs["align"] = options.align
+    out = root / "out"
+    convert([root / "src"], out, workers=options.workers, **kwargs)
+    check_against_numpy(out, corpus, options, good)
+    assert verify(out, sources=True).ok, verify(out, sources=True).problems
+    reference = root / "one-worker"
+    convert([root / "src"], reference, workers=1, **kwargs)
+    assert_same_files(out, reference)
+    if options.parts > 1:
+        check_parts(root, options, kwargs, out)
+
+
+def check_against_numpy(out: Path, corpus: Corpus, options: Options, good: list[Path]) -> None:
+    reader = DatasetReader(out)
+    names = options.keys or [f.name for f in corpus.fields]
+    assert reader.field_names == tuple(sorted(names))
+    for name in names:
+        expected = [
+            sample
+            for path in good
+            for sample in expected_samples(path, name, corpus.rows, options.casts.get(name))
+        ]
+        assert len(reader) == len(expected)
+        for i, sample in enumerate(expected):
+            assert reader.view(name, i).tobytes() == sample, (name, i)
+
+
+def check_parts(root: Path, options: Options, kwargs: dict, single: Path) -> None:
+    parts = root / "parts"
+    for i in range(options.parts):
+        convert([root / "src"], parts / f"p{i}", part=(i, options.parts), workers=options.workers, **kwargs)
+    merge(sorted(parts.iterdir()), root / "merged", copy=True)
+    assert_same_files(root / "merged", single)
+    merge(sorted(parts.iterdir()), root / "manifest")
+    whole, joined = DatasetReader(single), PartsReader(Parts(root / "manifest"))
+    for name in whole.field_names:
+        for i in range(len(whole)):
+            assert joined.view(name, i).tobytes() == whole.view(name, i).tobytes()
+    shutil.rmtree(parts)
+
+
+def assert_same_files(a: Path, b: Path) -> None:
+    for name in DATASET_FILES:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_oracle_catches_a_wrong_byte(tmp_path, workers) -> None:
+    """The oracle is not vacuous: a single flipped stored byte is caught by it."""
+    corpus = Corpus([FieldSpec("x", np.dtype(">i4"), [(3,)], [False])], [False], rows=False, num_files=1)
+    good, _ = write_corpus(corpus, tmp_path / "src")
+    convert([tmp_path / "src"], tmp_path / "out", workers=workers)
+    options = Options(workers=workers, keys=None, casts={}, align=64, parts=1)
+    check_against_numpy(tmp_path / "out", corpus, options, good)
+    reader = DatasetReader(tmp_path / "out")
+    offset = 128 + reader.index.fields[0].data.offset
+    del reader
+    blob = bytearray((tmp_path / "out" / "data.npy").read_bytes())
+    blob[offset] ^= 1
+    (tmp_path / "out" / "data.npy").write_bytes(bytes(blob))
+    with pytest.raises(AssertionError):
+        check_against_numpy(tmp_path / "out", corpus, options, good)
