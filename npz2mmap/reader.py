@@ -117,14 +117,15 @@ class DatasetReader:
         idx = self.sample_indices(indices)
         view = self._field(name)
         if view.column is None:
-            return [np.array(view.sample(int(i))) for i in idx]
+            return [copy_bytes(view.sample(int(i))) for i in idx]
         if out is None:
             out = np.empty((len(idx), *view.column.shape[1:]), dtype=view.column.dtype)
+        column, target = as_raw(view.column), as_raw(out)
         if len(idx) > 1 and idx[-1] - idx[0] == len(idx) - 1 and (np.diff(idx) == 1).all():
-            out[...] = view.column[idx[0] : idx[-1] + 1]  # a contiguous run: one memcpy
+            target[...] = column[idx[0] : idx[-1] + 1]  # a contiguous run: one memcpy
         else:
             # Indices are checked above; mode="raise" would buffer the whole batch once more.
-            np.take(view.column, idx, axis=0, out=out, mode="clip")
+            np.take(column, idx, axis=0, out=target, mode="clip")
         return out
 
     def view_consecutive(self, name: str, first: int, count: int) -> np.ndarray:
@@ -136,6 +137,22 @@ class DatasetReader:
         if not 0 <= first <= first + count <= len(self):
             raise IndexError(f"samples {first}..{first + count - 1} are out of range for {len(self)} samples")
         return self._field(name).consecutive(first, count)
+
+
+def as_raw(array: np.ndarray) -> np.ndarray:
+    """A record array as raw bytes per element (a void dtype), which numpy copies whole.
+
+    numpy copies records field by field and leaves their padding bytes
+    undefined; other arrays have no padding and are returned as they are.
+    """
+    if array.dtype.names is None:
+        return array
+    return array.view(np.dtype((np.void, array.dtype.itemsize)))
+
+
+def copy_bytes(array: np.ndarray) -> np.ndarray:
+    """A fresh, writable copy of ``array`` with every byte of it, record padding included."""
+    return np.array(as_raw(array)).view(array.dtype)
 
 
 class _FieldView:

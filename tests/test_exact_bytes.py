@@ -239,6 +239,44 @@ def test_values_and_records_longer_than_a_chunk_are_swapped_in_pieces(tmp_path, 
     assert report.ok, report.problems
 
 
+def padded_dataset(tmp_path: Path, name: str) -> Path:
+    """Three samples of a big-endian padded record, fixed (r) and ragged (g), with padding 0xAB."""
+    data = np.frombuffer(bytes(range(256)) * 2, np.uint8)
+    for k in range(3):
+        element = data[k * 24 : k * 24 + 24 * (k + 1)].copy().reshape(k + 1, 24)
+        element[:, 2:8] = 0xAB
+        fixed = element[:1].tobytes()
+        write_raw_npz(
+            tmp_path / name / f"s{k}.npz",
+            {"r": (PADDED, (), False, fixed), "g": (PADDED, (k + 1,), False, element.tobytes())},
+        )
+    convert([tmp_path / name], tmp_path / f"{name}.out", workers=1)
+    return tmp_path / f"{name}.out"
+
+
+def test_every_read_returns_raw_byte_exact_copies_of_records(tmp_path) -> None:
+    from npz2mmap import MmapDataset
+    from npz2mmap.parts import Parts, PartsReader
+
+    parts = [padded_dataset(tmp_path, "a"), padded_dataset(tmp_path, "b")]
+    reader = DatasetReader(parts[0])
+    stored = {name: [raw(reader.view(name, i)) for i in range(3)] for name in ("r", "g")}
+    assert all(b"\xab" * 6 in sample for sample in stored["r"])
+    for ds in (MmapDataset(parts[0]), MmapDataset(parts[0], tensors=True)):
+        for i in range(3):
+            first, second = ds[i], ds[i]
+            for name in ("r", "g"):
+                assert raw(first[name]) == raw(second[name]) == stored[name][i]
+                assert first[name].flags.writeable
+    batch = MmapDataset(parts[0]).__getitems__([2, 0, 1])
+    assert raw(batch.arrays["r"]) == b"".join(stored["r"][i] for i in (2, 0, 1))
+    assert [raw(a) for a in batch.arrays["g"]] == [stored["g"][i] for i in (2, 0, 1)]
+    assert raw(reader.gather("r", [0, 1, 2])) == b"".join(stored["r"])
+    both = PartsReader(Parts(parts))
+    assert raw(both.gather("r", [4, 0, 5, 1])) == b"".join(stored["r"][i] for i in (1, 0, 2, 1))
+    assert [raw(a) for a in both.gather("g", [5, 0])] == [stored["g"][2], stored["g"][0]]
+
+
 @pytest.mark.parametrize("chunk_nbytes", [None, 48], ids=["default-chunks", "48-byte-chunks"])
 def test_property_records_are_stored_as_their_swapped_raw_bytes(monkeypatch, chunk_nbytes) -> None:
     if chunk_nbytes is not None:
