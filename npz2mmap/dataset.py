@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from .parts import Parts, PartsReader
-from .reader import ADVICE
+from .reader import ADVICE, copy_bytes
 
 
 class MmapDataset(Dataset[Any]):
@@ -79,7 +79,7 @@ class MmapDataset(Dataset[Any]):
         return self.transform(sample) if self.transform is not None else sample
 
     def _copy(self, view: np.ndarray) -> Any:
-        array = np.array(view)
+        array = copy_bytes(view)
         return as_tensors(array) if self.tensors else array
 
     def __getitems__(self, indices: Sequence[int]) -> Sequence[Any]:

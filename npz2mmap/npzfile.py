@@ -203,13 +203,13 @@ def read_exactly(stream: IO[bytes], nbytes: int, where: str) -> bytes:
 def iter_data_chunks(
     zf: zipfile.ZipFile, info: zipfile.ZipInfo, header: MemberHeader, where: str
 ) -> Iterator[bytes]:
-    """Yield the member's array bytes in file order, in chunks of whole elements.
+    """Yield the member's array bytes in file order, in chunks of at most CHUNK_NBYTES.
 
-    Reads the entry to its end, so zipfile checks its CRC; raises SourceError
-    if the data is short, long or corrupt.
+    Chunks may end inside an element: memory stays bounded whatever the
+    itemsize. Reads the entry to its end, so zipfile checks its CRC; raises
+    SourceError if the data is short, long or corrupt.
     """
-    itemsize = header.dtype.itemsize
-    chunk_nbytes = max(itemsize, CHUNK_NBYTES // itemsize * itemsize)
+    chunk_nbytes = CHUNK_NBYTES
     with source_errors(where), zf.open(info) as stream:
         read_exactly(stream, header.header_nbytes, where)
         remaining = header.nbytes

@@ -18,7 +18,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .errors import FormatError
-from .reader import DatasetReader, check_blob, normalise_indices
+from .reader import DatasetReader, as_raw, check_blob, copy_bytes, normalise_indices
 from .spec import BLOB_NAME, INDEX_NAME, Index, load_index
 
 MANIFEST_NAME = "manifest.json"
@@ -199,7 +199,7 @@ class PartsReader:
         info = self.field(name)
         if info.shape is None:
             return [
-                np.array(self.readers[p].view(name, int(i - self.parts.starts[p])))
+                copy_bytes(self.readers[p].view(name, int(i - self.parts.starts[p])))
                 for i, p in zip(idx, part_of, strict=True)
             ]
         if out is None:
@@ -207,7 +207,8 @@ class PartsReader:
         for part in np.unique(part_of):
             chosen = np.flatnonzero(part_of == part)
             local = idx[chosen] - self.parts.starts[part]
-            out[chosen] = self.readers[int(part)].gather(name, local)
+            gathered = np.asarray(self.readers[int(part)].gather(name, local))  # fixed: one array
+            as_raw(out)[chosen] = as_raw(gathered)
         return out
 
 

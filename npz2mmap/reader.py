@@ -7,6 +7,7 @@ the per-sample tables are views of the mapping, never parsed.
 
 from __future__ import annotations
 
+import math
 import mmap
 import operator
 import os
@@ -121,15 +122,42 @@ class DatasetReader:
         idx = self.sample_indices(indices)
         view = self._field(name)
         if view.column is None:
-            return [np.array(view.sample(int(i))) for i in idx]
+            return [copy_bytes(view.sample(int(i))) for i in idx]
         if out is None:
             out = np.empty((len(idx), *view.column.shape[1:]), dtype=view.column.dtype)
+        column, target = as_raw(view.column), as_raw(out)
         if len(idx) > 1 and idx[-1] - idx[0] == len(idx) - 1 and (np.diff(idx) == 1).all():
-            out[...] = view.column[idx[0] : idx[-1] + 1]  # a contiguous run: one memcpy
+            target[...] = column[idx[0] : idx[-1] + 1]  # a contiguous run: one memcpy
         else:
             # Indices are checked above; mode="raise" would buffer the whole batch once more.
-            np.take(view.column, idx, axis=0, out=out, mode="clip")
+            np.take(column, idx, axis=0, out=target, mode="clip")
         return out
+
+    def view_consecutive(self, name: str, first: int, count: int) -> np.ndarray:
+        """Samples ``first`` to ``first + count - 1`` as one read-only (count, *shape) view.
+
+        Raises IndexError past the end, FormatError unless they share one shape
+        and lie back to back (as the rows of one source file do).
+        """
+        if not 0 <= first <= first + count <= len(self):
+            raise IndexError(f"samples {first}..{first + count - 1} are out of range for {len(self)} samples")
+        return self._field(name).consecutive(first, count)
+
+
+def as_raw(array: np.ndarray) -> np.ndarray:
+    """A record array as raw bytes per element (a void dtype), which numpy copies whole.
+
+    numpy copies records field by field and leaves their padding bytes
+    undefined; other arrays have no padding and are returned as they are.
+    """
+    if array.dtype.names is None:
+        return array
+    return array.view(np.dtype((np.void, array.dtype.itemsize)))
+
+
+def copy_bytes(array: np.ndarray) -> np.ndarray:
+    """A fresh, writable copy of ``array`` with every byte of it, record padding included."""
+    return np.array(as_raw(array)).view(array.dtype)
 
 
 class _FieldView:
@@ -160,6 +188,25 @@ class _FieldView:
                 f"(bytes {start}..{end} of {len(self.data)}, shape {shape}); run npz2mmap verify"
             )
         return self.data[start:end].view(self.field.dtype).reshape(shape)
+
+    def consecutive(self, first: int, count: int) -> np.ndarray:
+        if self.column is not None:
+            return self.column[first : first + count]
+        shapes = self.shapes[first : first + count]
+        offsets = self.offsets[first : first + count + 1]
+        shape = tuple(int(d) for d in shapes[0]) if count else (0,) * self.field.ndim
+        start, end = int(offsets[0]), int(offsets[-1])
+        row_nbytes = math.prod(shape) * self.field.dtype.itemsize
+        if (
+            not self._extent_is_valid(start, end, (count, *shape))
+            or (shapes != shapes[:1]).any()
+            or (np.diff(offsets) != row_nbytes).any()
+        ):
+            raise FormatError(
+                f"field {self.field.name!r} samples {first}..{first + count - 1}: "
+                "not one shape back to back, or tables are corrupt; run npz2mmap verify"
+            )
+        return self.data[start:end].view(self.field.dtype).reshape(count, *shape)
 
     def _extent_is_valid(self, start: int, end: int, shape: tuple[int, ...]) -> bool:
         """Tables are checked per access, so opening never scans them."""

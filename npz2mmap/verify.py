@@ -6,7 +6,9 @@ problem it finds and names the affected fields and samples.
 
 from __future__ import annotations
 
+import math
 import os
+import zipfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from . import provenance
+from .elements import ByteReader, Piece, stored_pieces
 from .errors import FormatError, SourceError
-from .npzfile import source_errors
+from .npzfile import CHUNK_NBYTES, MemberHeader, iter_data_chunks, members, open_npz, read_member_header
 from .parts import Parts, resolve_parts
 from .plan import can_cast
 from .progress import Progress, SilentProgress
@@ -24,6 +27,7 @@ from .reader import DatasetReader, identity_problem
 from .spec import BLOB_HEADER_NBYTES, IDENTITY_NBYTES, Field, Index, load_index, storage_dtype
 
 MAX_SAMPLES_NAMED = 10
+WHOLE_FILE = -1  # a problem offset for a source that holds no sample (a shard of zero rows)
 
 
 @dataclass
@@ -179,6 +183,9 @@ def _compare_sources(
         first, count = int(starts[k]), int(starts[k + 1] - starts[k])
         rows: list[int | None] = list(range(count)) if rows_mode else [None]
         for offset, problem in _compare_file(reader, first, path, rows):
+            if offset == WHOLE_FILE:
+                report.problems.append(f"{path}: {problem}")
+                continue
             i = first + offset
             report.problems.append(
                 f"sample {i} ({path}{'' if rows[offset] is None else f' row {rows[offset]}'}): {problem}"
@@ -190,32 +197,126 @@ def _compare_sources(
 def _compare_file(
     reader: DatasetReader, first: int, path: str, rows: list[int | None]
 ) -> Iterator[tuple[int, str]]:
-    """Load one source with numpy itself (never unpickling) and compare its samples bit for bit."""
+    """Stream each member of one source and compare its stored samples byte for byte.
+
+    The source's raw bytes, swapped to little-endian (and cast, for a field
+    made with --cast) exactly as convert stores them, must equal the stored
+    bytes, record padding included. Memory stays bounded whatever the size.
+    """
     try:
-        with source_errors(path), np.load(path, allow_pickle=False) as npz:
-            arrays = {name: npz[name] for name in reader.field_names if name in npz.files}
-    except SourceError as exc:
-        yield from ((offset, str(exc)) for offset in range(len(rows)))
-        return
-    for offset, row in enumerate(rows):
-        for name in reader.field_names:
-            if name not in arrays:
-                yield offset, f"key {name!r} is missing from the source"
-                continue
-            source = arrays[name] if row is None else arrays[name][row]
-            cast = reader.index.field(name).cast
-            for problem in _compare_array(source, reader.view(name, first + offset), name, cast):
-                yield offset, problem
+        with open_npz(path) as zf:
+            entries = members(zf, path)
+            for name in reader.field_names:
+                if name not in entries:
+                    missing = f"key {name!r} is missing from the source"
+                    yield from _for_every_sample(rows, missing)
+                    continue
+                yield from _compare_member(reader, zf, entries[name], path, first, rows)
+    except (SourceError, FormatError) as exc:
+        yield from _for_every_sample(rows, str(exc))
 
 
-def _compare_array(source: np.ndarray, stored: np.ndarray, name: str, cast: bool) -> Iterator[str]:
-    """Compare one array; a field made with --cast is compared after the same cast."""
-    dtype_ok = can_cast(source.dtype, stored.dtype) if cast else storage_dtype(source.dtype) == stored.dtype
+def _for_every_sample(rows: list[int | None], problem: str) -> Iterator[tuple[int, str]]:
+    """One problem for each sample of a source; for a shard of zero rows, one for the file."""
+    if not rows:
+        yield WHOLE_FILE, problem
+    yield from ((offset, problem) for offset in range(len(rows)))
+
+
+def _compare_member(
+    reader: DatasetReader,
+    zf: zipfile.ZipFile,
+    info: zipfile.ZipInfo,
+    path: str,
+    first: int,
+    rows: list[int | None],
+) -> Iterator[tuple[int, str]]:
+    """Compare one member with its samples: dtype, shapes, then every byte in file order."""
+    header = read_member_header(zf, info, path)
+    name = header.key
+    field = reader.index.field(name)
+    dtype_ok = (
+        can_cast(header.dtype, field.dtype) if field.cast else storage_dtype(header.dtype) == field.dtype
+    )
     if not dtype_ok:
-        yield f"field {name!r}: dtype {stored.dtype} differs from the source's {source.dtype}"
-    elif source.shape != stored.shape:
-        yield f"field {name!r}: shape {stored.shape} differs from the source's {source.shape}"
-    elif (
-        np.ascontiguousarray(source.astype(stored.dtype)).tobytes() != np.ascontiguousarray(stored).tobytes()
-    ):
-        yield f"field {name!r}: values differ from the source"
+        problem = f"field {name!r}: dtype {field.dtype} differs from the source's {header.dtype}"
+        yield from _for_every_sample(rows, problem)
+        return
+    mismatched = list(_shape_problems(reader, name, header, first, rows))
+    if mismatched:
+        yield from mismatched
+        return
+    rows_mode = reader.index.mode == "rows"
+    stored = reader.view_consecutive(name, first, len(rows)) if rows_mode else reader.view(name, first)
+    where = f"{path}[{name}]"
+    expected = stored_pieces(iter_data_chunks(zf, info, header, where), header, field.dtype, where)
+    found = _file_order_pieces(stored, header.fortran_order)
+    bad_rows: set[int] = set()
+    for elements in _changed_elements(expected, found, stored.nbytes, field.dtype.itemsize):
+        bad_rows.update(_element_rows(elements, header, rows_mode).tolist())
+    for offset in sorted(bad_rows):
+        yield offset, f"field {name!r}: values differ from the source"
+
+
+def _shape_problems(
+    reader: DatasetReader, name: str, header: MemberHeader, first: int, rows: list[int | None]
+) -> Iterator[tuple[int, str]]:
+    """Each sample whose stored shape is not its source's (in rows mode, rows must be 0..n-1)."""
+    rows_mode = reader.index.mode == "rows"
+    if rows_mode and (not header.shape or rows != list(range(header.shape[0]))):
+        found = header.shape[0] if header.shape else 0
+        problem = f"field {name!r}: the source holds {found} row(s), not the {len(rows)} sources.jsonl names"
+        yield from _for_every_sample(rows, problem)
+        return
+    expected = header.shape[1:] if rows_mode else header.shape
+    for offset in range(len(rows)):
+        shape = reader.view(name, first + offset).shape
+        if shape != expected:
+            yield offset, f"field {name!r}: shape {shape} differs from the source's {expected}"
+
+
+def _file_order_pieces(stored: np.ndarray, fortran_order: bool) -> Iterator[memoryview]:
+    """The stored bytes in the order the source file holds them, in bounded pieces."""
+    raw = stored.view(np.dtype((np.void, stored.dtype.itemsize)))
+    yield from _c_order_pieces(raw.T if fortran_order else raw)
+
+
+def _c_order_pieces(array: np.ndarray) -> Iterator[memoryview]:
+    if array.flags.c_contiguous:
+        flat = array.reshape(-1).view(np.uint8)
+        for start in range(0, len(flat), CHUNK_NBYTES):
+            yield flat[start : start + CHUNK_NBYTES].data
+    elif array.nbytes <= CHUNK_NBYTES:
+        yield np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+    elif array.ndim > 1:
+        for k in range(len(array)):
+            yield from _c_order_pieces(array[k])
+    else:
+        per_piece = max(1, CHUNK_NBYTES // array.dtype.itemsize)
+        for start in range(0, len(array), per_piece):
+            yield from _c_order_pieces(array[start : start + per_piece])
+
+
+def _changed_elements(
+    expected: Iterator[Piece], found: Iterator[memoryview], nbytes: int, itemsize: int
+) -> Iterator[np.ndarray]:
+    """Indices, in stream order, of the elements whose bytes differ between two streams."""
+    left, right = ByteReader(expected, "source"), ByteReader(found, "dataset")
+    for position in range(0, nbytes, CHUNK_NBYTES):
+        size = min(CHUNK_NBYTES, nbytes - position)
+        differ = np.flatnonzero(
+            np.frombuffer(left.read(size), np.uint8) != np.frombuffer(right.read(size), np.uint8)
+        )
+        if len(differ):
+            yield np.unique((differ + position) // itemsize)
+    left.finish()
+    right.finish()
+
+
+def _element_rows(elements: np.ndarray, header: MemberHeader, rows_mode: bool) -> np.ndarray:
+    """The row (axis-0 index) of each element, counted in file order."""
+    if not rows_mode:
+        return np.zeros(min(len(elements), 1), dtype=np.int64)
+    if header.fortran_order:
+        return np.unique(elements % header.shape[0])
+    return np.unique(elements // math.prod(header.shape[1:]))

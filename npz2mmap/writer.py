@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import __version__, fsutil, provenance
+from .elements import ByteReader, stored_pieces
 from .errors import SourceError
 from .npzfile import CHUNK_NBYTES, MemberHeader, iter_data_chunks, members, open_npz, read_member_header
 from .plan import FieldPlan, Plan, can_cast
@@ -102,10 +103,10 @@ def write_sample(blob_path: str, task: SampleTask) -> SampleResult:
                 raise SourceError(f"{where}: changed since it was scanned")
             chunks = iter_data_chunks(zf, entries[member.key], header, where)
             if header.fortran_order and len([d for d in header.shape if d != 1]) > 1:
-                crcs.append(_copy_fortran(chunks, header, member, blob_path))
+                crcs.append(_copy_fortran(chunks, header, member, blob_path, where))
             else:
-                crcs.append(_copy_c_order(chunks, header, member, fd))
-            nbytes += header.nbytes // header.dtype.itemsize * member.dtype.itemsize
+                crcs.append(_copy_c_order(chunks, header, member, fd, where))
+            nbytes += _stored_nbytes(header, member)
     return SampleResult(task.file, tuple(crcs), nbytes)
 
 
@@ -125,15 +126,15 @@ def close_blobs() -> None:
         os.close(_blob_fds.popitem()[1])
 
 
-def _copy_c_order(chunks: Iterator[bytes], header: MemberHeader, member: MemberTask, fd: int) -> list[int]:
+def _copy_c_order(
+    chunks: Iterator[bytes], header: MemberHeader, member: MemberTask, fd: int, where: str
+) -> list[int]:
     crcs = _RowCrcs(member.rows, _stored_nbytes(header, member))
     position = member.file_offset
-    swap = header.dtype != member.dtype
-    for chunk in chunks:
-        data = np.frombuffer(chunk, header.dtype).astype(member.dtype).tobytes() if swap else chunk
-        pwrite_all(fd, data, position)
-        crcs.feed(data)
-        position += len(data)
+    for piece in stored_pieces(chunks, header, member.dtype, where):
+        pwrite_all(fd, piece, position)
+        crcs.feed(piece)
+        position += len(piece)
     return crcs.result()
 
 
@@ -151,7 +152,7 @@ class _RowCrcs:
         self.current = 0
         self.filled = 0
 
-    def feed(self, data: bytes | memoryview) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data)
         while view and self.row_nbytes:
             take = min(len(view), self.row_nbytes - self.filled)
@@ -166,7 +167,7 @@ class _RowCrcs:
         return self.crcs if self.row_nbytes else [0] * self.rows
 
 
-def pwrite_all(fd: int, data: bytes | memoryview, position: int) -> None:
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, position: int) -> None:
     """os.pwrite until every byte is written (it may write fewer)."""
     view = memoryview(data)
     while view:
@@ -176,14 +177,17 @@ def pwrite_all(fd: int, data: bytes | memoryview, position: int) -> None:
 
 
 def _copy_fortran(
-    chunks: Iterator[bytes], header: MemberHeader, member: MemberTask, blob_path: str
+    chunks: Iterator[bytes], header: MemberHeader, member: MemberTask, blob_path: str, where: str
 ) -> list[int]:
-    """Write a Fortran-order member in C order through a mapping of its destination."""
-    target = np.memmap(
-        blob_path, dtype=member.dtype, mode="r+", offset=member.file_offset, shape=header.shape
-    )
-    reader = _ChunkReader(chunks)
-    _fill_from_fortran(target.reshape([d for d in header.shape if d != 1]), reader, header.dtype)
+    """Write a Fortran-order member in C order through a mapping of its destination.
+
+    Elements are converted in file order, then moved as raw bytes (a void
+    dtype), so padding and byte order are exactly as in the C-order case.
+    """
+    raw = np.dtype((np.void, member.dtype.itemsize))
+    target = np.memmap(blob_path, dtype=raw, mode="r+", offset=member.file_offset, shape=header.shape)
+    reader = ByteReader(stored_pieces(chunks, header, member.dtype, where), where)
+    _fill_from_fortran(target.reshape([d for d in header.shape if d != 1]), reader)
     reader.finish()
     target.flush()
     flat = target.reshape(-1).view(np.uint8)
@@ -194,45 +198,34 @@ def _copy_fortran(
     return crcs.result()
 
 
-def _fill_from_fortran(view: np.ndarray, reader: _ChunkReader, source_dtype: np.dtype) -> None:
-    """Fill C-order ``view`` from data arriving in Fortran order, in bounded pieces.
+def _fill_from_fortran(view: np.ndarray, reader: ByteReader) -> None:
+    """Fill C-order ``view`` (a void dtype) from bytes arriving in Fortran order, in bounded pieces.
 
     Fortran order puts the last axis slowest, so each index of the last axis is
     one contiguous piece: recurse on it until a piece fits in a chunk.
     """
-    itemsize = source_dtype.itemsize
-    if view.ndim <= 1:
-        per_chunk = max(1, CHUNK_NBYTES // itemsize)
-        for start in range(0, view.size, per_chunk):
-            count = min(per_chunk, view.size - start)
-            view.reshape(-1)[start : start + count] = np.frombuffer(
-                reader.read(count * itemsize), source_dtype
-            )
-    elif view.nbytes <= CHUNK_NBYTES:
-        piece = np.frombuffer(reader.read(view.size * itemsize), source_dtype)
+    itemsize = view.dtype.itemsize
+    if view.nbytes <= CHUNK_NBYTES:
+        piece = np.frombuffer(reader.read(view.nbytes), view.dtype)
         view[...] = piece.reshape(view.shape[::-1]).T
-    else:
+    elif view.ndim > 1:
         for k in range(view.shape[-1]):
-            _fill_from_fortran(view[..., k], reader, source_dtype)
+            _fill_from_fortran(view[..., k], reader)
+    elif itemsize <= CHUNK_NBYTES:
+        per_piece = CHUNK_NBYTES // itemsize
+        for start in range(0, len(view), per_piece):
+            count = min(per_piece, len(view) - start)
+            view[start : start + count] = np.frombuffer(reader.read(count * itemsize), view.dtype)
+    else:
+        for k in range(len(view)):
+            _fill_element(view[k : k + 1].view(np.uint8), reader)
 
 
-class _ChunkReader:
-    """Exact-size reads over an iterator of byte chunks."""
-
-    def __init__(self, chunks: Iterator[bytes]) -> None:
-        self.chunks = chunks
-        self.buffer = b""
-
-    def read(self, nbytes: int) -> bytes:
-        while len(self.buffer) < nbytes:
-            self.buffer += next(self.chunks)
-        data, self.buffer = self.buffer[:nbytes], self.buffer[nbytes:]
-        return data
-
-    def finish(self) -> None:
-        """Drain the chunks, so their source runs its end-of-member checks."""
-        for _ in self.chunks:
-            pass
+def _fill_element(element: np.ndarray, reader: ByteReader) -> None:
+    """One element larger than a chunk, piece by piece."""
+    for start in range(0, len(element), CHUNK_NBYTES):
+        count = min(CHUNK_NBYTES, len(element) - start)
+        element[start : start + count] = np.frombuffer(reader.read(count), np.uint8)
 
 
 # --- main side ---------------------------------------------------------------

@@ -51,3 +51,29 @@ def field_samples(draw: st.DrawFn, num_samples: int) -> list[np.ndarray]:
         array = draw(hnp.arrays(dtype, shape))
         arrays.append(np.asfortranarray(array) if array.ndim > 1 and draw(st.booleans()) else array)
     return arrays
+
+
+@st.composite
+def padded_record_dtypes(draw: st.DrawFn, depth: int = 2) -> np.dtype:
+    """Records with padding: aligned or explicit offsets with gaps, nested, with subarrays.
+
+    Leaves come in either byte order; the whole record may be forced to one.
+    """
+    formats = []
+    for _ in range(draw(st.integers(1, 3))):
+        nested = depth > 0 and draw(st.integers(0, 3)) == 0
+        base = draw(padded_record_dtypes(depth - 1)) if nested else draw(scalar_dtypes())
+        shape = draw(st.sampled_from([(), (2,), (2, 3)]))
+        formats.append(np.dtype((base, shape)) if shape else base)
+    names = [f"f{k}" for k in range(len(formats))]
+    if draw(st.booleans()):
+        dtype = np.dtype({"names": names, "formats": formats}, align=True)
+    else:
+        offsets, end = [], 0
+        for f in formats:
+            offsets.append(end + draw(st.integers(0, 5)))
+            end = offsets[-1] + f.itemsize
+        itemsize = end + draw(st.integers(0, 5))
+        dtype = np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})
+    order = draw(st.sampled_from([None, "<", ">"]))
+    return dtype if order is None else dtype.newbyteorder(order)

@@ -219,8 +219,8 @@ def test_align_places_every_region_on_the_boundary(tmp_path) -> None:
 
 
 def test_cast_stores_one_dtype_for_files_that_differ(tmp_path) -> None:
-    wide = np.array([0.1, 1e-3, 3.0], dtype=np.float64)
-    narrow = np.array([1.5, 2.5, -1.0], dtype=">f4")
+    wide = np.array([0.5, -(2.0**-20), 3.0, np.inf], dtype=np.float64)  # float32 holds each exactly
+    narrow = np.array([1.5, 2.5, -1.0, np.nan], dtype=">f4")
     write_samples(tmp_path / "src", [{"x": wide}, {"x": narrow}])
     convert([tmp_path / "src"], tmp_path / "out", casts={"x": "float32"}, workers=1)
     reader = DatasetReader(tmp_path / "out")

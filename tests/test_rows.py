@@ -156,3 +156,13 @@ def test_rows_whose_tables_cannot_fit_are_refused_naming_the_file(tmp_path) -> N
     assert result.output.startswith(f"Error: {path}: its 1,125,899,906,842,624 rows bring the dataset to ")
     assert "checksum tables alone need 4,503,599,627,370,496 bytes, more than the" in result.output
     assert len(result.output.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_verify_sources_reports_a_shard_of_zero_rows_that_gained_rows(tmp_path) -> None:
+    path = write_npz(tmp_path / "src" / "a.npz", x=np.zeros((0, 2), np.float32))
+    write_npz(tmp_path / "src" / "b.npz", x=np.ones((1, 2), np.float32))
+    convert([tmp_path / "src"], tmp_path / "out", rows=True, workers=1)
+    assert verify(tmp_path / "out", sources=True).ok
+    write_npz(path, x=np.zeros((2, 2), np.float32))
+    report = verify(tmp_path / "out", sources=True)
+    assert report.problems == [f"{path}: field 'x': the source holds 2 row(s), not the 0 sources.jsonl names"]
