@@ -23,10 +23,11 @@ def zip_with(path: Path, members: dict[str, bytes], compression: int = zipfile.Z
     return path
 
 
-def npy_with_header(header: str, data: bytes = b"") -> bytes:
-    """A version 1.0 .npy member with the given header text, unchecked."""
-    text = header.encode("latin1") + b"\n"
-    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + data
+def npy_with_header(header: str, data: bytes = b"", version: tuple[int, int] = (1, 0)) -> bytes:
+    """A .npy member (version 1.0 unless told) with the given header text, unchecked."""
+    text = header.encode("utf-8" if version == (3, 0) else "latin1") + b"\n"
+    length = len(text).to_bytes(2 if version == (1, 0) else 4, "little")
+    return b"\x93NUMPY" + bytes(version) + length + text + data
 
 
 def zero_byte(path: Path) -> Path:

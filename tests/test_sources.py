@@ -1,0 +1,123 @@
+"""Untrusted sources through the CLI: shapes numpy cannot represent.
+
+Each refusal is one line naming the file and key, exit code 1, no output and
+the sources untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import hostile
+import numpy as np
+import pytest
+from click.testing import CliRunner, Result
+from conftest import write_npz
+
+from npz2mmap import publish
+from npz2mmap.cli import cli
+from npz2mmap.errors import SourceError
+from npz2mmap.reader import DatasetReader
+from npz2mmap.spec import MAX_NBYTES, MAX_PAYLOAD_NBYTES, checked_nbytes, representable_nbytes
+
+
+def digest(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def convert_cli(sources: Path, out: Path) -> Result:
+    return CliRunner().invoke(cli, ["convert", str(sources), "-o", str(out), "--workers", "2"])
+
+
+def assert_refused(result: Result, out: Path, where: str, message: str) -> None:
+    """One line 'Error: <where>: <message...>', exit 1, no traceback and nothing at or beside OUT."""
+    assert result.exit_code == 1, (result.output, result.exception)
+    lines = result.output.splitlines()
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith(f"Error: {where}: "), lines[0]
+    assert re.search(message, lines[0]), lines[0]
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if publish.STAGING_MARK in p.name]
+
+
+def header_text(descr: str, shape: tuple[int, ...]) -> str:
+    return f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': {shape!r}, }}"
+
+
+# --- shapes numpy cannot represent --------------------------------------------
+
+OVERFLOWING = {
+    "(0, 2**63)": ("<f8", (0, 2**63)),
+    "(2**64, 0)": ("<f8", (2**64, 0)),
+    "(2**62, 2**62, 0)": ("<f8", (2**62, 2**62, 0)),
+    "(2**60,) f8": ("<f8", (2**60,)),
+    "(2**31, 2**31, 0)": ("<f8", (2**31, 2**31, 0)),
+    "65 dimensions": ("|u1", (1,) * 65),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERFLOWING))
+def test_header_shapes_numpy_cannot_represent_are_named(tmp_path, case) -> None:
+    descr, shape = OVERFLOWING[case]
+    src = tmp_path / "src"
+    hostile.zip_with(src / "bad.npz", {"x.npy": hostile.npy_with_header(header_text(descr, shape))})
+    write_npz(src / "good.npz", x=np.zeros((1,) * min(len(shape), 32), dtype=descr))
+    before = digest(src)
+    result = convert_cli(src, tmp_path / "out")
+    itemsize = np.dtype(descr).itemsize
+    assert_refused(
+        result,
+        tmp_path / "out",
+        f"{src / 'bad.npz'}[x]",
+        re.escape(f"shape {shape} of {itemsize}-byte items is too large for numpy"),
+    )
+    assert digest(src) == before
+
+
+def test_a_huge_number_in_a_header_is_quoted_briefly(tmp_path) -> None:
+    bad = hostile.zip_with(
+        tmp_path / "bad.npz", {"x.npy": hostile.npy_with_header(header_text("<f8", (10**4000,)))}
+    )
+    result = convert_cli(bad, tmp_path / "out")
+    assert_refused(
+        result, tmp_path / "out", f"{bad}[x]", r"shape \(1000000000.*\.\.\. of 8-byte items is too large"
+    )
+    assert len(result.output) < 600
+
+
+def test_the_largest_zero_size_shape_numpy_accepts_converts_and_opens(tmp_path) -> None:
+    src = tmp_path / "src"
+    shape = ((2**63 - 1) // 8, 0)
+    hostile.zip_with(src / "a.npz", {"x.npy": hostile.npy_with_header(header_text("<f8", shape))})
+    assert np.load(src / "a.npz")["x"].shape == shape
+    result = convert_cli(src, tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert DatasetReader(tmp_path / "out").column("x").shape == (1, *shape)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(), (0,), (3, 4), (0, 2**63 - 1), (2**63 - 1, 0), (2**62, 2**62, 0), (2**31, 2**31, 0), (2**60,),
+     (2**59, 0), (2**63,), (2**64, 0), (1,) * 64, (1,) * 65, (0,) * 65],
+)  # fmt: skip
+@pytest.mark.parametrize("itemsize", [1, 8])
+def test_checked_nbytes_agrees_with_numpy(shape, itemsize) -> None:
+    """numpy is the oracle: a zero-strided array of that shape needs no memory."""
+    dtype = np.dtype(f"V{itemsize}")
+    try:
+        np.ndarray(shape, dtype, buffer=bytearray(itemsize), strides=(0,) * len(shape))
+        numpy_nbytes: int | None = int(np.prod(shape, dtype=object)) * itemsize
+    except (ValueError, OverflowError, TypeError):
+        numpy_nbytes = None
+    assert representable_nbytes(shape, itemsize) == numpy_nbytes
+    if numpy_nbytes is None:
+        with pytest.raises(SourceError, match=r"^f\[k\]: shape .* is too large for numpy"):
+            checked_nbytes(shape, itemsize, "f[k]", SourceError)
+    else:
+        assert checked_nbytes(shape, itemsize, "f[k]") == numpy_nbytes
+
+
+def test_payload_limit_is_the_largest_file() -> None:
+    assert MAX_NBYTES == np.iinfo(np.int64).max and MAX_PAYLOAD_NBYTES == MAX_NBYTES - 128
