@@ -1,4 +1,4 @@
-"""Untrusted sources through the CLI: shapes numpy cannot represent.
+"""Untrusted sources through the CLI: shapes and totals numpy cannot represent.
 
 Each refusal is one line naming the file and key, exit code 1, no output and
 the sources untouched.
@@ -19,6 +19,8 @@ from conftest import write_npz
 from npz2mmap import publish
 from npz2mmap.cli import cli
 from npz2mmap.errors import SourceError
+from npz2mmap.npzfile import MemberHeader
+from npz2mmap.plan import MAX_NUM_SAMPLES, build_plan, lay_out
 from npz2mmap.reader import DatasetReader
 from npz2mmap.spec import MAX_NBYTES, MAX_PAYLOAD_NBYTES, checked_nbytes, representable_nbytes
 
@@ -121,3 +123,60 @@ def test_checked_nbytes_agrees_with_numpy(shape, itemsize) -> None:
 
 def test_payload_limit_is_the_largest_file() -> None:
     assert MAX_NBYTES == np.iinfo(np.int64).max and MAX_PAYLOAD_NBYTES == MAX_NBYTES - 128
+
+
+# --- plan totals --------------------------------------------------------------
+
+
+def test_a_fixed_field_too_large_for_numpy_as_a_whole_names_the_file_that_makes_it_so(tmp_path) -> None:
+    """(2**62, 0) is fine in one file, but two samples make a (2, 2**62, 0) column numpy refuses."""
+    src = tmp_path / "src"
+    for name in ("a", "b", "c"):
+        hostile.zip_with(
+            src / f"{name}.npz", {"x.npy": hostile.npy_with_header(header_text("|u1", (2**62, 0)))}
+        )
+    with pytest.raises(ValueError, match="array is too big"):
+        np.empty((2, 2**62, 0), np.uint8)
+    result = convert_cli(src, tmp_path / "out")
+    assert_refused(
+        result, tmp_path / "out", f"{src / 'b.npz'}[x]", re.escape(f"shape (2, {2**62}, 0) of 1-byte items")
+    )
+
+
+def fake_header(shape: tuple[int, ...], dtype: str = "|u1") -> MemberHeader:
+    nbytes = checked_nbytes(shape, np.dtype(dtype).itemsize, "fake")
+    return MemberHeader("x", np.dtype(dtype), shape, False, 128, nbytes)
+
+
+@pytest.mark.parametrize("sizes", [[2**62, 2**62], [2**61, 2**62, 2**62], [MAX_PAYLOAD_NBYTES - 100, 200]])
+def test_a_field_whose_data_would_pass_the_payload_limit_names_the_file(sizes) -> None:
+    """The int64 running sum would wrap (the first two cases) or pass what a file can hold."""
+    shapes = np.array([[n] for n in sizes], dtype=np.int64)
+    sources = [f"f{i}.npz" for i in range(len(sizes))]
+    with pytest.raises(SourceError, match=rf"^f{len(sizes) - 1}\.npz\[x\]: with this file the field's data"):
+        lay_out(sources, [("x", np.dtype("u1"), shapes, False)], 64)
+
+
+def test_tables_past_the_payload_limit_are_refused() -> None:
+    shapes = np.array([[MAX_PAYLOAD_NBYTES - 64]], dtype=np.int64)
+    with pytest.raises(SourceError, match=r"^field 'x' sample_crc32: the dataset would pass"):
+        lay_out(["f0.npz"], [("x", np.dtype("u1"), shapes, False)], 64)
+
+
+def test_rows_mode_refuses_more_samples_than_the_tables_can_index() -> None:
+    files = [(f"f{i}.npz", {"x": fake_header((MAX_NUM_SAMPLES // 2 + 1,))}) for i in range(3)]
+    with pytest.raises(SourceError, match=rf"^f1\.npz: brings the dataset past {MAX_NUM_SAMPLES} samples"):
+        build_plan(iter(files), 64, rows=True)
+
+
+def test_a_64_dimensional_array_leaves_no_room_for_the_sample_axis(tmp_path) -> None:
+    write_npz(tmp_path / "src" / "a.npz", x=np.zeros((1,) * 64))
+    result = convert_cli(tmp_path / "src", tmp_path / "out")
+    assert_refused(
+        result, tmp_path / "out", f"{tmp_path / 'src' / 'a.npz'}[x]", "no room for the sample axis"
+    )
+    result = CliRunner().invoke(
+        cli, ["convert", str(tmp_path / "src"), "-o", str(tmp_path / "rows"), "--rows", "--workers", "1"]
+    )
+    assert result.exit_code == 0, result.output
+    assert DatasetReader(tmp_path / "rows").column("x").shape == (1,) * 64
