@@ -1,9 +1,10 @@
 """Reading untrusted NPZ files: member headers, then member data in bounded chunks.
 
 Nothing here unpickles, evaluates or allocates what a file merely claims: a
-``.npy`` header is read as a literal by np.load's own rules, its size must be
-one numpy can represent and match what the zip entry holds, and every read is
-bounded by those checked sizes.
+member's zip sizes must be possible for its compression and lie inside the
+file; a ``.npy`` header is read as a literal by np.load's own rules, its size
+must be one numpy can represent and match what the zip entry holds, and every
+read is bounded by those checked sizes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import io
 import math
 import os
+import struct
 import tokenize
 import warnings
 import zipfile
@@ -34,6 +36,14 @@ MAX_NPY_HEADER_CHARS = 10_000
 CHUNK_NBYTES = 4 << 20
 PREFETCH_MAX_NBYTES = 4 << 20
 HEADER_KEYS = {"descr", "fortran_order", "shape"}
+
+# Deflate expands at most 1032-fold (a 258-byte match costs at least 2 bits).
+DEFLATE_MAX_RATIO = 1032
+DEFLATE_SLACK_NBYTES = 1024
+# A zip local file header: signature, 22 bytes we do not need, name and extra field lengths.
+ZIP_LOCAL_HEADER = struct.Struct("<4s22xHH")
+ZIP_LOCAL_SIGNATURE = b"PK\x03\x04"
+ZIP_ENCRYPTED_FLAG = 0x1
 
 # What a damaged or hostile zip can raise from the standard library.
 _ZIP_ERRORS = (
@@ -135,8 +145,9 @@ def read_headers(path: str, keys: Sequence[str] | None = None) -> dict[str, Memb
 
 
 def read_member_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) -> MemberHeader:
-    """Read a member's .npy header; SourceError naming file and key."""
+    """Check a member's zip sizes, then read its .npy header; SourceError naming file and key."""
     where = f"{path}[{member_key(info.filename)}]"
+    check_member_sizes(zf, info, where)
     with source_errors(where), zf.open(info) as stream:
         header = parse_npy_header(stream, member_key(info.filename), where)
     declared = header.header_nbytes + header.nbytes
@@ -146,6 +157,56 @@ def read_member_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) ->
             f"{info.file_size - header.header_nbytes}"
         )
     return header
+
+
+def check_member_sizes(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> None:
+    """Refuse zip sizes that no real member has, before anything is planned by them.
+
+    A stored member occupies exactly its size, a deflated one at least
+    1/1032 of it, and either lies inside the file. Other compressions (never
+    written by numpy) have no such bound and are refused.
+    """
+    if info.flag_bits & ZIP_ENCRYPTED_FLAG:
+        raise SourceError(f"{where}: member is encrypted")
+    if info.compress_type == zipfile.ZIP_STORED:
+        if info.compress_size != info.file_size:
+            raise SourceError(
+                f"{where}: stored member declares {info.file_size} bytes but occupies {info.compress_size}"
+            )
+    elif info.compress_type == zipfile.ZIP_DEFLATED:
+        limit = info.compress_size * DEFLATE_MAX_RATIO + DEFLATE_SLACK_NBYTES
+        if info.file_size > limit:
+            raise SourceError(
+                f"{where}: member declares {info.file_size} bytes, more than its {info.compress_size} "
+                f"deflated bytes can hold (at most {limit})"
+            )
+    else:
+        raise SourceError(
+            f"{where}: compression method {info.compress_type} is not supported "
+            "(numpy writes stored or deflated members)"
+        )
+    _check_member_inside_file(zf, info, where)
+
+
+def _check_member_inside_file(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> None:
+    fp = zf.fp
+    if fp is None:
+        raise ValueError("the archive is closed")
+    file_nbytes = os.fstat(fp.fileno()).st_size
+    start = info.header_offset
+    if not 0 <= start <= file_nbytes - ZIP_LOCAL_HEADER.size:
+        raise SourceError(f"{where}: member header at byte {start} lies outside the {file_nbytes}-byte file")
+    fp.seek(start)
+    local = fp.read(ZIP_LOCAL_HEADER.size)
+    if len(local) != ZIP_LOCAL_HEADER.size or local[:4] != ZIP_LOCAL_SIGNATURE:
+        raise SourceError(f"{where}: no zip member header at byte {start}")
+    _, name_nbytes, extra_nbytes = ZIP_LOCAL_HEADER.unpack(local)
+    end = start + ZIP_LOCAL_HEADER.size + name_nbytes + extra_nbytes + info.compress_size
+    if end > file_nbytes:
+        raise SourceError(
+            f"{where}: member of {info.compress_size} bytes would end at byte {end}, "
+            f"past the end of the {file_nbytes}-byte file"
+        )
 
 
 def parse_npy_header(stream: IO[bytes], key: str, where: str) -> MemberHeader:

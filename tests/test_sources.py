@@ -1,4 +1,4 @@
-"""Untrusted sources through the CLI: shapes and totals numpy cannot represent.
+"""Untrusted sources through the CLI: overflowing shapes and lying zip sizes.
 
 Each refusal is one line naming the file and key, exit code 1, no output and
 the sources untouched.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+import zipfile
+import zlib
 from pathlib import Path
 
 import hostile
@@ -180,3 +182,64 @@ def test_a_64_dimensional_array_leaves_no_room_for_the_sample_axis(tmp_path) -> 
     )
     assert result.exit_code == 0, result.output
     assert DatasetReader(tmp_path / "rows").column("x").shape == (1,) * 64
+
+
+# --- zip sizes that lie -------------------------------------------------------
+
+TIB = 1 << 40
+
+
+def test_a_zip64_member_declaring_2_63_bytes_is_named_not_a_negative_payload(tmp_path) -> None:
+    header = hostile.npy_with_header(header_text("<f8", (2**60,)))
+    size = len(header) + 2**63
+    bad = hostile.zip_declaring(tmp_path / "src" / "bad.npz", "x.npy", header + bytes(64), size, size)
+    result = convert_cli(bad, tmp_path / "out")
+    assert_refused(result, tmp_path / "out", f"{bad}[x]", "past the end of the")
+
+
+def test_a_stored_zip64_member_lying_about_1_tib_is_named(tmp_path) -> None:
+    header = hostile.npy_with_header(header_text("<f8", (TIB // 8,)))
+    size = len(header) + TIB
+    bad = hostile.zip_declaring(tmp_path / "src" / "bad.npz", "x.npy", header + bytes(64), size, size)
+    result = convert_cli(bad, tmp_path / "out")
+    assert_refused(
+        result, tmp_path / "out", f"{bad}[x]", rf"member of {size} bytes would end at byte \d+, past the end"
+    )
+
+
+def test_a_deflated_member_declaring_more_than_deflate_can_expand_is_named(tmp_path) -> None:
+    header = hostile.npy_with_header(header_text("<f8", (TIB // 8,)))
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    stored = packer.compress(header + bytes(1 << 20)) + packer.flush()
+    bad = hostile.zip_declaring(
+        tmp_path / "src" / "bad.npz", "x.npy", stored, len(header) + TIB, method=zipfile.ZIP_DEFLATED
+    )
+    result = convert_cli(bad, tmp_path / "out")
+    assert_refused(
+        result,
+        tmp_path / "out",
+        f"{bad}[x]",
+        rf"member declares {len(header) + TIB} bytes, more than its {len(stored)} deflated bytes can hold",
+    )
+
+
+def test_a_stored_member_whose_sizes_disagree_is_named(tmp_path) -> None:
+    payload = hostile.npy_bytes(np.arange(4.0))
+    bad = hostile.zip_declaring(tmp_path / "bad.npz", "x.npy", payload, len(payload) + 8)
+    result = convert_cli(bad, tmp_path / "out")
+    assert_refused(result, tmp_path / "out", f"{bad}[x]", "stored member declares .* but occupies")
+
+
+def test_compressions_numpy_never_writes_are_refused(tmp_path) -> None:
+    bad = hostile.zip_with(
+        tmp_path / "bad.npz", {"x.npy": hostile.npy_bytes(np.arange(4.0))}, zipfile.ZIP_BZIP2
+    )
+    result = convert_cli(bad, tmp_path / "out")
+    assert_refused(result, tmp_path / "out", f"{bad}[x]", "compression method 12 is not supported")
+
+
+def test_real_deflated_members_at_a_high_ratio_convert(tmp_path) -> None:
+    zeros = np.zeros(8 << 20, np.uint8)  # deflate packs these about 1000:1
+    write_npz(tmp_path / "src" / "a.npz", compressed=True, x=zeros)
+    assert convert_cli(tmp_path / "src", tmp_path / "out").exit_code == 0
+    assert not DatasetReader(tmp_path / "out").column("x").any()
