@@ -1,6 +1,7 @@
 """Reading untrusted NPZ files: member headers, then member data in bounded chunks.
 
-Nothing here unpickles, evaluates or allocates what a file merely claims: a
+Nothing here blocks on, unpickles, evaluates or allocates what a file merely
+claims: a source is opened without blocking and must be a regular file; a
 member's zip sizes must be possible for its compression and lie inside the
 file; a ``.npy`` header is read as a literal by np.load's own rules, its size
 must be one numpy can represent and match what the zip entry holds, and every
@@ -14,6 +15,7 @@ import contextlib
 import io
 import math
 import os
+import stat
 import struct
 import tokenize
 import warnings
@@ -21,7 +23,7 @@ import zipfile
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
 
 import numpy as np
 
@@ -44,6 +46,11 @@ DEFLATE_SLACK_NBYTES = 1024
 ZIP_LOCAL_HEADER = struct.Struct("<4s22xHH")
 ZIP_LOCAL_SIGNATURE = b"PK\x03\x04"
 ZIP_ENCRYPTED_FLAG = 0x1
+
+# Opening a FIFO blocks until a writer comes; O_NONBLOCK returns at once and
+# fstat then refuses it. Where the flags do not exist, they are 0.
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_OPEN_FLAGS = os.O_RDONLY | _NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
 
 # What a damaged or hostile zip can raise from the standard library.
 _ZIP_ERRORS = (
@@ -96,7 +103,7 @@ def _describe(exc: BaseException) -> str:
 def open_npz(path: str) -> Iterator[zipfile.ZipFile]:
     """Open an NPZ file; errors while opening are the source's, errors in the body are not."""
     with source_errors(path):
-        fp = open(path, "rb")
+        fp = open_regular_file(path)
         try:
             _prefetch_small_file(fp)
             zf = zipfile.ZipFile(fp)
@@ -105,6 +112,36 @@ def open_npz(path: str) -> Iterator[zipfile.ZipFile]:
             raise
     with fp, zf:
         yield zf
+
+
+def open_regular_file(path: str) -> BinaryIO:
+    """Open ``path`` for reading without blocking; SourceError unless it is a regular file.
+
+    The type is that of the open descriptor, not of the path, so a file
+    replaced by a FIFO or a device after it was checked is still refused.
+    """
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise SourceError(f"{path}: {_file_type(mode)}, not a regular file")
+        if _NONBLOCK and hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _file_type(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "of an unknown type")
 
 
 def _prefetch_small_file(fp: IO[bytes]) -> None:

@@ -1,4 +1,4 @@
-"""Untrusted sources through the CLI: overflowing shapes and lying zip sizes.
+"""Untrusted sources through the CLI: overflowing shapes, lying zip sizes, files swapped after the scan.
 
 Each refusal is one line naming the file and key, exit code 1, no output and
 the sources untouched.
@@ -7,7 +7,10 @@ the sources untouched.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import subprocess
+import sys
 import zipfile
 import zlib
 from pathlib import Path
@@ -243,3 +246,53 @@ def test_real_deflated_members_at_a_high_ratio_convert(tmp_path) -> None:
     write_npz(tmp_path / "src" / "a.npz", compressed=True, x=zeros)
     assert convert_cli(tmp_path / "src", tmp_path / "out").exit_code == 0
     assert not DatasetReader(tmp_path / "out").column("x").any()
+
+
+# --- sources swapped after the scan -------------------------------------------
+
+SWAP_AFTER_SCAN = """
+import os, resource, sys
+from npz2mmap import cli, converter
+
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # a read without bound fails, not the host
+victim, replacement = sys.argv[1], sys.argv[2]
+scan = converter._scan
+
+def scan_then_swap(*args, **kwargs):
+    plan = scan(*args, **kwargs)
+    os.unlink(victim)
+    if replacement == "fifo":
+        os.mkfifo(victim)
+    else:
+        os.symlink(replacement, victim)
+    return plan
+
+converter._scan = scan_then_swap
+sys.argv = ["npz2mmap", *sys.argv[3:]]
+cli.main()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"), reason="POSIX only")
+@pytest.mark.parametrize(
+    ("replacement", "kind"), [("fifo", "a pipe (FIFO)"), ("/dev/zero", "a character device")]
+)
+def test_a_source_replaced_after_the_scan_by_a_pipe_or_device_is_refused(tmp_path, replacement, kind) -> None:
+    src = tmp_path / "src"
+    for i in range(3):
+        write_npz(src / f"s{i}.npz", x=np.arange(10) + i)
+    victim = src / "s1.npz"
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-c", SWAP_AFTER_SCAN, str(victim), replacement, "convert", str(src), "-o", str(out),
+         "--workers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,  # a blocking open would hang forever
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [f"Error: {victim}: {kind}, not a regular file"]
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if publish.STAGING_MARK in p.name]
+    assert os.path.islink(victim) or victim.is_fifo()
