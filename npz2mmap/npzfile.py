@@ -1,32 +1,56 @@
 """Reading untrusted NPZ files: member headers, then member data in bounded chunks.
 
-Nothing here unpickles or allocates what a header merely claims: a header is
-parsed with ``ast.literal_eval``, object dtypes are refused, and the size a
-header declares must match the size the zip entry actually holds.
+Nothing here blocks on, unpickles, evaluates or allocates what a file merely
+claims: a source is opened without blocking and must be a regular file; a
+member's zip sizes must be possible for its compression and lie inside the
+file; a ``.npy`` header is read as a literal by np.load's own rules, its size
+must be one numpy can represent and match what the zip entry holds, and every
+read is bounded by those checked sizes.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import io
+import math
 import os
+import stat
+import struct
+import tokenize
+import warnings
 import zipfile
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any, BinaryIO
 
 import numpy as np
 
 from .errors import SourceError
-from .spec import NPY_MAGIC
+from .spec import NPY_MAGIC, brief, checked_nbytes, representable_nbytes
 
 NPY_SUFFIX = ".npy"
-# numpy's own limit on header size; larger headers come only from hostile files.
-MAX_NPY_HEADER_NBYTES = 10_000
+# .npy version -> (bytes of the header length, header text encoding), as numpy reads them.
+NPY_VERSIONS = {(1, 0): (2, "latin1"), (2, 0): (4, "latin1"), (3, 0): (4, "utf-8")}
+# numpy's own limit on header size, in characters; larger headers come only from hostile files.
+MAX_NPY_HEADER_CHARS = 10_000
 CHUNK_NBYTES = 4 << 20
 PREFETCH_MAX_NBYTES = 4 << 20
 HEADER_KEYS = {"descr", "fortran_order", "shape"}
+
+# Deflate expands at most 1032-fold (a 258-byte match costs at least 2 bits).
+DEFLATE_MAX_RATIO = 1032
+DEFLATE_SLACK_NBYTES = 1024
+# A zip local file header: signature, 22 bytes we do not need, name and extra field lengths.
+ZIP_LOCAL_HEADER = struct.Struct("<4s22xHH")
+ZIP_LOCAL_SIGNATURE = b"PK\x03\x04"
+ZIP_ENCRYPTED_FLAG = 0x1
+
+# Opening a FIFO blocks until a writer comes; O_NONBLOCK returns at once and
+# fstat then refuses it. Where the flags do not exist, they are 0.
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_OPEN_FLAGS = os.O_RDONLY | _NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
 
 # What a damaged or hostile zip can raise from the standard library.
 _ZIP_ERRORS = (
@@ -46,17 +70,11 @@ class MemberHeader:
     """What the ``.npy`` header of one NPZ member declares."""
 
     key: str
-    dtype: np.dtype
+    dtype: np.dtype  # as np.load returns it
     shape: tuple[int, ...]
     fortran_order: bool
     header_nbytes: int
-
-    @property
-    def nbytes(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * self.dtype.itemsize
+    nbytes: int  # of the array data that follows the header
 
 
 def member_key(name: str) -> str:
@@ -85,7 +103,7 @@ def _describe(exc: BaseException) -> str:
 def open_npz(path: str) -> Iterator[zipfile.ZipFile]:
     """Open an NPZ file; errors while opening are the source's, errors in the body are not."""
     with source_errors(path):
-        fp = open(path, "rb")
+        fp = open_regular_file(path)
         try:
             _prefetch_small_file(fp)
             zf = zipfile.ZipFile(fp)
@@ -94,6 +112,36 @@ def open_npz(path: str) -> Iterator[zipfile.ZipFile]:
             raise
     with fp, zf:
         yield zf
+
+
+def open_regular_file(path: str) -> BinaryIO:
+    """Open ``path`` for reading without blocking; SourceError unless it is a regular file.
+
+    The type is that of the open descriptor, not of the path, so a file
+    replaced by a FIFO or a device after it was checked is still refused.
+    """
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise SourceError(f"{path}: {_file_type(mode)}, not a regular file")
+        if _NONBLOCK and hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _file_type(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "of an unknown type")
 
 
 def _prefetch_small_file(fp: IO[bytes]) -> None:
@@ -134,7 +182,9 @@ def read_headers(path: str, keys: Sequence[str] | None = None) -> dict[str, Memb
 
 
 def read_member_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) -> MemberHeader:
+    """Check a member's zip sizes, then read its .npy header; SourceError naming file and key."""
     where = f"{path}[{member_key(info.filename)}]"
+    check_member_sizes(zf, info, where)
     with source_errors(where), zf.open(info) as stream:
         header = parse_npy_header(stream, member_key(info.filename), where)
     declared = header.header_nbytes + header.nbytes
@@ -146,51 +196,169 @@ def read_member_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) ->
     return header
 
 
+def check_member_sizes(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> None:
+    """Refuse zip sizes that no real member has, before anything is planned by them.
+
+    A stored member occupies exactly its size, a deflated one at least
+    1/1032 of it, and either lies inside the file. Other compressions (never
+    written by numpy) have no such bound and are refused.
+    """
+    if info.flag_bits & ZIP_ENCRYPTED_FLAG:
+        raise SourceError(f"{where}: member is encrypted")
+    if info.compress_type == zipfile.ZIP_STORED:
+        if info.compress_size != info.file_size:
+            raise SourceError(
+                f"{where}: stored member declares {info.file_size} bytes but occupies {info.compress_size}"
+            )
+    elif info.compress_type == zipfile.ZIP_DEFLATED:
+        limit = info.compress_size * DEFLATE_MAX_RATIO + DEFLATE_SLACK_NBYTES
+        if info.file_size > limit:
+            raise SourceError(
+                f"{where}: member declares {info.file_size} bytes, more than its {info.compress_size} "
+                f"deflated bytes can hold (at most {limit})"
+            )
+    else:
+        raise SourceError(
+            f"{where}: compression method {info.compress_type} is not supported "
+            "(numpy writes stored or deflated members)"
+        )
+    _check_member_inside_file(zf, info, where)
+
+
+def _check_member_inside_file(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> None:
+    fp = zf.fp
+    if fp is None:
+        raise ValueError("the archive is closed")
+    file_nbytes = os.fstat(fp.fileno()).st_size
+    start = info.header_offset
+    if not 0 <= start <= file_nbytes - ZIP_LOCAL_HEADER.size:
+        raise SourceError(f"{where}: member header at byte {start} lies outside the {file_nbytes}-byte file")
+    fp.seek(start)
+    local = fp.read(ZIP_LOCAL_HEADER.size)
+    if len(local) != ZIP_LOCAL_HEADER.size or local[:4] != ZIP_LOCAL_SIGNATURE:
+        raise SourceError(f"{where}: no zip member header at byte {start}")
+    _, name_nbytes, extra_nbytes = ZIP_LOCAL_HEADER.unpack(local)
+    end = start + ZIP_LOCAL_HEADER.size + name_nbytes + extra_nbytes + info.compress_size
+    if end > file_nbytes:
+        raise SourceError(
+            f"{where}: member of {info.compress_size} bytes would end at byte {end}, "
+            f"past the end of the {file_nbytes}-byte file"
+        )
+
+
 def parse_npy_header(stream: IO[bytes], key: str, where: str) -> MemberHeader:
-    """Parse a .npy header (versions 1.0, 2.0, 3.0) from the start of ``stream``."""
+    """Parse a .npy header (versions 1.0, 2.0, 3.0) from the start of ``stream``.
+
+    Accepts exactly the headers np.load accepts (numpy/lib/_format_impl.py,
+    ``_read_array_header`` and ``read_array``), except dtypes that hold Python
+    objects or have no size; never evaluates code. Raises SourceError.
+    """
     magic = read_exactly(stream, len(NPY_MAGIC) + 2, where)
     if magic[: len(NPY_MAGIC)] != NPY_MAGIC:
         raise SourceError(f"{where}: not a .npy array (bad magic bytes)")
     version = (magic[-2], magic[-1])
-    if version not in ((1, 0), (2, 0), (3, 0)):
+    if version not in NPY_VERSIONS:
         raise SourceError(f"{where}: .npy format version {version[0]}.{version[1]} is not supported")
-    length_nbytes = 2 if version == (1, 0) else 4
+    length_nbytes, encoding = NPY_VERSIONS[version]
     text_nbytes = int.from_bytes(read_exactly(stream, length_nbytes, where), "little")
-    if text_nbytes > MAX_NPY_HEADER_NBYTES:
-        raise SourceError(
-            f"{where}: .npy header of {text_nbytes} bytes is larger than {MAX_NPY_HEADER_NBYTES}"
-        )
-    raw = read_exactly(stream, text_nbytes, where)
-    encoding = "utf-8" if version == (3, 0) else "latin1"
+    max_text_nbytes = MAX_NPY_HEADER_CHARS * (4 if encoding == "utf-8" else 1)
+    if text_nbytes > max_text_nbytes:
+        raise SourceError(f"{where}: .npy header of {text_nbytes} bytes is larger than {max_text_nbytes}")
     try:
-        text = raw.decode(encoding)
-        header = ast.literal_eval(text)
-    except (UnicodeDecodeError, ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        text = read_exactly(stream, text_nbytes, where).decode(encoding)
+    except UnicodeDecodeError:
+        raise SourceError(f"{where}: .npy header is not valid {encoding}") from None
+    if len(text) > MAX_NPY_HEADER_CHARS:
+        raise SourceError(
+            f"{where}: .npy header of {len(text)} characters is larger than {MAX_NPY_HEADER_CHARS}"
+        )
+    header = _header_literal(text, version, where)
+    dtype, shape, fortran, nbytes = _check_header_dict(header, where)
+    return MemberHeader(key, dtype, shape, fortran, len(magic) + length_nbytes + text_nbytes, nbytes)
+
+
+def _header_literal(text: str, version: tuple[int, int], where: str) -> object:
+    """The header's literal, read as np.load reads it: Python 2 longs (``3L``) allowed up to 2.0."""
+    try:
+        try:
+            return ast.literal_eval(text)
+        except SyntaxError:
+            if version > (2, 0):
+                raise
+            return ast.literal_eval(_drop_long_suffixes(text))
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError, tokenize.TokenError):
         raise SourceError(f"{where}: .npy header is not a valid Python literal") from None
-    dtype, shape, fortran = _check_header_dict(header, where)
-    return MemberHeader(key, dtype, shape, fortran, len(magic) + length_nbytes + text_nbytes)
 
 
-def _check_header_dict(header: object, where: str) -> tuple[np.dtype, tuple[int, ...], bool]:
-    if not isinstance(header, dict) or set(header) != HEADER_KEYS:
+def _drop_long_suffixes(text: str) -> str:
+    """Remove the ``L`` that follows a number token, as numpy's ``_filter_header`` does."""
+    tokens = []
+    after_number = False
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if after_number and token.type == tokenize.NAME and token.string == "L":
+            continue
+        tokens.append(token)
+        after_number = token.type == tokenize.NUMBER
+    return tokenize.untokenize(tokens)
+
+
+def _check_header_dict(header: object, where: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    """The dtype np.load would return, the shape, the order and the data's byte size."""
+    if not isinstance(header, dict) or header.keys() != HEADER_KEYS:
         raise SourceError(f"{where}: .npy header must be a dict with keys {sorted(HEADER_KEYS)}")
     shape, fortran = header["shape"], header["fortran_order"]
     if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
-        raise SourceError(f"{where}: .npy header shape {shape!r} is not a tuple of non-negative ints")
+        raise SourceError(f"{where}: .npy header shape {brief(shape)} is not a tuple of non-negative ints")
     if not isinstance(fortran, bool):
-        raise SourceError(f"{where}: .npy header fortran_order {fortran!r} is not a bool")
-    try:
-        dtype = np.lib.format.descr_to_dtype(header["descr"])
-    except (TypeError, ValueError, KeyError, IndexError, SyntaxError):
-        raise SourceError(f"{where}: .npy header descr {header['descr']!r} is not a valid dtype") from None
+        raise SourceError(f"{where}: .npy header fortran_order {brief(fortran)} is not a bool")
+    descr = header["descr"]
+    dtype = _descr_dtype(descr, where)
     if dtype.hasobject:
         raise SourceError(
             f"{where}: dtype {dtype} holds pickled Python objects, which npz2mmap never loads; "
             "convert them to a numeric or fixed-width string array first"
         )
-    if dtype.itemsize == 0:
-        raise SourceError(f"{where}: dtype {dtype} has no size")
-    return dtype, shape, fortran
+    element, subshape = _split_subarray(dtype)
+    nbytes = checked_nbytes(shape, element.itemsize, where, SourceError)
+    if dtype.subdtype is not None:
+        _check_subarray(descr, element, subshape, math.prod(shape), where)
+    if element.itemsize == 0:
+        raise SourceError(f"{where}: dtype {element} has no size")
+    return element, shape, fortran, nbytes
+
+
+def _descr_dtype(descr: Any, where: str) -> np.dtype:
+    try:
+        with warnings.catch_warnings():
+            # np.load accepts deprecated spellings (such as 'a5') with a warning; so do we, quietly.
+            warnings.simplefilter("ignore")
+            return np.lib.format.descr_to_dtype(descr)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError, RecursionError):
+        raise SourceError(f"{where}: .npy header descr {brief(descr)} is not a valid dtype") from None
+
+
+def _split_subarray(dtype: np.dtype) -> tuple[np.dtype, tuple[int, ...]]:
+    """The element dtype and the shape a (possibly nested) subarray dtype expands into."""
+    subshape: tuple[int, ...] = ()
+    while dtype.subdtype is not None:
+        dtype, shape = dtype.subdtype
+        subshape += shape
+    return dtype, subshape
+
+
+def _check_subarray(descr: Any, element: np.dtype, subshape: tuple[int, ...], count: int, where: str) -> None:
+    """Refuse a subarray descr such as ``('<f8', (2,))`` unless np.load can read it.
+
+    np.load reads ``count`` items of the subarray dtype, which gives
+    ``count * prod(subshape)`` elements, and refuses unless that equals ``count``.
+    """
+    if representable_nbytes((count, *subshape), element.itemsize) is None or (
+        count and math.prod(subshape) != 1
+    ):
+        raise SourceError(
+            f"{where}: .npy header descr {brief(descr)} is a subarray dtype "
+            f"with {count} items of shape {subshape}, which np.load cannot read"
+        )
 
 
 def read_exactly(stream: IO[bytes], nbytes: int, where: str) -> bytes:

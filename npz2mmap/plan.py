@@ -2,14 +2,17 @@
 
 Pure computation, no I/O: the headers arrive in sample order, are checked for
 agreement (same keys, dtypes and ndim in every file) and become a Plan that
-places every field's data and tables at aligned offsets of the payload.
+places every field's data and tables at aligned offsets of the payload. Totals
+are bounded, so no sum wraps and every field stays an array numpy can hold.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,11 +24,18 @@ from .spec import (
     BLOB_HEADER_NBYTES,
     CRC_DTYPE,
     IDENTITY_NBYTES,
+    MAX_NDIM,
+    MAX_PAYLOAD_NBYTES,
     OFFSET_DTYPE,
     SHAPE_DTYPE,
     Region,
+    checked_nbytes,
+    representable_nbytes,
     storage_dtype,
 )
+
+# Every sample has an int64 entry in a ragged field's offsets table, which lives in the payload.
+MAX_NUM_SAMPLES = MAX_PAYLOAD_NBYTES // OFFSET_DTYPE.itemsize - 1
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,11 @@ class _FieldCollector:
         self.ndim = len(header.shape) - (1 if rows else 0)
         self.first_path = path
         self.dims: array[int] = array("q")
+        if self.ndim + 1 > MAX_NDIM:
+            raise SourceError(
+                f"{path}[{header.key}]: a {self.ndim}-d array leaves no room for the sample axis "
+                f"(numpy allows {MAX_NDIM} dimensions)"
+            )
 
     def add(self, header: MemberHeader, path: str) -> None:
         where = f"{path}[{header.key}]"
@@ -138,6 +153,8 @@ def build_plan(
     for path, members in scanned:
         count = _count_rows(path, members) if rows else 1
         num_samples += count
+        if num_samples > MAX_NUM_SAMPLES:
+            raise SourceError(f"{path}: brings the dataset past {MAX_NUM_SAMPLES} samples")
         _check_table_space(path, count, num_samples, len(members), max_payload_nbytes)
         counts.append(count)
         if not sources:
@@ -228,56 +245,109 @@ def lay_out(
     """Place all fields' data regions first, then their tables, each region aligned.
 
     ``fields`` gives each field's name, stored dtype, per-sample shapes
-    (num_samples, ndim) and whether it was cast.
+    (num_samples, ndim) and whether it was cast; each sample's size must be
+    one numpy can represent. Raises SourceError, naming the file that crosses
+    the line, if a field or the payload would be larger than numpy or a file
+    can hold.
     """
     if file_starts is None:
         file_starts = np.arange(len(sources) + 1, dtype=np.int64)
     num_samples = int(file_starts[-1])
     allocate = _Allocator(align)
-    placed = [_place_data(*f, allocate) for f in fields]
+    locate = functools.partial(_file_of_sample, sources, file_starts)
+    placed = [_place_data(*f, allocate, locate) for f in fields]
     placed = [_place_tables(f, num_samples, allocate) for f in placed]
     return Plan(sources, tuple(placed), align, allocate.cursor, file_starts, mode)
 
 
+def _file_of_sample(sources: list[str], file_starts: NDArray[np.int64], sample: int) -> str:
+    return sources[int(np.searchsorted(file_starts, sample, side="right")) - 1]
+
+
 class _Allocator:
-    """Hands out consecutive aligned regions of the payload."""
+    """Hands out consecutive aligned regions of the payload, never past MAX_PAYLOAD_NBYTES."""
 
     def __init__(self, align: int) -> None:
         self.align = align
         self.cursor = _aligned(IDENTITY_NBYTES, align)  # the blob identity comes first
 
-    def __call__(self, nbytes: int) -> Region:
+    def __call__(self, nbytes: int, label: str) -> Region:
         region = Region(self.cursor, nbytes)
-        self.cursor = _aligned(region.end, self.align)
+        cursor = _aligned(region.end, self.align)
+        if cursor > MAX_PAYLOAD_NBYTES:
+            raise SourceError(f"{label}: the dataset would pass {MAX_PAYLOAD_NBYTES} bytes, its largest size")
+        self.cursor = cursor
         return region
 
 
 def _place_data(
-    name: str, dtype: np.dtype, shapes: NDArray[np.int64], cast: bool, allocate: _Allocator
+    name: str,
+    dtype: np.dtype,
+    shapes: NDArray[np.int64],
+    cast: bool,
+    allocate: _Allocator,
+    locate: Callable[[int], str],
 ) -> FieldPlan:
     nbytes = np.prod(shapes, axis=1, dtype=np.int64) * dtype.itemsize
     sample_offsets = np.zeros(len(shapes) + 1, dtype=np.int64)
     np.cumsum(nbytes, out=sample_offsets[1:])
+    _check_data_fits(name, sample_offsets, MAX_PAYLOAD_NBYTES - allocate.cursor, locate)
+    fixed_shape = _fixed_shape(shapes)
+    if fixed_shape is not None:
+        _check_column(name, dtype, fixed_shape, len(shapes), locate)
     return FieldPlan(
         name=name,
         dtype=dtype,
         shapes=shapes,
         sample_offsets=sample_offsets,
-        fixed_shape=_fixed_shape(shapes),
-        data=allocate(int(sample_offsets[-1])),
+        fixed_shape=fixed_shape,
+        data=allocate(int(sample_offsets[-1]), f"field {name!r} data"),
         cast=cast,
     )
 
 
+def _check_data_fits(
+    name: str, sample_offsets: NDArray[np.int64], room: int, locate: Callable[[int], str]
+) -> None:
+    """Every sample must end within ``room`` bytes of the payload.
+
+    Each sample is smaller than 2**63 bytes, so the running int64 sum, where
+    it first passes ``room``, is either larger or wrapped negative.
+    """
+    past = np.flatnonzero((sample_offsets < 0) | (sample_offsets > room))
+    if len(past):
+        raise SourceError(
+            f"{locate(int(past[0]) - 1)}[{name}]: with this file the field's data passes "
+            f"{room} bytes, more than the dataset can hold"
+        )
+
+
+def _check_column(
+    name: str, dtype: np.dtype, shape: tuple[int, ...], num_samples: int, locate: Callable[[int], str]
+) -> None:
+    """A fixed field is read as one (num_samples, *shape) array, which numpy must be able to make.
+
+    Its size is checked with the data; this catches zero-length axes beside huge ones.
+    """
+
+    def too_large(count: int) -> bool:
+        return representable_nbytes((count, *shape), dtype.itemsize) is None
+
+    if too_large(num_samples):
+        count = bisect.bisect_left(range(num_samples + 1), True, key=too_large)
+        checked_nbytes((count, *shape), dtype.itemsize, f"{locate(count - 1)}[{name}]", SourceError)
+
+
 def _place_tables(f: FieldPlan, num_samples: int, allocate: _Allocator) -> FieldPlan:
-    sample_crc32 = allocate(num_samples * CRC_DTYPE.itemsize)
+    label = f"field {f.name!r}"
+    sample_crc32 = allocate(num_samples * CRC_DTYPE.itemsize, f"{label} sample_crc32")
     if f.fixed_shape is not None:
         return dataclasses.replace(f, sample_crc32=sample_crc32)
     return dataclasses.replace(
         f,
         sample_crc32=sample_crc32,
-        offsets=allocate((num_samples + 1) * OFFSET_DTYPE.itemsize),
-        shapes_region=allocate(f.shapes.size * SHAPE_DTYPE.itemsize),
+        offsets=allocate((num_samples + 1) * OFFSET_DTYPE.itemsize, f"{label} offsets"),
+        shapes_region=allocate(f.shapes.size * SHAPE_DTYPE.itemsize, f"{label} shapes"),
     )
 
 

@@ -11,12 +11,13 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .errors import FormatError
+from .errors import FormatError, Npz2mmapError
 
 FORMAT_NAME = "npz2mmap"
 FORMAT_VERSION = 2
@@ -45,6 +46,13 @@ MAX_INDEX_NBYTES = 64 << 20
 # The payload starts with the blob's identity: what ties it to its index.
 IDENTITY_MAGIC = b"npz2mmap-blob\x00\x00\x00"
 IDENTITY_NBYTES = 64
+
+# numpy's limits: a dimension and a byte count are npy_intp (int64), an array
+# has at most NPY_MAXDIMS axes (64 since numpy 2.0, 32 before).
+MAX_NBYTES = (1 << 63) - 1
+MAX_NDIM = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
+# data.npy is at most MAX_NBYTES long (the largest file offset, too).
+MAX_PAYLOAD_NBYTES = MAX_NBYTES - BLOB_HEADER_NBYTES
 
 FIXED = "fixed"
 RAGGED = "ragged"
@@ -130,6 +138,46 @@ def _prod(shape: tuple[int, ...]) -> int:
     for dim in shape:
         result *= dim
     return result
+
+
+def brief(value: Any, limit: int = 240) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages quoting what a file holds."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def representable_nbytes(shape: Sequence[int], itemsize: int) -> int | None:
+    """The byte size of an array of ``shape`` and ``itemsize``, or None if numpy cannot make one.
+
+    numpy's rule: at most MAX_NDIM axes, every dimension a non-negative int64,
+    and the product of the non-zero dimensions times the itemsize at most
+    MAX_NBYTES (so ``(2**62, 2**62, 0)`` is refused although it holds nothing).
+    Python ints throughout, and the product stops growing once past the limit.
+    """
+    if len(shape) > MAX_NDIM:
+        return None
+    extent = itemsize
+    for dim in shape:
+        if type(dim) is not int or not 0 <= dim <= MAX_NBYTES:
+            return None
+        extent *= dim or 1
+        if extent > MAX_NBYTES:
+            return None
+    return 0 if 0 in shape else extent
+
+
+def checked_nbytes(
+    shape: Sequence[int], itemsize: int, where: str, error: type[Npz2mmapError] = FormatError
+) -> int:
+    """``prod(shape) * itemsize`` of numbers read from a file; raise ``error`` naming ``where``
+    if numpy cannot represent such an array (see representable_nbytes)."""
+    nbytes = representable_nbytes(shape, itemsize)
+    if nbytes is None:
+        raise error(
+            f"{where}: shape {brief(tuple(shape))} of {itemsize}-byte items is too large for numpy (at most "
+            f"{MAX_NDIM} dimensions, and under 2**63 bytes even with its zero-length axes taken as 1)"
+        )
+    return nbytes
 
 
 def storage_dtype(dtype: np.dtype) -> np.dtype:

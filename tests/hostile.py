@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import struct
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +25,45 @@ def zip_with(path: Path, members: dict[str, bytes], compression: int = zipfile.Z
     return path
 
 
-def npy_with_header(header: str, data: bytes = b"") -> bytes:
-    """A version 1.0 .npy member with the given header text, unchecked."""
-    text = header.encode("latin1") + b"\n"
-    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + data
+def npy_with_header(header: str, data: bytes = b"", version: tuple[int, int] = (1, 0)) -> bytes:
+    """A .npy member (version 1.0 unless told) with the given header text, unchecked."""
+    text = header.encode("utf-8" if version == (3, 0) else "latin1") + b"\n"
+    length = len(text).to_bytes(2 if version == (1, 0) else 4, "little")
+    return b"\x93NUMPY" + bytes(version) + length + text + data
+
+
+ZIP64_LIMIT = 0xFFFFFFFF
+
+
+def zip_declaring(
+    path: Path,
+    name: str,
+    stored: bytes,
+    file_size: int,
+    compress_size: int | None = None,
+    method: int = zipfile.ZIP_STORED,
+) -> Path:
+    """A one-member zip holding ``stored`` whose directory declares the given sizes (zip64 if needed)."""
+    compress_size = len(stored) if compress_size is None else compress_size
+    zip64 = max(file_size, compress_size) >= ZIP64_LIMIT
+    extra = struct.pack("<HHQQ", 1, 16, file_size, compress_size) if zip64 else b""
+    sizes = (ZIP64_LIMIT, ZIP64_LIMIT) if zip64 else (compress_size, file_size)
+    version = 45 if zip64 else 20
+    encoded = name.encode()
+    crc = zlib.crc32(zlib.decompress(stored, -15) if method == zipfile.ZIP_DEFLATED else stored)
+    common = (0, method, 0, 0x21, crc, *sizes, len(encoded), len(extra))  # flags .. extra length
+    local = struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", version, *common) + encoded + extra
+    central = (
+        struct.pack("<4sHH", b"PK\x01\x02", version, version)
+        + struct.pack("<HHHHIIIHH", *common)
+        + struct.pack("<HHHII", 0, 0, 0, 0, 0)  # comment, disk, attributes, local header at 0
+        + encoded
+        + extra
+    )
+    end = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 1, 1, len(central), len(local) + len(stored), 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(local + stored + central + end)
+    return path
 
 
 def zero_byte(path: Path) -> Path:

@@ -90,7 +90,7 @@ def test_debug_shows_the_traceback(tmp_path, good_sources) -> None:
 
 
 def test_unreadable_files_are_named(tmp_path, good_sources, monkeypatch) -> None:
-    real_open = open
+    real_open = os.open
     victim = str(good_sources / "s00002.npz")
 
     def deny(path, *args, **kwargs):
@@ -98,7 +98,7 @@ def test_unreadable_files_are_named(tmp_path, good_sources, monkeypatch) -> None
             raise PermissionError(errno.EACCES, "Permission denied", victim)
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr("builtins.open", deny)
+    monkeypatch.setattr(os, "open", deny)
     with pytest.raises(SourceError, match=r"s00002\.npz: Permission denied"):
         convert([good_sources], tmp_path / "out", workers=1)
     assert not (tmp_path / "out").exists()
