@@ -140,31 +140,41 @@ def options_for(draw: st.DrawFn, corpus: Corpus) -> Options:
 # --- writing the corpus ------------------------------------------------------
 
 
-def write_corpus(corpus: Corpus, src: Path) -> tuple[list[Path], list[Path]]:
-    """Write every file; return (good files in order, bad files). Names sort in corpus order."""
+@dataclass
+class Written:
+    """The files of a corpus in input order, each with the keys whose members are corrupt."""
+
+    files: list[tuple[Path, frozenset[str] | None]]  # None: the whole file is unreadable
+
+    def good(self, keys: list[str]) -> list[Path]:
+        """The files a conversion of ``keys`` must keep: no selected member is corrupt."""
+        return [path for path, bad in self.files if bad is not None and not bad & set(keys)]
+
+    def any_bad(self, keys: list[str]) -> bool:
+        return len(self.good(keys)) < len(self.files)
+
+
+def write_corpus(corpus: Corpus, src: Path) -> Written:
+    """Write every file; names sort in corpus order."""
     rng = np.random.default_rng(corpus.seed)
     src.mkdir(parents=True)
-    good, bad, position = [], [], 0
+    files: list[tuple[Path, frozenset[str] | None]] = []
     for n in range(corpus.num_files + 1):
         if n in corpus.scan_bad:
-            path = src / f"{position:03d}-scan-bad.npz"
+            path = src / f"{len(files):03d}-scan-bad.npz"
             path.write_bytes(b"")
-            bad.append(path)
-            position += 1
+            files.append((path, None))
         if n in corpus.copy_bad:
-            path = src / f"{position:03d}-copy-bad.npz"
-            write_copy_bad(corpus, path, rng)
-            bad.append(path)
-            position += 1
+            path = src / f"{len(files):03d}-copy-bad.npz"
+            files.append((path, write_copy_bad(corpus, path, rng)))
         if n < corpus.num_files:
-            path = src / f"{position:03d}.npz"
+            path = src / f"{len(files):03d}.npz"
             arrays = {
                 f.name: raw_array(f.dtype, f.sample_shapes[n], f.fortran[n], rng) for f in corpus.fields
             }
             (np.savez_compressed if corpus.compressed[n] else np.savez)(path, **arrays)
-            good.append(path)
-            position += 1
-    return good, bad
+            files.append((path, frozenset()))
+    return Written(files)
 
 
 def raw_array(dtype: np.dtype, shape: tuple[int, ...], fortran: bool, rng: np.random.Generator) -> np.ndarray:
@@ -177,9 +187,10 @@ def raw_array(dtype: np.dtype, shape: tuple[int, ...], fortran: bool, rng: np.ra
     return array
 
 
-def write_copy_bad(corpus: Corpus, path: Path, rng: np.random.Generator) -> None:
-    """A file that agrees with the others on keys, dtypes and ndim, whose first large
-    member is corrupt only far past its header: found when copied, not when scanned."""
+def write_copy_bad(corpus: Corpus, path: Path, rng: np.random.Generator) -> frozenset[str]:
+    """A file that agrees with the others on keys, dtypes and ndim, whose large members
+    are corrupt only far past their headers: found when copied, not when scanned.
+    Returns the keys of the corrupt members."""
     arrays = {}
     for f in corpus.fields:
         shape = f.sample_shapes[0]
@@ -191,15 +202,16 @@ def write_copy_bad(corpus: Corpus, path: Path, rng: np.random.Generator) -> None
         first_rows = {a.shape[0] for a in arrays.values()}
         arrays = {k: v[: min(first_rows)] for k, v in arrays.items()}
     np.savez(path, **arrays)
-    big = max(arrays, key=lambda k: arrays[k].nbytes)
-    with zipfile.ZipFile(path) as zf:
-        info = zf.getinfo(f"{big}.npy")
+    corrupt = frozenset(key for key, array in arrays.items() if array.nbytes >= COPY_BAD_NBYTES // 2)
     data = bytearray(path.read_bytes())
-    name_nbytes = int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little")
-    extra_nbytes = int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little")
-    end = info.header_offset + 30 + name_nbytes + extra_nbytes + info.compress_size
-    data[end - 1] ^= 0xFF
+    with zipfile.ZipFile(path) as zf:
+        for key in corrupt:
+            info = zf.getinfo(f"{key}.npy")
+            name_nbytes = int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little")
+            extra_nbytes = int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little")
+            data[info.header_offset + 30 + name_nbytes + extra_nbytes + info.compress_size - 1] ^= 0xFF
     path.write_bytes(bytes(data))
+    return corrupt
 
 
 # --- the oracle -----------------------------------------------------------------
@@ -212,7 +224,8 @@ def expected_samples(path: Path, name: str, rows: bool, cast: str | None) -> lis
     samples = [array[i, ...] for i in range(len(array))] if rows else [array]  # arrays, never scalars
     if cast is not None:
         target = np.dtype(cast).newbyteorder("<")
-        return [np.ascontiguousarray(np.asarray(s).astype(target)).tobytes() for s in samples]
+        with np.errstate(invalid="ignore"):  # NaN stays NaN
+            return [np.ascontiguousarray(np.asarray(s).astype(target)).tobytes() for s in samples]
     return [little_endian_bytes(np.asarray(s)) for s in samples]
 
 
