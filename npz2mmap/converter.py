@@ -215,17 +215,14 @@ def _copy_samples(
     crc32s = [np.zeros(plan.num_samples, dtype=np.uint32) for _ in plan.fields]
     failed = []
     copy_one = functools.partial(_copy_sample, blob_path, skip_bad)
-    try:
-        for result in imap(copy_one, writer.sample_tasks(plan)):
-            if isinstance(result, _Failure):
-                failed.append((result.file, result.reason))
-                continue
-            first, count = plan.file_rows(result.file)
-            for table, crcs in zip(crc32s, result.crc32s, strict=True):
-                table[first : first + count] = crcs
-            progress.advance(1, result.nbytes)
-    finally:
-        writer.close_blobs()
+    for result in imap(copy_one, writer.sample_tasks(plan)):
+        if isinstance(result, _Failure):
+            failed.append((result.file, result.reason))
+            continue
+        first, count = plan.file_rows(result.file)
+        for table, crcs in zip(crc32s, result.crc32s, strict=True):
+            table[first : first + count] = crcs
+        progress.advance(1, result.nbytes)
     return crc32s, failed
 
 
