@@ -20,7 +20,7 @@ from numpy.typing import NDArray
 
 from . import fsutil, publish, writer
 from .errors import FormatError, OutputError
-from .parts import MANIFEST_NAME, Parts, PartsReader, PathLike, manifest_text
+from .parts import MANIFEST_NAME, Parts, PartsReader, PathLike, manifest_text, read_manifest
 from .plan import Plan, lay_out
 from .progress import Progress, SilentProgress
 from .spec import BLOB_HEADER_NBYTES, INDEX_NAME, SKIPPED_NAME, SOURCES_NAME
@@ -64,8 +64,10 @@ def _write_manifest(parts: Parts, out: str, overwrite: bool) -> None:
     if os.path.exists(os.path.join(out, INDEX_NAME)):
         raise OutputError(f"{out}: holds a dataset; write the manifest into another directory")
     manifest = os.path.join(out, MANIFEST_NAME)
-    if os.path.exists(manifest) and not overwrite:
-        raise OutputError(f"{manifest}: already exists; pass --overwrite to replace it")
+    if os.path.lexists(manifest):
+        if not overwrite:
+            raise OutputError(f"{manifest}: already exists; pass --overwrite to replace it")
+        _refuse_foreign_manifest(manifest, out)
     try:
         os.makedirs(out, exist_ok=True)
         temporary = f"{manifest}.{os.getpid()}.tmp"
@@ -77,6 +79,14 @@ def _write_manifest(parts: Parts, out: str, overwrite: bool) -> None:
         fsutil.fsync_dir(out)
     except OSError as exc:
         raise OutputError(f"{manifest}: cannot write ({exc.strerror or exc})") from exc
+
+
+def _refuse_foreign_manifest(manifest: str, out: str) -> None:
+    """--overwrite replaces only a manifest that merge wrote."""
+    try:
+        read_manifest(out)
+    except FormatError as exc:
+        raise OutputError(f"{manifest}: exists and is not ours ({exc}); refusing to replace it") from None
 
 
 def _merge_by_copy(parts: Parts, out: str, overwrite: bool, progress: Progress) -> None:
