@@ -70,7 +70,10 @@ def convert(
     progress = progress or SilentProgress()
     _refuse_output_inside_inputs(out, inputs)
     skipped: list[tuple[str, str]] = []
-    with publish.output_lock(out), worker_map(workers or os.cpu_count() or 1, len(sources)) as imap:
+    with (
+        publish.output_lock(out) as lock_fd,
+        worker_map(workers or os.cpu_count() or 1, len(sources), close_in_workers=(lock_fd,)) as imap,
+    ):
         scan_one = functools.partial(_scan_source, keys=tuple(keys) if keys else None, skip_bad=skip_bad)
         plan = _scan(sources, scan_one, _parse_casts(casts), align, imap, progress, skipped, rows)
         staging = _make_staging_dir(out)

@@ -88,24 +88,26 @@ def _why_not_a_manifest_dir(path: str, entries: set[str]) -> str | None:
 
 
 @contextlib.contextmanager
-def output_lock(out_dir: str) -> Iterator[None]:
+def output_lock(out_dir: str) -> Iterator[int]:
     """Be the only converter writing OUT; remove what dead converters left beside it.
 
-    Raises OutputError when another conversion to OUT is running.
+    Yields the descriptor holding the lock, which processes forked meanwhile
+    must close (see fsutil.exclusive_lock). Raises OutputError when another
+    conversion to OUT is running.
     """
     parent, name = os.path.split(os.path.abspath(out_dir))
     try:
         os.makedirs(parent, exist_ok=True)
         lock = fsutil.exclusive_lock(os.path.join(parent, f".{name}{LOCK_SUFFIX}"))
-        acquired = lock.__enter__()
+        lock_fd = lock.__enter__()
     except OSError as exc:
         raise OutputError(f"{out_dir}: cannot create the output beside it ({exc.strerror or exc})") from exc
     with contextlib.ExitStack() as stack:
         stack.push(lock)
-        if not acquired:
+        if lock_fd is None:
             raise OutputError(f"{out_dir}: another npz2mmap convert is writing it")
         _remove_leftovers(parent, name)
-        yield
+        yield lock_fd
 
 
 def _remove_leftovers(parent: str, name: str) -> None:

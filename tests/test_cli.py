@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -169,3 +171,49 @@ def test_every_command_and_option_is_documented_in_the_readme() -> None:
             for flag in param.opts:
                 if flag.startswith("-") and flag != "--help":
                     assert f"`{flag}" in readme or f", {flag}" in readme, f"{name} {flag}"
+
+
+SLOW_NUMPY_IMPORT = """
+import os, sys, time
+
+class SlowNumpy:
+    '''Holds the first import of numpy for a while, so that Ctrl-C lands inside start-up.'''
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy":
+            sys.meta_path.remove(self)
+            open(os.environ["STARTUP_MARKER"], "w").close()
+            time.sleep(30)
+        return None
+
+sys.meta_path.insert(0, SlowNumpy())
+"""
+
+
+def test_ctrl_c_during_start_up_is_aborted_without_a_traceback(tmp_path, sources) -> None:
+    """The console script imports click and numpy before a command runs; Ctrl-C then is clean too."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(SLOW_NUMPY_IMPORT)
+    marker = tmp_path / "importing-numpy"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "hook"), os.environ.get("PYTHONPATH", "")]),
+        "STARTUP_MARKER": str(marker),
+    }
+    process = subprocess.Popen(
+        [SCRIPT, "convert", sources, "-o", tmp_path / "out"], stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert marker.exists(), "the console script never imported numpy"
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 1
+    assert stderr == "\nAborted!\n"
+    assert not (tmp_path / "out").exists()

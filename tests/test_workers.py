@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import struct
+import subprocess
+import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -59,3 +64,42 @@ def test_skip_bad_found_while_copying_keeps_every_sample_with_a_pool(
                 assert reader.view(key, i).tobytes() == source[key].tobytes(), (path.name, key)
     for name in ("data.npy", "index.json", "sources.jsonl", "skipped.jsonl"):
         assert (tmp_path / "many" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
+SLOW_WORKER_START = """
+import os, sys, time
+from pathlib import Path
+from npz2mmap.parallel import worker_map
+
+def slow_start_in_child():
+    Path(sys.argv[1], str(os.getpid())).touch()
+    time.sleep(1)
+
+os.register_at_fork(after_in_child=slow_start_in_child)
+with worker_map(2, 8) as imap:
+    print(sum(imap(abs, range(-8, 0))))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers fork on Linux only")
+def test_ctrl_c_while_a_worker_starts_prints_nothing_from_it(tmp_path) -> None:
+    """A worker interrupted before its initializer ignores SIGINT must not print a traceback."""
+    (tmp_path / "started").mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-c", SLOW_WORKER_START, str(tmp_path / "started")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any((tmp_path / "started").iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        worker = int(next((tmp_path / "started").iterdir()).name)
+        os.kill(worker, signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert (process.returncode, stdout, stderr) == (0, "36\n", "")
