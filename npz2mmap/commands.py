@@ -7,10 +7,12 @@ verify or Ctrl-C, 2 for usage errors. It never imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import click
@@ -69,6 +71,44 @@ class BarProgress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+# C0 and C1 controls, Unicode line breaks, and the surrogates that stand for undecodable bytes in paths.
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def one_line(text: str) -> str:
+    """``text`` with every unprintable character escaped (``\\n``, ``\\x1b``), so it prints as one line.
+
+    Paths come from users and file systems and may hold any of them.
+    """
+    return _UNPRINTABLE.sub(lambda match: match.group().encode("unicode_escape").decode("ascii"), text)
+
+
+@contextlib.contextmanager
+def _one_line_errors() -> Iterator[None]:
+    try:
+        yield
+    except click.ClickException as exc:
+        # click types ``message`` Final, yet it is where every error keeps its text until shown.
+        exc.message = one_line(exc.message)  # type: ignore[misc]
+        raise
+
+
+class OneLineErrorsGroup(click.Group):
+    """The command group: every error it reports is one line, whatever paths it names.
+
+    Covers click's own errors (a bad option value quotes what was given) as
+    well as ours.
+    """
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        with _one_line_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _one_line_errors():
+            return super().invoke(ctx)
 
 
 def friendly_errors(func: F) -> F:
@@ -137,7 +177,7 @@ def _check_align(ctx: click.Context, param: click.Parameter, value: int) -> int:
     return value
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="npz2mmap")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 def cli(debug: bool) -> None:
@@ -238,15 +278,19 @@ def convert(
     if result.skipped:
         first_reason = result.skipped[0][1]
         click.echo(
-            f"Warning: skipped {len(result.skipped):,} bad file(s), listed in "
-            f"{os.path.join(out_dir, SKIPPED_NAME)}; the first: {first_reason}",
+            one_line(
+                f"Warning: skipped {len(result.skipped):,} bad file(s), listed in "
+                f"{os.path.join(out_dir, SKIPPED_NAME)}; the first: {first_reason}"
+            ),
             err=True,
         )
     if not quiet:
         index = result.index
         click.echo(
-            f"Converted {index.num_samples:,} samples, {len(index.fields)} fields, "
-            f"{human_bytes(result.data_nbytes)} into {out_dir} in {result.seconds:.1f} s"
+            one_line(
+                f"Converted {index.num_samples:,} samples, {len(index.fields)} fields, "
+                f"{human_bytes(result.data_nbytes)} into {out_dir} in {result.seconds:.1f} s"
+            )
         )
 
 
@@ -292,12 +336,12 @@ def verify(dataset: str, sources: bool, quiet: bool) -> None:
     finally:
         progress.close()
     for problem in report.problems:
-        click.echo(problem, err=True)
+        click.echo(one_line(problem), err=True)
     if not report.ok:
         raise click.ClickException(f"{dataset}: {len(report.problems)} problem(s) found")
     if not quiet:
         checked = "checksums, tables, padding" + (" and sources" if report.sources_checked else "")
-        click.echo(f"OK: {dataset}: {report.num_samples:,} samples verified ({checked})")
+        click.echo(one_line(f"OK: {dataset}: {report.num_samples:,} samples verified ({checked})"))
 
 
 @cli.command()
@@ -323,7 +367,7 @@ def merge(parts: tuple[str, ...], out_dir: str, copy: bool, overwrite: bool, qui
         progress.close()
     if not quiet:
         what = "one dataset" if result.copied else os.path.join(out_dir, "manifest.json")
-        click.echo(f"Merged {result.num_parts} parts, {result.num_samples:,} samples, into {what}")
+        click.echo(one_line(f"Merged {result.num_parts} parts, {result.num_samples:,} samples, into {what}"))
 
 
 @cli.command()
@@ -343,6 +387,8 @@ def warm(dataset: str, quiet: bool) -> None:
         result.blob_paths[0] if len(result.blob_paths) == 1 else f"{dataset} ({len(result.blob_paths)} parts)"
     )
     click.echo(
-        f"{where}: {human_bytes(result.resident_nbytes)} of {human_bytes(result.blob_nbytes)} "
-        f"resident in the page cache ({result.fraction:.0%})"
+        one_line(
+            f"{where}: {human_bytes(result.resident_nbytes)} of {human_bytes(result.blob_nbytes)} "
+            f"resident in the page cache ({result.fraction:.0%})"
+        )
     )

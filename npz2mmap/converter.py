@@ -106,11 +106,14 @@ def part_from_environment(environ: Mapping[str, str] | None = None) -> tuple[int
     for rank, size in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
         if rank in environ and size in environ:
             try:
-                return int(environ[rank]), int(environ[size])
+                i, n = int(environ[rank]), int(environ[size])
             except ValueError:
                 raise ValueError(
                     f"{rank}={environ[rank]!r} and {size}={environ[size]!r} are not integers"
                 ) from None
+            if not 0 <= i < n:
+                raise ValueError(f"{rank}={i} and {size}={n}: {rank} must be from 0 to {size} - 1")
+            return i, n
     raise ValueError(
         "--part auto needs RANK and WORLD_SIZE (torchrun) or SLURM_PROCID and SLURM_NTASKS (Slurm)"
     )
