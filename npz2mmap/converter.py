@@ -88,16 +88,13 @@ def convert(
 
 
 def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
-    """The i-th of n contiguous slices of the sources; SourceError if it would be empty."""
+    """The i-th of n contiguous slices of the sources; empty when there are fewer sources than parts."""
     if part is None:
         return sources
     i, n = part
     if not 0 <= i < n:
         raise ValueError(f"part {i}/{n} does not exist: i must be from 0 to {n - 1}")
-    chosen = sources[len(sources) * i // n : len(sources) * (i + 1) // n]
-    if not chosen:
-        raise SourceError(f"part {i}/{n} is empty: only {len(sources)} input file(s) for {n} parts")
-    return chosen
+    return sources[len(sources) * i // n : len(sources) * (i + 1) // n]
 
 
 def part_from_environment(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
@@ -176,8 +173,15 @@ def _scan(
     skipped: list[tuple[str, str]],
     rows: bool,
 ) -> Plan:
-    """Pass 1: read every member header and plan the layout."""
+    """Pass 1: read every member header and plan the layout.
+
+    No sources at all (an empty slice of ``--part``) plan an empty dataset:
+    no samples and, with no file to learn them from, no fields.
+    """
     progress.stage("scan", len(sources), 0)
+    if not sources:
+        empty_starts = np.zeros(1, dtype=np.int64)
+        return Plan([], (), align, 0, empty_starts, "rows" if rows else "files")
 
     def usable() -> Iterator[tuple[str, dict[str, MemberHeader]]]:
         for path, headers in zip(sources, imap(scan_one, sources), strict=True):

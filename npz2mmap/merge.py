@@ -20,7 +20,7 @@ from numpy.typing import NDArray
 
 from . import fsutil, publish, writer
 from .errors import FormatError, OutputError
-from .parts import MANIFEST_NAME, Parts, PartsReader, PathLike, manifest_text, read_manifest
+from .parts import MANIFEST_NAME, Parts, PartsReader, PathLike, manifest_text, read_manifest, resolve_parts
 from .plan import Plan, lay_out
 from .progress import Progress, SilentProgress
 from .spec import BLOB_HEADER_NBYTES, INDEX_NAME, SKIPPED_NAME, SOURCES_NAME
@@ -51,16 +51,17 @@ def merge(
     single dataset at ``out_dir``. Raises FormatError when the parts are
     invalid or disagree, OutputError when ``out_dir`` cannot be written.
     """
-    opened = Parts(list(parts))
+    given = resolve_parts(list(parts))
+    opened = Parts(given)  # without empty parts, which contribute nothing
     out = os.fspath(out_dir)
     if copy:
         _merge_by_copy(opened, out, overwrite, progress or SilentProgress())
     else:
-        _write_manifest(opened, out, overwrite)
-    return MergeResult(out, len(opened.paths), opened.num_samples, copy)
+        _write_manifest(given, out, overwrite)
+    return MergeResult(out, len(given), opened.num_samples, copy)
 
 
-def _write_manifest(parts: Parts, out: str, overwrite: bool) -> None:
+def _write_manifest(parts: list[str], out: str, overwrite: bool) -> None:
     if os.path.exists(os.path.join(out, INDEX_NAME)):
         raise OutputError(f"{out}: holds a dataset; write the manifest into another directory")
     manifest = os.path.join(out, MANIFEST_NAME)
@@ -72,7 +73,7 @@ def _write_manifest(parts: Parts, out: str, overwrite: bool) -> None:
         os.makedirs(out, exist_ok=True)
         temporary = f"{manifest}.{os.getpid()}.tmp"
         with open(temporary, "w", encoding="utf-8") as fp:
-            fp.write(manifest_text(out, parts.paths))
+            fp.write(manifest_text(out, parts))
             fp.flush()
             os.fsync(fp.fileno())
         os.replace(temporary, manifest)

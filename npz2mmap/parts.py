@@ -85,11 +85,14 @@ def manifest_text(directory: str, parts: Sequence[str]) -> str:
 
 
 class Parts:
-    """The indexes of all parts, checked to agree; small and picklable (no mappings)."""
+    """The indexes of all parts, checked to agree; small and picklable (no mappings).
+
+    Empty parts (no samples, no fields: an empty slice of ``convert --part``)
+    contribute nothing and are left out, unless every part is empty.
+    """
 
     def __init__(self, source: PathLike | Sequence[PathLike]) -> None:
-        self.paths = resolve_parts(source)
-        self.indexes: list[Index] = [load_index(p) for p in self.paths]
+        self.paths, self.indexes = _contributing(resolve_parts(source))
         self.identities = [blob_identity(p) for p in self.paths]
         self.fields = _agreeing_fields(self.paths, self.indexes)
         sizes = np.array([index.num_samples for index in self.indexes], dtype=np.int64)
@@ -108,6 +111,13 @@ class Parts:
             return self.fields[name]
         except KeyError:
             raise KeyError(f"no field {name!r}; the dataset has: {', '.join(self.fields)}") from None
+
+
+def _contributing(paths: list[str]) -> tuple[list[str], list[Index]]:
+    """The parts that hold fields, with their indexes; all parts if none does."""
+    indexes = [load_index(p) for p in paths]
+    kept = [k for k, index in enumerate(indexes) if index.fields] or list(range(len(paths)))
+    return [paths[k] for k in kept], [indexes[k] for k in kept]
 
 
 def _agreeing_fields(paths: list[str], indexes: list[Index]) -> dict[str, FieldInfo]:
