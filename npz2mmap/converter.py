@@ -71,13 +71,18 @@ def convert(
     progress = progress or SilentProgress()
     _refuse_output_inside_inputs(out, inputs)
     skipped: list[tuple[str, str]] = []
-    with publish.output_lock(out), worker_map(workers or os.cpu_count() or 1, len(sources)) as imap:
+    with (
+        publish.output_lock(out) as lock_fd,
+        worker_map(workers or os.cpu_count() or 1, len(sources), close_in_workers=(lock_fd,)) as imap,
+    ):
         scan_one = functools.partial(_scan_source, keys=tuple(keys) if keys else None, skip_bad=skip_bad)
         space = _free_nbytes(out)
-        plan = _scan(sources, scan_one, _parse_casts(casts), align, imap, progress, skipped, rows, space)
+        plan = _scan(
+            sources, scan_one, _parse_casts(casts), align, imap, progress, skipped, rows, space, part
+        )
         staging = _make_staging_dir(out)
         try:
-            plan, index = _copy(plan, staging, imap, progress, skip_bad, skipped, part)
+            plan, index = _copy(plan, sources, staging, imap, progress, skip_bad, skipped, part)
             publish.publish(staging, out, overwrite)
         except OSError as exc:
             raise OutputError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from exc
@@ -87,16 +92,13 @@ def convert(
 
 
 def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
-    """The i-th of n contiguous slices of the sources; SourceError if it would be empty."""
+    """The i-th of n contiguous slices of the sources; empty when there are fewer sources than parts."""
     if part is None:
         return sources
     i, n = part
     if not 0 <= i < n:
         raise ValueError(f"part {i}/{n} does not exist: i must be from 0 to {n - 1}")
-    chosen = sources[len(sources) * i // n : len(sources) * (i + 1) // n]
-    if not chosen:
-        raise SourceError(f"part {i}/{n} is empty: only {len(sources)} input file(s) for {n} parts")
-    return chosen
+    return sources[len(sources) * i // n : len(sources) * (i + 1) // n]
 
 
 def part_from_environment(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
@@ -105,11 +107,14 @@ def part_from_environment(environ: Mapping[str, str] | None = None) -> tuple[int
     for rank, size in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
         if rank in environ and size in environ:
             try:
-                return int(environ[rank]), int(environ[size])
+                i, n = int(environ[rank]), int(environ[size])
             except ValueError:
                 raise ValueError(
                     f"{rank}={environ[rank]!r} and {size}={environ[size]!r} are not integers"
                 ) from None
+            if not 0 <= i < n:
+                raise ValueError(f"{rank}={i} and {size}={n}: {rank} must be from 0 to {size} - 1")
+            return i, n
     raise ValueError(
         "--part auto needs RANK and WORLD_SIZE (torchrun) or SLURM_PROCID and SLURM_NTASKS (Slurm)"
     )
@@ -180,8 +185,13 @@ def _scan(
     skipped: list[tuple[str, str]],
     rows: bool,
     max_payload_nbytes: int | None,
+    part: tuple[int, int] | None,
 ) -> Plan:
-    """Pass 1: read every member header and plan the layout."""
+    """Pass 1: read every member header and plan the layout.
+
+    A part with no usable source (an empty slice of ``--part``, or one whose
+    files were all skipped) plans an empty dataset: no samples, no fields.
+    """
     progress.stage("scan", len(sources), 0)
 
     def usable() -> Iterator[tuple[str, dict[str, MemberHeader]]]:
@@ -192,11 +202,12 @@ def _scan(
             else:
                 yield path, headers
 
-    return build_plan(usable(), align, casts, rows, max_payload_nbytes)
+    return build_plan(usable(), align, casts, rows, max_payload_nbytes, allow_empty=part is not None)
 
 
 def _copy(
     plan: Plan,
+    sources: list[str],
     staging: str,
     imap: Mapper[Any, Any],
     progress: Progress,
@@ -209,12 +220,14 @@ def _copy(
     A file found bad only now (a corrupt member) is left out with ``skip_bad``
     by planning again without it and copying into a fresh blob.
     """
+    position = {path: k for k, path in enumerate(sources)}
     while True:
         crc32s, failed = _copy_samples(plan, staging, imap, progress, skip_bad)
         if not failed:
+            skipped.sort(key=lambda item: position[item[0]])  # input order, as parts merge them
             return plan, writer.finish_dataset(staging, plan, crc32s, skipped, part)
         skipped.extend((plan.sources[k], reason) for k, reason in failed)
-        plan = drop_files(plan, [k for k, _ in failed])
+        plan = drop_files(plan, [k for k, _ in failed], allow_empty=part is not None)
         os.unlink(os.path.join(staging, BLOB_NAME))
 
 
@@ -226,17 +239,14 @@ def _copy_samples(
     crc32s = [np.zeros(plan.num_samples, dtype=np.uint32) for _ in plan.fields]
     failed = []
     copy_one = functools.partial(_copy_sample, blob_path, skip_bad)
-    try:
-        for result in imap(copy_one, writer.sample_tasks(plan)):
-            if isinstance(result, _Failure):
-                failed.append((result.file, result.reason))
-                continue
-            first, count = plan.file_rows(result.file)
-            for table, crcs in zip(crc32s, result.crc32s, strict=True):
-                table[first : first + count] = crcs
-            progress.advance(1, result.nbytes)
-    finally:
-        writer.close_blobs()
+    for result in imap(copy_one, writer.sample_tasks(plan)):
+        if isinstance(result, _Failure):
+            failed.append((result.file, result.reason))
+            continue
+        first, count = plan.file_rows(result.file)
+        for table, crcs in zip(crc32s, result.crc32s, strict=True):
+            table[first : first + count] = crcs
+        progress.advance(1, result.nbytes)
     return crc32s, failed
 
 

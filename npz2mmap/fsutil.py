@@ -8,12 +8,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import mmap
 import os
 from collections.abc import Callable, Iterator
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
+    import msvcrt
 
 _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 _AT_FDCWD = -100
@@ -23,7 +28,7 @@ _RENAME_EXCHANGE = 2
 def _libc_function(name: str, *argtypes: type) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     try:
         function = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, TypeError):  # TypeError: Windows has no "this process" library
         return None
     function.argtypes = argtypes
     function.restype = ctypes.c_int
@@ -61,29 +66,46 @@ def exchange(path_a: str, path_b: str) -> bool:
 
 
 @contextlib.contextmanager
-def exclusive_lock(lock_path: str) -> Iterator[bool]:
-    """Hold an exclusive lock file for the block; yield False if another process holds it.
+def exclusive_lock(lock_path: str) -> Iterator[int | None]:
+    """Hold an exclusive lock file for the block; yield None if another process holds it.
 
-    The file is removed afterwards; a lock taken on a file that was removed
-    meanwhile is retried, so two processes never both believe they hold it.
+    Yields the descriptor that holds the lock. The lock dies with the process
+    that took it, but a process forked meanwhile shares it (flock) and must
+    close that descriptor, or the lock would live on in it. The file is removed
+    afterwards (not on Windows, which cannot remove an open file); a lock taken
+    on a file that was removed meanwhile is retried, so two processes never
+    both believe they hold it.
     """
     while True:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _try_lock(fd):
             os.close(fd)
-            yield False
+            yield None
             return
         if _same_file(fd, lock_path):
             break
         os.close(fd)
     try:
-        yield True
+        yield fd
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, PermissionError):
             os.unlink(lock_path)
         os.close(fd)
+
+
+def _try_lock(fd: int) -> bool:
+    """Lock ``fd`` without waiting: flock(2) on POSIX, its first byte on Windows."""
+    if fcntl is None:
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        except OSError:
+            return False
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _same_file(fd: int, path: str) -> bool:
@@ -127,7 +149,8 @@ def load_into_page_cache(path: str, on_progress: Callable[[int], None] | None = 
     """Read a file once, in large sequential chunks, so its pages are cached."""
     chunk = bytearray(8 << 20)
     with open(path, "rb", buffering=0) as fp:
-        os.posix_fadvise(fp.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fp.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         while count := fp.readinto(chunk):
             if on_progress is not None:
                 on_progress(count)

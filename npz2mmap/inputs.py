@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .errors import SourceError
 
@@ -74,13 +74,21 @@ def _walk_npz(top: str) -> list[str]:
             continue
         seen_dirs.add((stat.st_dev, stat.st_ino))
         for entry in entries:
-            if entry.is_dir():
+            if _is(entry.is_dir):
                 pending.append(entry.path)
             elif entry.name.lower().endswith(NPZ_SUFFIX):
-                if not entry.is_file():
+                if not _is(entry.is_file):
                     raise SourceError(f"{entry.path}: not a regular file (broken link, pipe or device?)")
                 found.append(os.path.abspath(entry.path))
     return sorted(found)
+
+
+def _is(test: Callable[[], bool]) -> bool:
+    """A DirEntry type test that says False where following a link fails (a loop: ELOOP)."""
+    try:
+        return test()
+    except OSError:
+        return False
 
 
 def _refuse_duplicates(paths: list[str]) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import fsutil, provenance, publish, writer
 from .errors import FormatError, OutputError
-from .parts import MANIFEST_NAME, Parts, PartsReader, PathLike, manifest_text
+from .parts import MANIFEST_NAME, Parts, PartsReader, PathLike, manifest_text, read_manifest, resolve_parts
 from .plan import Plan, lay_out
 from .progress import Progress, SilentProgress
 from .spec import BLOB_HEADER_NBYTES, INDEX_NAME
@@ -47,32 +47,43 @@ def merge(
     single dataset at ``out_dir``. Raises FormatError when the parts are
     invalid or disagree, OutputError when ``out_dir`` cannot be written.
     """
-    opened = Parts(list(parts))
+    given = resolve_parts(list(parts))
+    opened = Parts(given)  # without empty parts, which contribute nothing
     out = os.fspath(out_dir)
     if copy:
         _merge_by_copy(opened, out, overwrite, progress or SilentProgress())
     else:
-        _write_manifest(opened, out, overwrite)
-    return MergeResult(out, len(opened.paths), opened.num_samples, copy)
+        _write_manifest(given, out, overwrite)
+    return MergeResult(out, len(given), opened.num_samples, copy)
 
 
-def _write_manifest(parts: Parts, out: str, overwrite: bool) -> None:
+def _write_manifest(parts: list[str], out: str, overwrite: bool) -> None:
     if os.path.exists(os.path.join(out, INDEX_NAME)):
         raise OutputError(f"{out}: holds a dataset; write the manifest into another directory")
     manifest = os.path.join(out, MANIFEST_NAME)
-    if os.path.exists(manifest) and not overwrite:
-        raise OutputError(f"{manifest}: already exists; pass --overwrite to replace it")
+    if os.path.lexists(manifest):
+        if not overwrite:
+            raise OutputError(f"{manifest}: already exists; pass --overwrite to replace it")
+        _refuse_foreign_manifest(manifest, out)
     try:
         os.makedirs(out, exist_ok=True)
         temporary = f"{manifest}.{os.getpid()}.tmp"
         with open(temporary, "w", encoding="utf-8") as fp:
-            fp.write(manifest_text(out, parts.paths))
+            fp.write(manifest_text(out, parts))
             fp.flush()
             os.fsync(fp.fileno())
         os.replace(temporary, manifest)
         fsutil.fsync_dir(out)
     except OSError as exc:
         raise OutputError(f"{manifest}: cannot write ({exc.strerror or exc})") from exc
+
+
+def _refuse_foreign_manifest(manifest: str, out: str) -> None:
+    """--overwrite replaces only a manifest that merge wrote."""
+    try:
+        read_manifest(out)
+    except FormatError as exc:
+        raise OutputError(f"{manifest}: exists and is not ours ({exc}); refusing to replace it") from None
 
 
 def _merge_by_copy(parts: Parts, out: str, overwrite: bool, progress: Progress) -> None:
@@ -140,8 +151,9 @@ def _copy_data(parts_reader: PartsReader, plan: Plan, blob_path: str, progress: 
 
 
 def _read_skipped(parts: Parts) -> list[tuple[str, str]]:
+    """Every part's skipped files, empty parts' included, in part order."""
     return [
         skip
-        for path, index in zip(parts.paths, parts.indexes, strict=True)
+        for path, index in zip(parts.all_paths, parts.all_indexes, strict=True)
         for skip in provenance.read_skipped(path, index)
     ]

@@ -3,7 +3,8 @@
 Tasks are sent in small batches and only a few batches are in flight at a
 time, so a million tasks never sit in a queue at once; results come back in
 task order. A worker that dies (killed, out of memory) ends the map with an
-error instead of a hang.
+error instead of a hang; a main process that dies, even by SIGKILL, takes its
+workers with it.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import multiprocessing
+import multiprocessing.connection
+import os
 import signal
 import sys
+import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
@@ -33,14 +37,24 @@ MAX_BATCH = 64
 
 
 @contextlib.contextmanager
-def worker_map(workers: int, num_tasks: int) -> Iterator[Mapper[Any, Any]]:
-    """Yield an ordered map: the builtin one for one worker, else a process pool's."""
+def worker_map(
+    workers: int, num_tasks: int, close_in_workers: Sequence[int] = ()
+) -> Iterator[Mapper[Any, Any]]:
+    """Yield an ordered map: the builtin one for one worker, else a process pool's.
+
+    ``close_in_workers`` names descriptors of this process that forked workers
+    must not keep, such as one holding a lock, which would otherwise stay
+    held for as long as any worker lives.
+    """
     if workers <= 1 or num_tasks <= 1:
         yield map
         return
     batch = max(1, min(MAX_BATCH, num_tasks // (workers * 8)))
     executor = ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context(START_METHOD), initializer=_ignore_interrupts
+        workers,
+        mp_context=multiprocessing.get_context(START_METHOD),
+        initializer=_start_worker,
+        initargs=(START_METHOD == "fork", tuple(close_in_workers)),
     )
     try:
         yield lambda fn, items: _ordered_map(
@@ -63,7 +77,8 @@ def _ordered_map(
     def submit_next() -> None:
         chunk = list(itertools.islice(remaining, batch))
         if chunk:
-            pending.append(executor.submit(_run_batch, fn, chunk))
+            with _interrupts_blocked():  # a submit may start worker processes
+                pending.append(executor.submit(_run_batch, fn, chunk))
 
     for _ in range(in_flight):
         submit_next()
@@ -77,6 +92,53 @@ def _run_batch(fn: Callable[[T], R], chunk: list[T]) -> list[R]:
     return [fn(item) for item in chunk]
 
 
-def _ignore_interrupts() -> None:
-    """Workers leave Ctrl-C to the main process, which cleans up and stops them."""
+@contextlib.contextmanager
+def _interrupts_blocked() -> Iterator[None]:
+    """Hold SIGINT back from this thread, and so from processes it starts meanwhile.
+
+    A worker inherits the mask and stays deaf to Ctrl-C until its initializer
+    ignores SIGINT, so an interrupt while workers start prints no traceback
+    from them. A no-op where signal masks do not exist (Windows).
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _start_worker(forked: bool, close_in_workers: tuple[int, ...]) -> None:
+    """Leave Ctrl-C to the main process, drop its private descriptors, die with it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if forked:  # only a forked worker has the parent's descriptors, under the same numbers
+        for fd in close_in_workers:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _exit_with_parent()
+
+
+def _exit_with_parent() -> None:
+    """Watch the parent from a daemon thread and exit the moment it is gone.
+
+    The parent's sentinel becomes ready when the parent dies, however it dies
+    and under every start method and platform; a worker left behind would
+    otherwise wait forever for tasks. (Under fork, a worker also holds the
+    sentinels of the workers forked before it, so they follow it in turn.)
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+    sentinel = parent.sentinel
+    threading.Thread(
+        target=_wait_then_exit, args=(sentinel,), name="npz2mmap-parent-watch", daemon=True
+    ).start()
+
+
+def _wait_then_exit(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    os._exit(1)

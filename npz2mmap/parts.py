@@ -85,13 +85,18 @@ def manifest_text(directory: str, parts: Sequence[str]) -> str:
 
 
 class Parts:
-    """The indexes of all parts, checked to agree; small and picklable (no mappings)."""
+    """The indexes of all parts, checked to agree; small and picklable (no mappings).
+
+    Empty parts (no samples, no fields: an empty slice of ``convert --part``)
+    contribute nothing and are left out, unless every part is empty.
+    """
 
     def __init__(self, source: PathLike | Sequence[PathLike]) -> None:
-        self.paths = resolve_parts(source)
-        self.indexes: list[Index] = [load_index(p) for p in self.paths]
-        for path, index in zip(self.paths, self.indexes, strict=True):
+        self.all_paths = resolve_parts(source)
+        self.all_indexes = [load_index(p) for p in self.all_paths]
+        for path, index in zip(self.all_paths, self.all_indexes, strict=True):
             check_blob(os.path.join(path, BLOB_NAME), index)
+        self.paths, self.indexes = _contributing(self.all_paths, self.all_indexes)
         self.fields = _agreeing_fields(self.paths, self.indexes)
         sizes = np.array([index.num_samples for index in self.indexes], dtype=np.int64)
         self.starts: NDArray[np.int64] = np.concatenate([[0], np.cumsum(sizes)])
@@ -109,6 +114,12 @@ class Parts:
             return self.fields[name]
         except KeyError:
             raise KeyError(f"no field {name!r}; the dataset has: {', '.join(self.fields)}") from None
+
+
+def _contributing(paths: list[str], indexes: list[Index]) -> tuple[list[str], list[Index]]:
+    """The parts that hold fields, with their indexes; all parts if none does."""
+    kept = [k for k, index in enumerate(indexes) if index.fields] or list(range(len(paths)))
+    return [paths[k] for k in kept], [indexes[k] for k in kept]
 
 
 def _agreeing_fields(paths: list[str], indexes: list[Index]) -> dict[str, FieldInfo]:

@@ -135,6 +135,7 @@ def build_plan(
     casts: Mapping[str, np.dtype] | None = None,
     rows: bool = False,
     max_payload_nbytes: int | None = None,
+    allow_empty: bool = False,
 ) -> Plan:
     """Check that the sources agree and lay out the payload.
 
@@ -143,7 +144,8 @@ def build_plan(
     stored as. With ``rows``, every array of a file shares its first dimension,
     which indexes samples. Raises SourceError naming the first file that
     differs, or the file whose rows would need more per-sample tables than
-    ``max_payload_nbytes`` (the space free for the output) can hold.
+    ``max_payload_nbytes`` (the space free for the output) can hold. With no
+    usable source at all, plans an empty dataset if ``allow_empty``, else raises.
     """
     casts = dict(casts or {})
     collectors: dict[str, _FieldCollector] = {}
@@ -170,7 +172,7 @@ def build_plan(
             collector.add(members[key], path)
         sources.append(path)
     if not sources:
-        raise SourceError("no usable .npz files: every input was skipped")
+        return _nothing_usable(align, "rows" if rows else "files", allow_empty)
     if not collectors:
         raise SourceError(f"{sources[0]}: holds no arrays")
     starts = np.concatenate([[0], np.cumsum(np.frombuffer(counts, dtype=np.int64))]).astype(np.int64)
@@ -208,7 +210,7 @@ def _count_rows(path: str, members: Mapping[str, MemberHeader]) -> int:
     return next(iter(firsts.values()), 0)
 
 
-def drop_files(plan: Plan, files: Iterable[int]) -> Plan:
+def drop_files(plan: Plan, files: Iterable[int], allow_empty: bool = False) -> Plan:
     """The same plan without some files (that turned out bad while copying) and their samples."""
     dropped = set(files)
     keep = np.ones(plan.num_samples, dtype=bool)
@@ -217,11 +219,22 @@ def drop_files(plan: Plan, files: Iterable[int]) -> Plan:
         keep[first : first + count] = False
     kept_files = [k for k in range(len(plan.sources)) if k not in dropped]
     if not kept_files:
-        raise SourceError("no usable .npz files: every input was skipped")
+        return _nothing_usable(plan.align, plan.mode, allow_empty)
     counts = np.diff(plan.file_starts)[kept_files]
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     fields = [(f.name, f.dtype, f.shapes[keep], f.cast) for f in plan.fields]
     return lay_out([plan.sources[k] for k in kept_files], fields, plan.align, starts, plan.mode)
+
+
+def _nothing_usable(align: int, mode: str, allow_empty: bool) -> Plan:
+    if not allow_empty:
+        raise SourceError("no usable .npz files: every input was skipped")
+    return empty_plan(align, mode)
+
+
+def empty_plan(align: int, mode: str = "files") -> Plan:
+    """A dataset of no samples and, with no file to learn them from, no fields."""
+    return lay_out([], [], align, np.zeros(1, dtype=np.int64), mode)
 
 
 def _describe_key_mismatch(path: str, found: list[str], expected: list[str], first: str) -> str:

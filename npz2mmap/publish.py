@@ -15,8 +15,9 @@ import shutil
 from collections.abc import Iterator
 
 from . import fsutil
-from .errors import OutputError
-from .spec import DATASET_FILES, INDEX_NAME
+from .errors import FormatError, OutputError
+from .parts import MANIFEST_NAME, read_manifest
+from .spec import DATASET_FILES, INDEX_NAME, load_index
 
 STAGING_MARK = ".npz2mmap-tmp-"
 RETIRED_MARK = ".npz2mmap-old-"
@@ -24,42 +25,89 @@ LOCK_SUFFIX = ".npz2mmap-lock"
 
 
 def check_output(out_dir: str, overwrite: bool) -> None:
-    """Refuse early what publish() would refuse late: an existing OUT without overwrite."""
+    """Refuse early what publish() would refuse late: an existing OUT without overwrite.
+
+    With ``overwrite``, refuses anything but an npz2mmap dataset, a manifest
+    directory written by ``merge``, or an empty directory.
+    """
     if not os.path.lexists(out_dir):
         return
     if not overwrite:
         raise OutputError(f"{out_dir}: already exists; pass --overwrite to replace it")
-    if os.path.islink(out_dir) or not _is_replaceable(out_dir):
-        raise OutputError(f"{out_dir}: exists and is not an npz2mmap dataset; refusing to replace it")
+    try:
+        reason = _why_not_ours(out_dir)
+    except OSError as exc:
+        reason = f"cannot look inside: {exc.strerror or exc}"
+    if reason is not None:
+        raise OutputError(
+            f"{out_dir}: exists and is not an npz2mmap dataset ({reason}); refusing to replace it"
+        )
 
 
-def _is_replaceable(path: str) -> bool:
-    """Only an npz2mmap dataset or an empty directory may be replaced."""
+def _why_not_ours(path: str) -> str | None:
+    """None when ``path`` is ours to replace, else why not: file names alone prove nothing."""
+    if os.path.islink(path):
+        return "a symbolic link"
     if not os.path.isdir(path):
-        return False
+        return "not a directory"
     entries = set(os.listdir(path))
-    return not entries or (INDEX_NAME in entries and entries <= set(DATASET_FILES))
+    if not entries:
+        return None
+    if INDEX_NAME in entries:
+        return _why_not_a_dataset(path, entries)
+    if MANIFEST_NAME in entries:
+        return _why_not_a_manifest_dir(path, entries)
+    return f"it holds neither {INDEX_NAME} nor {MANIFEST_NAME}"
+
+
+def _why_not_a_dataset(path: str, entries: set[str]) -> str | None:
+    foreign = sorted(entries - set(DATASET_FILES))
+    if foreign:
+        return f"it also holds {foreign[0]!r}"
+    try:
+        load_index(path)
+    except FormatError as exc:
+        return str(exc)
+    return None
+
+
+def _why_not_a_manifest_dir(path: str, entries: set[str]) -> str | None:
+    """A manifest that parses, beside nothing but parts it lists that are datasets."""
+    try:
+        listed = {os.path.normpath(part) for part in read_manifest(path)}
+    except FormatError as exc:
+        return str(exc)
+    for entry in sorted(entries - {MANIFEST_NAME}):
+        inner = os.path.join(path, entry)
+        if os.path.normpath(inner) not in listed or os.path.islink(inner) or not os.path.isdir(inner):
+            return f"it also holds {entry!r}, which its {MANIFEST_NAME} does not list as a part"
+        reason = _why_not_a_dataset(inner, set(os.listdir(inner)))
+        if reason is not None:
+            return f"its part {entry!r} is not a dataset ({reason})"
+    return None
 
 
 @contextlib.contextmanager
-def output_lock(out_dir: str) -> Iterator[None]:
+def output_lock(out_dir: str) -> Iterator[int]:
     """Be the only converter writing OUT; remove what dead converters left beside it.
 
-    Raises OutputError when another conversion to OUT is running.
+    Yields the descriptor holding the lock, which processes forked meanwhile
+    must close (see fsutil.exclusive_lock). Raises OutputError when another
+    conversion to OUT is running.
     """
     parent, name = os.path.split(os.path.abspath(out_dir))
     try:
         os.makedirs(parent, exist_ok=True)
         lock = fsutil.exclusive_lock(os.path.join(parent, f".{name}{LOCK_SUFFIX}"))
-        acquired = lock.__enter__()
+        lock_fd = lock.__enter__()
     except OSError as exc:
         raise OutputError(f"{out_dir}: cannot create the output beside it ({exc.strerror or exc})") from exc
     with contextlib.ExitStack() as stack:
         stack.push(lock)
-        if not acquired:
+        if lock_fd is None:
             raise OutputError(f"{out_dir}: another npz2mmap convert is writing it")
         _remove_leftovers(parent, name)
-        yield
+        yield lock_fd
 
 
 def _remove_leftovers(parent: str, name: str) -> None:

@@ -363,6 +363,10 @@ def parse_index(document: Any, where: str) -> Index:
         _parse_field(item, num_samples, f"{where}: fields[{i}]")
         for i, item in enumerate(doc.get("fields", list))
     )
+    if not fields and num_samples:
+        raise FormatError(
+            f"{where}: no fields for {num_samples} samples; only an empty dataset (0 samples) has no fields"
+        )
     index = Index(
         num_samples=num_samples,
         align=align,

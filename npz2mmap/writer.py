@@ -82,14 +82,21 @@ def _member_task(f: FieldPlan, first: int, count: int, mode: str) -> MemberTask:
 
 # --- worker side -------------------------------------------------------------
 
-_blob_fds: dict[str, int] = {}
-
 
 def write_sample(blob_path: str, task: SampleTask) -> SampleResult:
-    """Copy one source file's members into the blob; return their CRC-32s."""
-    fd = _blob_fds.get(blob_path)
-    if fd is None:
-        fd = _blob_fds[blob_path] = os.open(blob_path, os.O_WRONLY)
+    """Copy one source file's members into the blob; return their CRC-32s.
+
+    The blob is opened for this task alone: a descriptor kept for later tasks
+    would outlive the file it names (a retry replaces ``data.npy``).
+    """
+    fd = os.open(blob_path, os.O_WRONLY)
+    try:
+        return _copy_members(task, fd, blob_path)
+    finally:
+        os.close(fd)
+
+
+def _copy_members(task: SampleTask, fd: int, blob_path: str) -> SampleResult:
     crcs = []
     nbytes = 0
     with open_npz(task.path) as zf:
@@ -119,11 +126,6 @@ def _matches_plan(header: MemberHeader, member: MemberTask) -> bool:
     if member.cast:
         return can_cast(header.dtype, member.dtype)
     return storage_dtype(header.dtype) == member.dtype
-
-
-def close_blobs() -> None:
-    while _blob_fds:
-        os.close(_blob_fds.popitem()[1])
 
 
 def _copy_c_order(

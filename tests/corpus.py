@@ -6,8 +6,9 @@ Fortran order, stored or compressed, and bad files placed so that some are
 found while scanning and others only while copying. Array bytes are drawn raw,
 so padding bytes, NaN payloads and odd booleans all occur.
 
-The oracle knows nothing of npz2mmap: it loads each source with ``np.load``
-and computes the bytes a sample must have (C order, every primitive
+The oracle knows nothing of npz2mmap: it reads each source member with
+``zipfile`` and numpy's own header reader (``np.load`` itself drops record
+padding) and computes the bytes a sample must have (C order, every primitive
 little-endian, padding kept) with its own byte permutation.
 """
 
@@ -219,14 +220,31 @@ def write_copy_bad(corpus: Corpus, path: Path, rng: np.random.Generator) -> froz
 
 def expected_samples(path: Path, name: str, rows: bool, cast: str | None) -> list[bytes]:
     """The bytes each sample of ``name`` from ``path`` must be stored as."""
-    with np.load(path, allow_pickle=False) as npz:
-        array = npz[name]
+    array = load_raw(path, name)
     samples = [array[i, ...] for i in range(len(array))] if rows else [array]  # arrays, never scalars
     if cast is not None:
         target = np.dtype(cast).newbyteorder("<")
         with np.errstate(invalid="ignore"):  # NaN stays NaN
             return [np.ascontiguousarray(np.asarray(s).astype(target)).tobytes() for s in samples]
     return [little_endian_bytes(np.asarray(s)) for s in samples]
+
+
+def load_raw(path: Path, name: str) -> np.ndarray:
+    """What ``np.load(path)[name]`` returns, but over the member's raw bytes.
+
+    np.load copies a zip member's records field by field into a new array,
+    which leaves their padding undefined; numpy's own header reader and
+    ``frombuffer`` keep every byte of the file.
+    """
+    with zipfile.ZipFile(path) as zf, zf.open(f"{name}.npy") as fp:
+        version = np.lib.format.read_magic(fp)
+        read_header = {(1, 0): np.lib.format.read_array_header_1_0}.get(
+            version, np.lib.format.read_array_header_2_0
+        )
+        shape, fortran, dtype = read_header(fp)
+        count = int(np.prod(shape, dtype=np.int64))
+        flat = np.frombuffer(fp.read(), dtype=dtype, count=count)
+    return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
 
 
 def little_endian_bytes(array: np.ndarray) -> bytes:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -169,3 +171,123 @@ def test_every_command_and_option_is_documented_in_the_readme() -> None:
             for flag in param.opts:
                 if flag.startswith("-") and flag != "--help":
                     assert f"`{flag}" in readme or f", {flag}" in readme, f"{name} {flag}"
+
+
+SLOW_NUMPY_IMPORT = """
+import os, sys, time
+
+class SlowNumpy:
+    '''Holds the first import of numpy for a while, so that Ctrl-C lands inside start-up.'''
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy":
+            sys.meta_path.remove(self)
+            open(os.environ["STARTUP_MARKER"], "w").close()
+            time.sleep(30)
+        return None
+
+sys.meta_path.insert(0, SlowNumpy())
+"""
+
+
+def test_ctrl_c_during_start_up_is_aborted_without_a_traceback(tmp_path, sources) -> None:
+    """The console script imports click and numpy before a command runs; Ctrl-C then is clean too."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(SLOW_NUMPY_IMPORT)
+    marker = tmp_path / "importing-numpy"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "hook"), os.environ.get("PYTHONPATH", "")]),
+        "STARTUP_MARKER": str(marker),
+    }
+    process = subprocess.Popen(
+        [SCRIPT, "convert", sources, "-o", tmp_path / "out"], stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert marker.exists(), "the console script never imported numpy"
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 1
+    assert stderr == "\nAborted!\n"
+    assert not (tmp_path / "out").exists()
+
+
+def run_script(*args: object, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [SCRIPT, *map(str, args)], capture_output=True, text=True, env={**os.environ, **env}, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "shown"),
+    [
+        ("two\nlines.npz", "two\\nlines.npz"),
+        ("carriage\rreturn.npz", "carriage\\rreturn.npz"),
+        ("colour\x1b[31m.npz", "colour\\x1b[31m.npz"),
+        ("line\u2028separator.npz", "line\\u2028separator.npz"),
+        (os.fsdecode(b"undecodable\xff.npz"), "undecodable\\udcff.npz"),
+    ],
+)
+def test_errors_are_one_line_whatever_a_path_holds(tmp_path, sources, name, shown) -> None:
+    (sources / name).write_bytes(b"")
+    result = run_script("convert", sources, "-o", tmp_path / "out")
+    assert result.returncode == 1
+    assert result.stderr == f"Error: {sources}/{shown}: not a valid zip/npz file (File is not a zip file)\n"
+    result = run_script("convert", sources, "-o", tmp_path / "out", "--skip-bad", "-q")
+    assert result.returncode == 0
+    assert result.stderr == (
+        f"Warning: skipped 1 bad file(s), listed in {tmp_path / 'out' / 'skipped.jsonl'}; the first: "
+        f"{sources}/{shown}: not a valid zip/npz file (File is not a zip file)\n"
+    )
+    result = run_script("inspect", sources / name)  # click's own usage error quotes the path too
+    assert result.returncode == 2
+    usage, hint, blank, error = result.stderr.split("\n")[:-1]
+    assert usage.startswith("Usage: ") and hint.startswith("Try ") and blank == ""
+    assert error.startswith(f"Error: Invalid value for 'DATASET': Directory '{sources}/")
+    assert error.endswith(".npz' is a file.")
+
+
+def test_a_symlink_loop_in_an_input_directory_is_skipped_or_named_never_a_traceback(
+    tmp_path, sources
+) -> None:
+    os.symlink("loop", sources / "loop")
+    result = run_script("convert", sources, "-o", tmp_path / "out", "-q")
+    assert (result.returncode, result.stderr) == (0, "")
+    assert json.loads((tmp_path / "out" / "index.json").read_text())["num_samples"] == 4
+    os.symlink("loop.npz", sources / "loop.npz")
+    result = run_script("convert", sources, "-o", tmp_path / "out2", "-q")
+    assert result.returncode == 1
+    assert (
+        result.stderr == f"Error: {sources / 'loop.npz'}: not a regular file (broken link, pipe or device?)\n"
+    )
+    assert not (tmp_path / "out2").exists()
+
+
+def test_part_auto_naming_a_part_that_does_not_exist_is_a_usage_error(tmp_path, sources) -> None:
+    result = run_script(
+        "convert", sources, "-o", tmp_path / "out", "--part", "auto", RANK="2", WORLD_SIZE="2"
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "Error: Invalid value for '--part': RANK=2 and WORLD_SIZE=2: RANK must be from 0 to WORLD_SIZE - 1"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_verify_problems_naming_a_source_with_a_newline_are_one_line_each(tmp_path) -> None:
+    np.savez(tmp_path / "two\nlines.npz", x=np.arange(3))
+    assert run_script("convert", tmp_path / "two\nlines.npz", "-o", tmp_path / "out", "-q").returncode == 0
+    np.savez(tmp_path / "two\nlines.npz", x=np.arange(3) + 1)  # the source changed since
+    result = run_script("verify", tmp_path / "out", "--sources", "-q")
+    assert result.returncode == 1
+    problem, error = result.stderr.splitlines()
+    assert problem.startswith(f"sample 0 ({tmp_path}/two\\nlines.npz): field 'x': ")
+    assert error == f"Error: {tmp_path / 'out'}: 1 problem(s) found"

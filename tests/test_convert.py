@@ -172,7 +172,10 @@ def test_overwrite_replaces_a_dataset_but_never_other_directories(tmp_path, smal
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "thesis.tex").write_text("do not delete")
-    with pytest.raises(OutputError, match="exists and is not an npz2mmap dataset; refusing to replace it"):
+    with pytest.raises(
+        OutputError,
+        match=r"exists and is not an npz2mmap dataset \(it holds neither index\.json nor manifest\.json\); refusing to replace it",
+    ):
         convert([tmp_path / "new"], precious, overwrite=True)
     assert (precious / "thesis.tex").read_text() == "do not delete"
 

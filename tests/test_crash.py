@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -21,6 +23,8 @@ from npz2mmap.verify import verify
 
 SCRIPT = str(Path(sys.executable).parent / "npz2mmap")
 MAIN_PID = os.getpid()
+# Kills of the main process per phase; NPZ2MMAP_LONG=1 tries many more moments.
+KILLS_PER_PHASE = 6 if os.environ.get("NPZ2MMAP_LONG") == "1" else 1
 _real_write_sample = writer.write_sample
 
 
@@ -144,3 +148,124 @@ def test_a_worker_killed_mid_conversion_is_an_error_not_a_hang(tmp_path, sources
         convert([sources], tmp_path / "out", workers=2)
     assert not (tmp_path / "out").exists()
     assert leftovers(tmp_path) == []
+
+
+def _phase_reached(phase: str, out: Path) -> bool:
+    """Whether a conversion to ``out`` has reached ``phase``, judged from the files it writes."""
+    parent = out.parent
+    staging = list(parent.glob(f".{out.name}{publish.STAGING_MARK}*"))
+    if phase == "scan":  # the lock is taken just before the workers start scanning
+        return (parent / f".{out.name}{publish.LOCK_SUFFIX}").exists()
+    if phase == "copy":
+        return any((s / "data.npy").exists() for s in staging)
+    if phase == "publish":
+        return out.exists() or any((s / "index.json").exists() for s in staging)
+    return True  # start-up: at once
+
+
+def _kill_main_when(process: subprocess.Popen, phase: str, out: Path, rng: random.Random) -> bool:
+    """SIGKILL only the main process, a random moment into ``phase``; False if it ended first."""
+    deadline = time.monotonic() + 60
+    while not _phase_reached(phase, out):
+        if process.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    time.sleep(rng.uniform(0, 0.3 if phase == "start-up" else 0.05))
+    if process.poll() is not None:
+        return False
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    return True
+
+
+def _group_gone(pgid: int, timeout: float) -> bool:
+    """Whether every process of group ``pgid`` (the workers of a killed main) exits within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("phase", ["start-up", "scan", "copy", "publish"])
+def test_kill_9_of_the_main_process_alone_takes_its_workers_and_a_rerun_succeeds(
+    tmp_path, sources, phase
+) -> None:
+    """The main pid alone is killed (not its group): its workers must follow and free the lock."""
+    rng = random.Random(f"{phase}-{os.getpid()}-{time.time_ns()}")
+    for attempt in range(KILLS_PER_PHASE):
+        out = tmp_path / f"out{attempt}"
+        process = start_convert(sources, out, "--overwrite")
+        survivors_gone = False
+        try:
+            killed = _kill_main_when(process, phase, out, rng)
+            survivors_gone = _group_gone(process.pid, timeout=10)
+        finally:
+            if not survivors_gone:  # the group still exists, so its id is still ours
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+        assert survivors_gone, f"workers of the main process killed in {phase} outlived it"
+        if killed:
+            assert_complete_or_absent(out)
+        rerun = subprocess.run(
+            [SCRIPT, "convert", str(sources), "-o", str(out), "--workers", "2", "-q", "--overwrite"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert rerun.returncode == 0, rerun.stderr
+        assert verify(out).ok
+        assert leftovers(tmp_path) == []
+
+
+def _children_of(pid: int) -> list[int]:
+    """Pids whose parent is ``pid``, from /proc (Linux)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat.rpartition(")")[2].split()[1]) == pid:
+                    children.append(int(entry))
+    return children
+
+
+def _holds_open(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` has a descriptor open on the file at ``path`` (Linux /proc)."""
+    target = path.stat()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            held = fd.stat()
+            if (held.st_dev, held.st_ino) == (target.st_dev, target.st_ino):
+                return True
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; workers fork on Linux only")
+def test_workers_hold_no_descriptor_of_the_output_lock(tmp_path, sources) -> None:
+    """flock is shared across fork: a worker keeping the descriptor would keep the lock after the main dies."""
+    out = tmp_path / "out"
+    lock_path = tmp_path / f".out{publish.LOCK_SUFFIX}"
+    process = start_convert(sources, out)
+    try:
+        deadline = time.monotonic() + 60
+        while not _phase_reached("copy", out) and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.001)  # copying: the workers have started and scanned
+        os.kill(process.pid, signal.SIGSTOP)  # hold everything still while looking
+        workers = _children_of(process.pid)
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        if process.poll() is not None or not lock_path.exists():
+            pytest.skip("the conversion finished before its workers were seen")
+        assert len(workers) == 2, workers
+        assert _holds_open(process.pid, lock_path)
+        assert [pid for pid in workers if _holds_open(pid, lock_path)] == []
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGCONT)
+        process.wait(timeout=120)
+    assert process.returncode == 0

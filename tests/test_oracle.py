@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from corpus import Corpus, FieldSpec, Options, corpora, expected_samples, options_for, write_corpus
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from npz2mmap.converter import convert
@@ -26,7 +26,7 @@ from npz2mmap.reader import DatasetReader
 from npz2mmap.spec import DATASET_FILES
 from npz2mmap.verify import verify
 
-EXAMPLES = int(os.environ.get("NPZ2MMAP_ORACLE_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("NPZ2MMAP_ORACLE_EXAMPLES", "150"))
 LONG_RUN = "NPZ2MMAP_ORACLE_EXAMPLES" in os.environ
 
 
@@ -45,6 +45,7 @@ def cases(draw: st.DrawFn) -> tuple[Corpus, Options]:
 @given(case=cases())
 def test_converted_bytes_match_numpy_for_any_corpus_and_options(tmp_path_factory, case) -> None:
     corpus, options = case
+    record_coverage(corpus, options)
     root = tmp_path_factory.mktemp("oracle")
     written = write_corpus(corpus, root / "src")
     keys = options.keys or [f.name for f in corpus.fields]
@@ -60,6 +61,25 @@ def test_converted_bytes_match_numpy_for_any_corpus_and_options(tmp_path_factory
     assert_same_files(out, reference)
     if options.parts > 1:
         check_parts(root, options, kwargs, out)
+
+
+def record_coverage(corpus: Corpus, options: Options) -> None:
+    """What each case exercises, shown by pytest --hypothesis-show-statistics."""
+    event(f"workers={options.workers}, parts={options.parts}")
+    features = {
+        "rows": corpus.rows,
+        "scan-bad": bool(corpus.scan_bad),
+        "copy-bad": bool(corpus.copy_bad),
+        "cast": bool(options.casts),
+        "keys": options.keys is not None,
+        "records": any(f.dtype.fields for f in corpus.fields),
+        "big-endian": any(f.dtype.byteorder == ">" for f in corpus.fields),
+        "fortran": any(any(f.fortran) and len(f.sample_shapes[0]) > 1 for f in corpus.fields),
+        "compressed": any(corpus.compressed),
+    }
+    for name, present in features.items():
+        if present:
+            event(name)
 
 
 def check_against_numpy(out: Path, corpus: Corpus, options: Options, good: list[Path]) -> None:

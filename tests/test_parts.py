@@ -17,7 +17,7 @@ from conftest import assert_same_array, write_samples
 from npz2mmap import MmapDataset, MmapLoader
 from npz2mmap.cli import cli
 from npz2mmap.converter import convert, part_from_environment, select_part
-from npz2mmap.errors import FormatError, SourceError
+from npz2mmap.errors import FormatError
 from npz2mmap.merge import merge
 from npz2mmap.verify import verify
 
@@ -149,8 +149,7 @@ def test_parts_that_disagree_are_refused(tmp_path, sources) -> None:
 def test_part_selection_and_its_errors(tmp_path, sources, monkeypatch) -> None:
     files = [f"f{i}" for i in range(10)]
     assert [select_part(files, (i, 4)) for i in range(4)] == [files[0:2], files[2:5], files[5:7], files[7:10]]
-    with pytest.raises(SourceError, match="part 0/4 is empty: only 3 input file"):
-        select_part(files[:3], (0, 4))
+    assert [select_part(files[:3], (i, 4)) for i in range(4)] == [[], files[0:1], files[1:2], files[2:3]]
     assert part_from_environment({"RANK": "2", "WORLD_SIZE": "8"}) == (2, 8)
     assert part_from_environment({"SLURM_PROCID": "5", "SLURM_NTASKS": "6"}) == (5, 6)
     for variable in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
@@ -193,3 +192,90 @@ def test_appending_files_is_adding_a_part_and_rewriting_the_manifest(tmp_path, s
     grown = MmapDataset(tmp_path / "ds")
     assert len(grown) == 23 and grown[-1]["id"] == 99
     assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == ["manifest.json", "part-a", "part-b"]
+
+
+def two_files(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(9)
+    write_samples(
+        tmp_path / "two",
+        [
+            {"x": rng.random((2, 3), dtype=np.float32), "tokens": np.arange(i + 1, dtype=np.int16)}
+            for i in range(2)
+        ],
+    )
+    return tmp_path / "two"
+
+
+def assert_same_files(a: Path, b: Path) -> None:
+    for name in ("data.npy", "index.json", "sources.jsonl", "skipped.jsonl"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_an_empty_part_is_a_valid_dataset_that_merges_into_nothing(tmp_path) -> None:
+    src = two_files(tmp_path)
+    for i in range(3):
+        result = run("convert", src, "-o", tmp_path / "parts", "--part", f"{i}/3", "-q")
+        assert result.exit_code == 0, result.output
+    empty = tmp_path / "parts" / "part-00000"
+    index = json.loads((empty / "index.json").read_text())
+    assert (index["num_samples"], index["fields"], index["provenance"]["part"]) == (0, [], [0, 3])
+    assert (empty / "sources.jsonl").read_text() == "" and (empty / "skipped.jsonl").read_text() == ""
+    assert len(MmapDataset(empty)) == 0 and MmapDataset(empty).fields == ()
+    for command in (("inspect", empty), ("verify", empty, "--sources"), ("warm", empty, "-q")):
+        assert run(*command).exit_code == 0, command
+    parts = sorted((tmp_path / "parts").glob("part-*"))
+    assert run("merge", *parts, "-o", tmp_path / "parts", "-q").exit_code == 0
+    assert json.loads((tmp_path / "parts" / "manifest.json").read_text())["parts"] == [p.name for p in parts]
+    convert([src], tmp_path / "single", workers=1)
+    whole, single = MmapDataset(tmp_path / "parts"), MmapDataset(tmp_path / "single")
+    assert len(whole) == 2
+    for i in range(-2, 2):
+        for key in ("x", "tokens"):
+            assert_same_array(whole[i][key], single[i][key])
+    assert run("verify", tmp_path / "parts", "--sources").exit_code == 0
+    for order in (parts, [*parts[1:], parts[0]]):  # the empty part first, or last
+        shutil.rmtree(tmp_path / "copied", ignore_errors=True)
+        assert run("merge", *order, "-o", tmp_path / "copied", "--copy", "-q").exit_code == 0
+        assert_same_files(tmp_path / "copied", tmp_path / "single")
+
+
+def test_an_index_without_fields_is_refused_unless_it_has_no_samples(tmp_path) -> None:
+    """Samples without fields would make every batch empty, and a loop over them endless."""
+    convert([two_files(tmp_path)], tmp_path / "ds", workers=1)
+    index = json.loads((tmp_path / "ds" / "index.json").read_text())
+    index["fields"] = []
+    (tmp_path / "ds" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(FormatError, match="no fields for 2 samples; only an empty dataset"):
+        MmapDataset(tmp_path / "ds")
+    assert not verify(tmp_path / "ds").ok
+
+
+def test_torchrun_with_fewer_files_than_ranks_makes_an_empty_part(tmp_path) -> None:
+    src = two_files(tmp_path)
+    result = subprocess.run(
+        [
+            BIN / "torchrun",
+            "--standalone",
+            "--nproc_per_node=3",
+            "--no-python",
+            BIN / "npz2mmap",
+            "convert",
+            src,
+            "-o",
+            tmp_path / "parts",
+            "--part",
+            "auto",
+            "--workers",
+            "1",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    parts = sorted((tmp_path / "parts").glob("part-*"))
+    assert [len(MmapDataset(p)) for p in parts] == [0, 1, 1]
+    assert run("merge", *parts, "-o", tmp_path / "merged", "--copy", "-q").exit_code == 0
+    convert([src], tmp_path / "single", workers=1)
+    assert_same_files(tmp_path / "merged", tmp_path / "single")

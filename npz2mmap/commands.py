@@ -1,0 +1,394 @@
+"""The ``npz2mmap`` commands: thin click commands that parse, call one library function and render.
+
+Only the CLI (this module and its entry point, ``cli.py``) prints, draws
+progress bars and picks exit codes: 0 for success, 1 for bad data, a failed
+verify or Ctrl-C, 2 for usage errors. It never imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import click
+import numpy as np
+import tqdm
+
+from . import __version__
+from .cache import warm as warm_dataset
+from .converter import cast_dtype, part_from_environment
+from .converter import convert as convert_files
+from .errors import Npz2mmapError
+from .merge import merge as merge_parts
+from .render import human_bytes, render_sample, render_summary
+from .spec import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
+from .summary import describe_dataset, describe_sample, field_statistics
+from .verify import verify as verify_dataset
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# No monitor thread: the converter forks its workers.
+tqdm.tqdm.monitor_interval = 0
+
+
+class BarProgress:
+    """Draws each stage of a library call as a tqdm bar on stderr."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: tqdm.tqdm[Any] | None = None
+        self.files = self.total_files = 0
+
+    def stage(self, name: str, total_files: int, total_nbytes: int) -> None:
+        self.close()
+        self.files, self.total_files = 0, total_files
+        disable = None if self.enabled else True  # None: only when stderr is a terminal
+        if total_nbytes:
+            self.bar = tqdm.tqdm(
+                total=total_nbytes, desc=name, unit="B", unit_scale=True, disable=disable, dynamic_ncols=True
+            )
+        else:
+            self.bar = tqdm.tqdm(
+                total=total_files, desc=name, unit=" files", disable=disable, dynamic_ncols=True
+            )
+
+    def advance(self, files: int, nbytes: int) -> None:
+        if self.bar is None or self.bar.disable:
+            return
+        self.files += files
+        if self.bar.unit == "B":
+            self.bar.set_postfix_str(f"{self.files}/{self.total_files} files", refresh=False)
+            self.bar.update(nbytes)
+        else:
+            self.bar.update(files)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+# C0 and C1 controls, Unicode line breaks, and the surrogates that stand for undecodable bytes in paths.
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def one_line(text: str) -> str:
+    """``text`` with every unprintable character escaped (``\\n``, ``\\x1b``), so it prints as one line.
+
+    Paths come from users and file systems and may hold any of them.
+    """
+    return _UNPRINTABLE.sub(lambda match: match.group().encode("unicode_escape").decode("ascii"), text)
+
+
+@contextlib.contextmanager
+def _one_line_errors() -> Iterator[None]:
+    try:
+        yield
+    except click.ClickException as exc:
+        # click types ``message`` Final, yet it is where every error keeps its text until shown.
+        exc.message = one_line(exc.message)  # type: ignore[misc]
+        raise
+
+
+class OneLineErrorsGroup(click.Group):
+    """The command group: every error it reports is one line, whatever paths it names.
+
+    Covers click's own errors (a bad option value quotes what was given) as
+    well as ours.
+    """
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        with _one_line_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _one_line_errors():
+            return super().invoke(ctx)
+
+
+def friendly_errors(func: F) -> F:
+    """Show the project's errors as one line (exit 1); --debug shows the traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except Npz2mmapError as exc:
+            if click.get_current_context().find_root().params.get("debug"):
+                raise
+            raise click.ClickException(str(exc)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _parse_keys(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    keys = [k.strip() for k in value.split(",") if k.strip()]
+    if not keys:
+        raise click.BadParameter("give at least one key, e.g. --keys input,label")
+    return keys
+
+
+def _parse_casts(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, np.dtype]:
+    casts = {}
+    for value in values:
+        key, sep, dtype = value.partition("=")
+        if not sep or not key or not dtype:
+            raise click.BadParameter(f"{value!r} is not KEY=DTYPE, e.g. input=float32")
+        try:
+            casts[key] = cast_dtype(dtype)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return casts
+
+
+def _parse_part(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    try:
+        if value == "auto":
+            return part_from_environment()
+        i, sep, n = value.partition("/")
+        if not sep:
+            raise ValueError(f"{value!r} is not I/N or auto")
+        part = int(i), int(n)
+        if not 0 <= part[0] < part[1]:
+            raise ValueError(f"part {value} does not exist: I must be from 0 to N-1")
+        return part
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def part_directory(out_dir: str, part: tuple[int, int]) -> str:
+    """Where part I goes: OUT with {part} replaced, else OUT/part-IIIII."""
+    label = f"{part[0]:05d}"
+    return out_dir.replace("{part}", label) if "{part}" in out_dir else os.path.join(out_dir, f"part-{label}")
+
+
+def _check_align(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    if not MIN_ALIGN <= value <= MAX_ALIGN or value & (value - 1):
+        raise click.BadParameter(f"must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, got {value}")
+    return value
+
+
+@click.group(cls=OneLineErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="npz2mmap")
+@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
+def cli(debug: bool) -> None:
+    """Convert many .npz files into one memory-mapped dataset for PyTorch."""
+
+
+def output_option(help_text: str) -> Callable[[F], F]:
+    return click.option(
+        "-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False), help=help_text
+    )
+
+
+@cli.command()
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+@output_option("Dataset directory to create.")
+@click.option(
+    "--keys", callback=_parse_keys, metavar="A,B", help="Convert only these NPZ keys (default: all)."
+)
+@click.option(
+    "--cast",
+    "casts",
+    multiple=True,
+    callback=_parse_casts,
+    metavar="KEY=DTYPE",
+    help="Store KEY as DTYPE where sources differ, e.g. x=float32 (same-kind casts only). Repeatable.",
+)
+@click.option(
+    "--skip-bad",
+    is_flag=True,
+    help="Leave out unreadable or corrupt files and list them in OUT/skipped.jsonl instead of stopping.",
+)
+@click.option(
+    "--rows",
+    is_flag=True,
+    help="Each file holds many samples along axis 0 (all its arrays share that dimension).",
+)
+@click.option(
+    "--part",
+    callback=_parse_part,
+    metavar="I/N|auto",
+    help="Convert only the I-th (from 0) of N contiguous slices of the sorted inputs into OUT/part-IIIII "
+    "(or OUT with {part} replaced); auto takes I and N from torchrun or Slurm.",
+)
+@click.option(
+    "--workers", type=click.IntRange(min=1), default=None, help="Worker processes (default: all cores)."
+)
+@click.option(
+    "--align",
+    type=int,
+    default=MIN_ALIGN,
+    show_default=True,
+    callback=_check_align,
+    help="Byte alignment of every region, a power of two (e.g. 4096 for pages).",
+)
+@click.option(
+    "--overwrite", is_flag=True, help="Replace an existing dataset at OUT once the new one is complete."
+)
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars and no summary.")
+@friendly_errors
+def convert(
+    inputs: tuple[str, ...],
+    out_dir: str,
+    keys: list[str] | None,
+    casts: dict[str, np.dtype],
+    skip_bad: bool,
+    rows: bool,
+    part: tuple[int, int] | None,
+    workers: int | None,
+    align: int,
+    overwrite: bool,
+    quiet: bool,
+) -> None:
+    """Convert INPUT... into the dataset directory OUT.
+
+    Each INPUT is an .npz file, a directory (searched recursively for *.npz,
+    in sorted order) or @LIST, a text file naming one path per line. Each NPZ
+    file becomes one sample, in that order (with --rows, each row of it).
+    """
+    if part is not None:
+        out_dir = part_directory(out_dir, part)
+    progress = BarProgress(not quiet)
+    try:
+        result = convert_files(
+            list(inputs),
+            out_dir,
+            keys=keys,
+            casts=casts,
+            skip_bad=skip_bad,
+            part=part,
+            rows=rows,
+            workers=workers,
+            align=align,
+            overwrite=overwrite,
+            progress=progress,
+        )
+    finally:
+        progress.close()
+    if result.skipped:
+        first_reason = result.skipped[0][1]
+        click.echo(
+            one_line(
+                f"Warning: skipped {len(result.skipped):,} bad file(s), listed in "
+                f"{os.path.join(out_dir, SKIPPED_NAME)}; the first: {first_reason}"
+            ),
+            err=True,
+        )
+    if not quiet:
+        index = result.index
+        click.echo(
+            one_line(
+                f"Converted {index.num_samples:,} samples, {len(index.fields)} fields, "
+                f"{human_bytes(result.data_nbytes)} into {out_dir} in {result.seconds:.1f} s"
+            )
+        )
+
+
+@cli.command()
+@click.argument("dataset", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+@click.option("--sample", type=int, default=None, metavar="I", help="Show sample I's arrays instead.")
+@click.option(
+    "--stats",
+    is_flag=True,
+    help="Also compute min, max, mean and std of every numeric field (reads all data).",
+)
+@friendly_errors
+def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> None:
+    """Show a dataset's format, samples, size and fields."""
+    if sample is not None:
+        try:
+            info = describe_sample(dataset, sample)
+        except IndexError as exc:
+            raise click.BadParameter(str(exc), param_hint="--sample") from None
+        click.echo(json.dumps(info, indent=1) if as_json else render_sample(info))
+        return
+    summary = describe_dataset(dataset)
+    if stats:
+        progress = BarProgress(not as_json)
+        try:
+            summary["stats"] = field_statistics(dataset, progress)
+        finally:
+            progress.close()
+    click.echo(json.dumps(summary, indent=1) if as_json else render_summary(summary))
+
+
+@cli.command()
+@click.argument("dataset", type=click.Path(file_okay=False))
+@click.option("--sources", is_flag=True, help="Also compare every sample bit for bit with its NPZ file.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar; print only problems.")
+@friendly_errors
+def verify(dataset: str, sources: bool, quiet: bool) -> None:
+    """Check a dataset's checksums and tables; exit 0 only if all is well."""
+    progress = BarProgress(not quiet)
+    try:
+        report = verify_dataset(dataset, sources=sources, progress=progress)
+    finally:
+        progress.close()
+    for problem in report.problems:
+        click.echo(one_line(problem), err=True)
+    if not report.ok:
+        raise click.ClickException(f"{dataset}: {len(report.problems)} problem(s) found")
+    if not quiet:
+        checked = "checksums, tables, padding" + (" and sources" if report.sources_checked else "")
+        click.echo(one_line(f"OK: {dataset}: {report.num_samples:,} samples verified ({checked})"))
+
+
+@cli.command()
+@click.argument("parts", nargs=-1, required=True, metavar="PART...", type=click.Path(file_okay=False))
+@output_option("Directory to hold manifest.json, or with --copy the dataset to create.")
+@click.option("--copy", is_flag=True, help="Copy the parts into one single dataset instead of listing them.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing manifest or dataset at OUT.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
+@friendly_errors
+def merge(parts: tuple[str, ...], out_dir: str, copy: bool, overwrite: bool, quiet: bool) -> None:
+    """Join datasets into one at OUT: a manifest naming them, or with --copy one blob.
+
+    The PART datasets are read in the order given.
+
+    By default writes OUT/manifest.json naming the parts: instant, nothing is
+    copied, and MmapDataset(OUT) reads them as one. With --copy, writes a
+    single dataset at OUT.
+    """
+    progress = BarProgress(not quiet)
+    try:
+        result = merge_parts(list(parts), out_dir, copy=copy, overwrite=overwrite, progress=progress)
+    finally:
+        progress.close()
+    if not quiet:
+        what = "one dataset" if result.copied else os.path.join(out_dir, "manifest.json")
+        click.echo(one_line(f"Merged {result.num_parts} parts, {result.num_samples:,} samples, into {what}"))
+
+
+@cli.command()
+@click.argument("dataset", type=click.Path(file_okay=False))
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@friendly_errors
+def warm(dataset: str, quiet: bool) -> None:
+    """Load a dataset into this node's page cache and report how much is resident."""
+    progress = BarProgress(not quiet)
+    try:
+        result = warm_dataset(dataset, progress=progress)
+    except OSError as exc:
+        raise click.ClickException(f"{dataset}: cannot read the blob ({exc.strerror or exc})") from None
+    finally:
+        progress.close()
+    where = (
+        result.blob_paths[0] if len(result.blob_paths) == 1 else f"{dataset} ({len(result.blob_paths)} parts)"
+    )
+    click.echo(
+        one_line(
+            f"{where}: {human_bytes(result.resident_nbytes)} of {human_bytes(result.blob_nbytes)} "
+            f"resident in the page cache ({result.fraction:.0%})"
+        )
+    )
