@@ -10,6 +10,7 @@ import ctypes
 import errno
 import mmap
 import os
+import stat
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -21,6 +22,48 @@ except ImportError:  # Windows
     import msvcrt
 
 _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+# Opening a FIFO blocks until a writer comes; O_NONBLOCK returns at once, and
+# the type of what was opened is then checked on the descriptor itself.
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_READ_FLAGS = os.O_RDONLY | _NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
+
+
+class NotRegularFile(ValueError):
+    """What was opened is a FIFO, a device, a directory...: never read from it."""
+
+
+def open_regular(path: str) -> int:
+    """A blocking read-only descriptor of the regular file at ``path``.
+
+    Opened without blocking and checked with fstat on the descriptor, so a
+    FIFO or a device in the file's place (even one swapped in after a check
+    of the path) is refused instead of hanging or reading without end.
+    Raises OSError from open(2), NotRegularFile naming what was found.
+    """
+    fd = os.open(path, _READ_FLAGS)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(f"{_file_type(mode)}, not a regular file")
+        if _NONBLOCK and hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _file_type(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "of an unknown type")
+
+
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 

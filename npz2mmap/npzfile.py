@@ -15,7 +15,6 @@ import contextlib
 import io
 import math
 import os
-import stat
 import struct
 import tokenize
 import warnings
@@ -27,6 +26,7 @@ from typing import IO, Any, BinaryIO
 
 import numpy as np
 
+from . import fsutil
 from .errors import SourceError
 from .spec import NPY_MAGIC, brief, checked_nbytes, representable_nbytes
 
@@ -46,11 +46,6 @@ DEFLATE_SLACK_NBYTES = 1024
 ZIP_LOCAL_HEADER = struct.Struct("<4s22xHH")
 ZIP_LOCAL_SIGNATURE = b"PK\x03\x04"
 ZIP_ENCRYPTED_FLAG = 0x1
-
-# Opening a FIFO blocks until a writer comes; O_NONBLOCK returns at once and
-# fstat then refuses it. Where the flags do not exist, they are 0.
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-_OPEN_FLAGS = os.O_RDONLY | _NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
 
 # What a damaged or hostile zip can raise from the standard library.
 _ZIP_ERRORS = (
@@ -120,28 +115,10 @@ def open_regular_file(path: str) -> BinaryIO:
     The type is that of the open descriptor, not of the path, so a file
     replaced by a FIFO or a device after it was checked is still refused.
     """
-    fd = os.open(path, _OPEN_FLAGS)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise SourceError(f"{path}: {_file_type(mode)}, not a regular file")
-        if _NONBLOCK and hasattr(os, "set_blocking"):
-            os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _file_type(mode: int) -> str:
-    kinds = (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a pipe (FIFO)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    )
-    return next((name for test, name in kinds if test(mode)), "of an unknown type")
+        return os.fdopen(fsutil.open_regular(path), "rb")
+    except fsutil.NotRegularFile as exc:
+        raise SourceError(f"{path}: {exc}") from None
 
 
 def _prefetch_small_file(fp: IO[bytes]) -> None:

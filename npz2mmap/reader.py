@@ -11,12 +11,12 @@ import math
 import mmap
 import operator
 import os
-import stat
 from collections.abc import Sequence
 
 import numpy as np
 from numpy.typing import NDArray
 
+from . import fsutil
 from .errors import FormatError
 from .spec import (
     BLOB_HEADER_NBYTES,
@@ -257,19 +257,15 @@ def _map_blob(blob_path: str, index: Index, check_identity: bool = True) -> mmap
 
 
 def open_regular(path: str) -> int:
-    """A read-only descriptor of a regular file, opened without blocking (a FIFO in its
-    place must not hang us) and checked on the descriptor itself; FormatError otherwise."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    """A read-only descriptor of a regular file (see fsutil.open_regular); FormatError otherwise."""
     try:
-        fd = os.open(path, flags)
+        return fsutil.open_regular(path)
     except FileNotFoundError:
         raise FormatError(f"{path}: missing") from None
     except OSError as exc:
         raise FormatError(f"{path}: cannot open ({exc.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise FormatError(f"{path}: not a regular file")
-    return fd
+    except fsutil.NotRegularFile as exc:
+        raise FormatError(f"{path}: {exc}") from None
 
 
 def _check_blob(fd: int, blob_path: str, index: Index, check_identity: bool = True) -> None:
