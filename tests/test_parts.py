@@ -45,28 +45,15 @@ def run(*args: object):
     return CliRunner().invoke(cli, [str(a) for a in args])
 
 
+def torchrun_convert(ranks: int, src: Path, out: Path) -> subprocess.CompletedProcess:
+    """``convert --part auto`` on ``ranks`` processes started by a real torchrun."""
+    command = [BIN / "torchrun", "--standalone", f"--nproc_per_node={ranks}", "--no-python"]
+    command += [BIN / "npz2mmap", "convert", src, "-o", out, "--part", "auto", "--workers", "1", "-q"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
 def test_parts_converted_by_torchrun_merge_into_the_bytes_of_one_conversion(tmp_path, sources) -> None:
-    result = subprocess.run(
-        [
-            BIN / "torchrun",
-            "--standalone",
-            "--nproc_per_node=4",
-            "--no-python",
-            BIN / "npz2mmap",
-            "convert",
-            sources,
-            "-o",
-            tmp_path / "parts",
-            "--part",
-            "auto",
-            "--workers",
-            "1",
-            "-q",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = torchrun_convert(4, sources, tmp_path / "parts")
     assert result.returncode == 0, result.stderr[-2000:]
     parts = sorted((tmp_path / "parts").glob("part-*"))
     assert [p.name for p in parts] == ["part-00000", "part-00001", "part-00002", "part-00003"]
@@ -252,27 +239,7 @@ def test_an_index_without_fields_is_refused_unless_it_has_no_samples(tmp_path) -
 
 def test_torchrun_with_fewer_files_than_ranks_makes_an_empty_part(tmp_path) -> None:
     src = two_files(tmp_path)
-    result = subprocess.run(
-        [
-            BIN / "torchrun",
-            "--standalone",
-            "--nproc_per_node=3",
-            "--no-python",
-            BIN / "npz2mmap",
-            "convert",
-            src,
-            "-o",
-            tmp_path / "parts",
-            "--part",
-            "auto",
-            "--workers",
-            "1",
-            "-q",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = torchrun_convert(3, src, tmp_path / "parts")
     assert result.returncode == 0, result.stderr[-2000:]
     parts = sorted((tmp_path / "parts").glob("part-*"))
     assert [len(MmapDataset(p)) for p in parts] == [0, 1, 1]
