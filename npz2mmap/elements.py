@@ -255,15 +255,21 @@ def _cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def _lost(values: np.ndarray, converted: np.ndarray) -> np.ndarray:
-    """Per element, True where ``converted`` does not cast back to exactly ``values``.
+    """Per element, True where ``converted`` is not exactly ``values``.
 
-    NaN matches NaN and NaT matches NaT; record padding is not a value.
+    The cast back must give the source's value, and for integers the two
+    values must also be equal as numbers: uint32 4294967295 stored as int32 -1
+    casts back to the same bits. NaN matches NaN and NaT matches NaT; record
+    padding is not a value.
     """
     try:
         back = _cast(converted, values.dtype)
     except (UnicodeError, ValueError, TypeError, OverflowError):
         return np.ones(len(values), dtype=bool)
-    return _changed(values, back)
+    lost = _changed(values, back)
+    if values.dtype.kind in "biu" and converted.dtype.kind in "biu":
+        lost |= np.logical_not((values == converted).reshape(len(values), -1).all(axis=1))
+    return lost
 
 
 def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -296,19 +302,15 @@ def _raw_rows(a: np.ndarray) -> np.ndarray:
 
 
 def _describe_lost(values: np.ndarray, converted: np.ndarray, k: int, index: tuple[int, ...]) -> str:
-    """One line naming value ``k`` that a cast changes, where it is and what comes back."""
+    """One line naming value ``k`` that a cast changes, where it is and what would be stored."""
     at = f" at index {index}" if index else ""
-    try:
-        back = _show(_cast(converted[k : k + 1], values.dtype)[0])
-    except (UnicodeError, ValueError, TypeError, OverflowError):
-        back = f"{_show(converted[k])}, which does not cast back"
     return (
         f"value {_show(values[k])}{at} does not survive the cast to {converted.dtype}: "
-        f"it comes back as {back}"
+        f"it would be stored as {_show(converted[k])}"
     )
 
 
 def _show(value: np.generic) -> str:
-    text = repr(value.item()) if value.dtype.kind in "SU" else str(value)
+    text = repr(value.item()) if value.dtype.kind in "SUfc" else str(value)
     text = text.replace("\n", "\\n")
     return text if len(text) <= MAX_VALUE_CHARS else text[: MAX_VALUE_CHARS - 3] + "..."

@@ -119,23 +119,55 @@ def raw(array: np.ndarray) -> bytes:
         (
             np.array([1, 3_000_000_000]),
             "int32",
-            "value 3000000000 at index (1,) does not survive the cast to int32: it comes back as -1294967296 "
+            "value 3000000000 at index (1,) does not survive the cast to int32: it would be stored as -1294967296 "
             "(--cast keeps only values that int32 represents exactly)",
         ),
         (
             np.array([[2.0], [1e300]]),
             "float32",
-            "value 1e+300 at index (1, 0) does not survive the cast to float32: it comes back as inf "
+            "value 1e+300 at index (1, 0) does not survive the cast to float32: it would be stored as inf "
             "(--cast keeps only values that float32 represents exactly)",
         ),
         (
             np.array(0.1),
             "float32",
-            "value 0.1 does not survive the cast to float32: it comes back as 0.10000000149011612 "
+            "value 0.1 does not survive the cast to float32: it would be stored as 0.10000000149011612 "
+            "(--cast keeps only values that float32 represents exactly)",
+        ),
+        (
+            np.array([7, 4_294_967_295], dtype=np.uint32),
+            "int32",
+            "value 4294967295 at index (1,) does not survive the cast to int32: it would be stored as -1 "
+            "(--cast keeps only values that int32 represents exactly)",
+        ),
+        (
+            np.array([2**63], dtype=np.uint64),
+            "int64",
+            "value 9223372036854775808 at index (0,) does not survive the cast to int64: it would be stored "
+            "as -9223372036854775808 (--cast keeps only values that int64 represents exactly)",
+        ),
+        (
+            np.array(255, dtype=np.uint8),
+            "int8",
+            "value 255 does not survive the cast to int8: it would be stored as -1 "
+            "(--cast keeps only values that int8 represents exactly)",
+        ),
+        (
+            np.array(2**31 - 1, dtype=np.int32),
+            "float32",
+            "value 2147483647 does not survive the cast to float32: it would be stored as 2147483648.0 "
             "(--cast keeps only values that float32 represents exactly)",
         ),
     ],
-    ids=["int-overflow", "float-overflow", "float-rounding"],
+    ids=[
+        "int-overflow",
+        "float-overflow",
+        "float-rounding",
+        "unsigned-to-signed-32",
+        "unsigned-to-signed-64",
+        "unsigned-to-signed-8",
+        "int-rounding-to-float",
+    ],
 )
 def test_a_cast_that_changes_a_value_is_refused_naming_file_key_and_value(
     tmp_path, values, dtype, message
@@ -191,7 +223,7 @@ def test_verify_sources_reports_a_cast_that_changed_a_value(tmp_path) -> None:
     report = verify(tmp_path / "out", sources=True)
     assert report.problems == [
         f"sample 0 ({source}): {source}[x]: value 3000000000 at index (1,) does not survive the cast to "
-        "int32: it comes back as -1294967296 (--cast keeps only values that int32 represents exactly)"
+        "int32: it would be stored as -1294967296 (--cast keeps only values that int32 represents exactly)"
     ]
 
 
