@@ -18,7 +18,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .errors import FormatError
-from .reader import DatasetReader, as_raw, check_blob, copy_bytes, normalise_indices
+from .reader import DatasetReader, as_raw, check_blob, copy_bytes, normalise_index, normalise_indices
 from .spec import BLOB_NAME, INDEX_NAME, Index, load_index
 
 MANIFEST_NAME = "manifest.json"
@@ -167,9 +167,8 @@ class PartsReader:
         return self.parts.field(name)
 
     def sample_index(self, i: int) -> int:
-        if self._single is not None:
-            return self._single.sample_index(i)
-        return int(self.sample_indices([i])[0])
+        """Normalise ``i`` (see reader.normalise_index)."""
+        return normalise_index(i, self.parts.num_samples)
 
     def sample_indices(self, indices: Sequence[int] | NDArray[np.integer]) -> NDArray[np.int64]:
         """Normalise many indices at once; IndexError naming the first out of range."""
