@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import pickle
 import re
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +18,7 @@ import torch
 from conftest import assert_same_array, write_samples
 from torch.utils.data import DataLoader
 
+import npz2mmap.parts
 from npz2mmap import MmapDataset
 from npz2mmap.converter import convert
 from npz2mmap.errors import FormatError
@@ -67,7 +71,7 @@ def test_pickled_dataset_is_small_and_holds_no_mapping(small_dataset) -> None:
     state = pickle.dumps(ds)
     assert len(state) < 4096
     clone = pickle.loads(state)
-    assert clone._reader is None
+    assert clone._opened is None and clone._locks == {}
     assert np.array_equal(clone[4]["tokens"], ds[4]["tokens"])
 
 
@@ -315,3 +319,50 @@ def test_unsigned_index_arrays_are_checked_before_conversion(labelled) -> None:
 def test_an_empty_batch_of_indices_is_fine(labelled, empty) -> None:
     assert len(labelled.__getitems__(empty)) == 0
     assert labelled.reader.gather("label", empty).shape == (0,)
+
+
+def test_threads_opening_the_dataset_at_once_share_one_mapping(small_dataset, monkeypatch) -> None:
+    """MmapLoader's prefetch thread and the training loop may both touch ds.reader first.
+
+    While the main thread maps the blob, another thread asks for the reader;
+    it must wait for that mapping instead of making its own.
+    """
+    out, _ = small_dataset
+    ds = MmapDataset(out)
+    constructed: list[str] = []
+    others: list[threading.Thread] = []
+    seen_by_other: list[object] = []
+    real_reader = npz2mmap.parts.DatasetReader
+
+    def counting_reader(path, *args, **kwargs):
+        constructed.append(str(path))
+        if len(constructed) == 1:  # the first mapping is under way: another thread asks meanwhile
+            others.append(threading.Thread(target=lambda: seen_by_other.append(ds.reader)))
+            others[0].start()
+            others[0].join(timeout=1)  # it waits for us, when opening is locked
+        return real_reader(path, *args, **kwargs)
+
+    monkeypatch.setattr(npz2mmap.parts, "DatasetReader", counting_reader)
+    reader = ds.reader
+    others[0].join()
+    assert seen_by_other == [reader] and seen_by_other[0] is reader
+    assert constructed == [str(out)]
+    assert ds.reader is reader and int(ds[4]["label"]) == 4
+
+
+def _exit_with_label_two(ds: MmapDataset) -> None:
+    sys.exit(0 if int(ds[2]["label"]) == 2 else 1)
+
+
+def test_a_process_forked_while_the_dataset_is_being_opened_opens_it_too(small_dataset) -> None:
+    """The lock was copied held by a thread the child does not have: the child needs its own."""
+    out, _ = small_dataset
+    ds = MmapDataset(out)
+    with ds._opening_lock(os.getpid()):  # as if another thread were opening it at the fork
+        child = multiprocessing.get_context("fork").Process(target=_exit_with_label_two, args=(ds,))
+        child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    assert child.exitcode == 0
