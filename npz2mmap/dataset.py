@@ -9,6 +9,7 @@ operating system's page cache instead of holding copies.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from collections.abc import Sequence as SequenceABC
 from typing import Any, overload
@@ -55,19 +56,34 @@ class MmapDataset(Dataset[Any]):
         if advice is not None and advice not in ADVICE:
             raise ValueError(f"advice must be one of {', '.join(ADVICE)}, got {advice!r}")
         self.advice = advice
-        self._reader: PartsReader | None = None
-        self._pid = -1
+        self._opened: tuple[int, PartsReader] | None = None  # (pid, its mappings): replaced at once
+        self._locks: dict[int, threading.Lock] = {}
 
     def __len__(self) -> int:
         return self.parts.num_samples
 
     @property
     def reader(self) -> PartsReader:
-        """This process's mappings, opened on first use (and again after a fork)."""
-        if self._reader is None or self._pid != os.getpid():
-            self._reader = PartsReader(self.parts, self.advice)
-            self._pid = os.getpid()
-        return self._reader
+        """This process's mappings, opened on first use (and again after a fork).
+
+        Threads asking at once (MmapLoader's prefetch thread and the training
+        loop) wait for one opening and share it.
+        """
+        pid = os.getpid()
+        opened = self._opened
+        if opened is None or opened[0] != pid:
+            with self._opening_lock(pid):
+                opened = self._opened
+                if opened is None or opened[0] != pid:
+                    opened = self._opened = (pid, PartsReader(self.parts, self.advice))
+        return opened[1]
+
+    def _opening_lock(self, pid: int) -> threading.Lock:
+        """This process's lock: one inherited through fork may be held by a thread that is not there.
+
+        setdefault is atomic, so threads racing here get the same lock.
+        """
+        return self._locks.setdefault(pid, threading.Lock())
 
     def __getitem__(self, i: int) -> Any:
         reader = self.reader
@@ -113,8 +129,8 @@ class MmapDataset(Dataset[Any]):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_reader"] = None
-        state["_pid"] = -1
+        state["_opened"] = None
+        state["_locks"] = {}  # locks do not pickle; the process that loads this makes its own
         return state
 
     def __repr__(self) -> str:

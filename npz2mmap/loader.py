@@ -10,6 +10,7 @@ GIL), and needs no worker processes at all.
 from __future__ import annotations
 
 import functools
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -17,9 +18,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from .dataset import MmapDataset, as_tensors, collate
 from .parts import PartsReader
+from .reader import normalise_indices
 
 _END = object()
 
@@ -84,19 +87,33 @@ class MmapLoader:
         count = len(self.sampler) if hasattr(self.sampler, "__len__") else len(self.dataset)  # type: ignore[arg-type]
         return count // self.batch_size if self.drop_last else -(-count // self.batch_size)
 
-    def index_batches(self) -> Iterator[np.ndarray]:
-        """The batches of sample indices of this epoch."""
+    def index_batches(self) -> Iterator[NDArray[np.int64]]:
+        """The batches of sample indices of this epoch, checked as the dataset checks them.
+
+        Raises TypeError for an index that is not an integer, IndexError for
+        one out of range (see reader.normalise_indices).
+        """
+        num_samples = len(self.dataset)
         if self.batch_sampler is not None:
-            yield from (np.asarray(batch, dtype=np.int64) for batch in self.batch_sampler)
+            yield from (normalise_indices(batch, num_samples) for batch in self.batch_sampler)
             return
+        for batch in self._batches_of_order(num_samples):
+            if self.drop_last and len(batch) < self.batch_size:
+                return
+            yield normalise_indices(batch, num_samples)
+
+    def _batches_of_order(self, num_samples: int) -> Iterator[Sequence[int] | NDArray[np.int64]]:
+        """This epoch's order cut into batch-sized pieces, the last one maybe shorter."""
         if self.sampler is not None:
-            order = np.fromiter(self.sampler, dtype=np.int64)
-        elif self.shuffle:
-            order = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.dataset))
+            indices = iter(self.sampler)
+            while batch := list(itertools.islice(indices, self.batch_size)):
+                yield batch
+            return
+        if self.shuffle:
+            order = np.random.default_rng((self.seed, self.epoch)).permutation(num_samples)
         else:
-            order = np.arange(len(self.dataset))
-        stop = len(order) - len(order) % self.batch_size if self.drop_last else len(order)
-        for start in range(0, stop, self.batch_size):
+            order = np.arange(num_samples)
+        for start in range(0, num_samples, self.batch_size):
             yield order[start : start + self.batch_size]
 
     def __iter__(self) -> Iterator[Any]:

@@ -18,7 +18,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .errors import FormatError
-from .reader import DatasetReader, as_raw, check_blob, copy_bytes, normalise_indices
+from .reader import DatasetReader, as_raw, check_blob, copy_bytes, normalise_index, normalise_indices
 from .spec import BLOB_NAME, INDEX_NAME, Index, load_index
 
 MANIFEST_NAME = "manifest.json"
@@ -50,13 +50,21 @@ def resolve_parts(source: PathLike | Sequence[PathLike]) -> list[str]:
     parts = [part for item in source for part in resolve_parts(item)]
     if not parts:
         raise FormatError("no dataset parts given")
+    repeated = _first_repeated(parts)
+    if repeated is not None:
+        raise FormatError(f"{repeated}: given twice; each part may appear only once")
+    return parts
+
+
+def _first_repeated(parts: Sequence[str]) -> str | None:
+    """The first part that names (through any path) a directory named earlier, if any."""
     seen: set[str] = set()
     for part in parts:
         real = os.path.realpath(part)
         if real in seen:
-            raise FormatError(f"{part}: given twice; each part may appear only once")
+            return part
         seen.add(real)
-    return parts
+    return None
 
 
 def read_manifest(directory: str) -> list[str]:
@@ -74,7 +82,11 @@ def read_manifest(directory: str) -> list[str]:
     parts = document["parts"]
     if not isinstance(parts, list) or not parts or not all(isinstance(p, str) and p for p in parts):
         raise FormatError(f"{path}: 'parts' must be a non-empty list of paths")
-    return [os.path.normpath(os.path.join(directory, p)) for p in parts]
+    listed = [os.path.normpath(os.path.join(directory, p)) for p in parts]
+    repeated = _first_repeated(listed)
+    if repeated is not None:
+        raise FormatError(f"{path}: lists part {repeated} twice; each part may appear only once")
+    return listed
 
 
 def manifest_text(directory: str, parts: Sequence[str]) -> str:
@@ -167,9 +179,8 @@ class PartsReader:
         return self.parts.field(name)
 
     def sample_index(self, i: int) -> int:
-        if self._single is not None:
-            return self._single.sample_index(i)
-        return int(self.sample_indices([i])[0])
+        """Normalise ``i`` (see reader.normalise_index)."""
+        return normalise_index(i, self.parts.num_samples)
 
     def sample_indices(self, indices: Sequence[int] | NDArray[np.integer]) -> NDArray[np.int64]:
         """Normalise many indices at once; IndexError naming the first out of range."""

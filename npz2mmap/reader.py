@@ -12,6 +12,7 @@ import mmap
 import operator
 import os
 from collections.abc import Sequence
+from typing import SupportsIndex
 
 import numpy as np
 from numpy.typing import NDArray
@@ -67,12 +68,8 @@ class DatasetReader:
         return self.index.field_names
 
     def sample_index(self, i: int) -> int:
-        """Normalise ``i`` (negative counts from the end); IndexError when out of range."""
-        i = operator.index(i)
-        n = self.index.num_samples
-        if not -n <= i < n:
-            raise IndexError(f"sample index {i} is out of range for {n} samples")
-        return i + n if i < 0 else i
+        """Normalise ``i`` (see normalise_index)."""
+        return normalise_index(i, self.index.num_samples)
 
     def view(self, name: str, i: int) -> np.ndarray:
         """Sample ``i`` of field ``name`` as a read-only view of the mapping (no copy)."""
@@ -223,12 +220,55 @@ def _region(payload: NDArray[np.uint8], region: Region | None) -> NDArray[np.uin
     return payload[region.offset : region.end]
 
 
+def normalise_index(i: SupportsIndex, n: int) -> int:
+    """A sample index as an int in 0..n-1 (negatives count from the end).
+
+    Accepts Python and numpy integers; a bool (a mask to numpy), float or
+    anything else raises TypeError, and an index out of range IndexError,
+    however large (compared as Python ints, so nothing overflows).
+    """
+    if isinstance(i, (bool, np.bool_)):
+        raise TypeError(_not_an_integer(i))
+    try:
+        i = operator.index(i)
+    except TypeError:
+        raise TypeError(_not_an_integer(i)) from None
+    if not -n <= i < n:
+        raise IndexError(f"sample index {i} is out of range for {n} samples")
+    return i + n if i < 0 else i
+
+
+def _not_an_integer(i: object) -> str:
+    return f"sample index {i!r} is a {type(i).__name__}, not an integer"
+
+
 def normalise_indices(indices: Sequence[int] | NDArray[np.integer], n: int) -> NDArray[np.int64]:
-    """Indices as int64 in 0..n-1 (negatives count from the end); IndexError names the first out of range."""
-    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-    bad = np.flatnonzero((idx < -n) | (idx >= n))
+    """Many sample indices as int64 in 0..n-1, under the rules of normalise_index.
+
+    An array must have an integer dtype; a sequence is checked item by item
+    unless it holds only Python ints (the DataLoader's batches), which numpy
+    converts exactly. IndexError names the first index out of range.
+    """
+    if isinstance(indices, np.ndarray):
+        if indices.dtype.kind not in "iu":
+            raise TypeError(f"sample indices must be integers, not an array of {indices.dtype}")
+        return _within(indices.reshape(-1), n)
+    if not isinstance(indices, (list, tuple)):
+        indices = list(indices)
+    if all(type(i) is int for i in indices):
+        idx = np.asarray(indices)
+        if idx.dtype.kind in "iu":  # else empty, or beyond int64 (numpy made floats or objects)
+            return _within(idx, n)
+    return np.array([normalise_index(i, n) for i in indices], dtype=np.int64)
+
+
+def _within(idx: NDArray[np.integer], n: int) -> NDArray[np.int64]:
+    """Integer indices checked in their own dtype, so unsigned ones never wrap to negative."""
+    too_low = idx < -n if idx.dtype.kind == "i" else np.zeros(idx.shape, dtype=bool)
+    bad = np.flatnonzero(too_low | (idx >= n))
     if len(bad):
         raise IndexError(f"sample index {idx[bad[0]]} is out of range for {n} samples")
+    idx = idx.astype(np.int64, copy=False)
     return np.where(idx < 0, idx + n, idx)
 
 

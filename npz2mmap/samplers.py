@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import numpy as np
@@ -44,12 +45,21 @@ class BlockShuffleSampler(Sampler[int]):
 class LengthGroupedSampler(Sampler[list[int]]):
     """Batches of samples of similar length, in a new random order each epoch.
 
-    A batch sampler (``DataLoader(ds, batch_sampler=...)`` or
-    ``MmapLoader(ds, ..., sampler=...)`` flattened): samples are shuffled,
-    cut into pools of ``batch_size * pool_batches``, sorted by length within a
-    pool and cut into batches, and the batches are shuffled, so padding stays
-    small while order stays random. ``lengths`` comes from
-    ``MmapDataset.lengths(field)``. Every sample appears exactly once per epoch.
+    A batch sampler: samples are shuffled, cut into pools of ``batch_size *
+    pool_batches``, sorted by length within a pool and cut into batches, and
+    the batches are shuffled, so padding stays small while order stays random.
+    ``lengths`` comes from ``MmapDataset.lengths(field)`` (shapes of more than
+    one dimension are compared by element count). Every sample appears exactly
+    once per epoch; no samples give no batches. With a DataLoader, or without
+    worker processes::
+
+        from torch.utils.data import DataLoader
+        from npz2mmap import LengthGroupedSampler, MmapDataset, MmapLoader, PaddedCollate
+
+        ds = MmapDataset(path, fields=["tokens", "label"])
+        sampler = LengthGroupedSampler(ds.lengths("tokens"), batch_size=32)
+        loader = DataLoader(ds, batch_sampler=sampler, collate_fn=PaddedCollate())
+        no_workers = MmapLoader(ds, 32, batch_sampler=sampler, collate_fn=PaddedCollate())
     """
 
     def __init__(
@@ -63,7 +73,8 @@ class LengthGroupedSampler(Sampler[list[int]]):
     ) -> None:
         if batch_size < 1 or pool_batches < 1:
             raise ValueError("batch_size and pool_batches must be at least 1")
-        self.lengths = np.asarray(lengths).reshape(len(lengths), -1).prod(axis=1)
+        lengths = np.asarray(lengths)
+        self.lengths = lengths.reshape(len(lengths), math.prod(lengths.shape[1:])).prod(axis=1)
         self.batch_size = batch_size
         self.pool = batch_size * pool_batches
         self.drop_last = drop_last

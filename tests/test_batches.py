@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -119,6 +121,44 @@ def test_mmap_loader_drop_last_sampler_and_single_field(small_dataset) -> None:
     threaded = MmapLoader(ds, batch_size=4, shuffle=True, seed=9)
     unthreaded = MmapLoader(ds, batch_size=4, shuffle=True, seed=9, prefetch=0)
     assert [b.tolist() for b in threaded] == [b.tolist() for b in unthreaded]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize(
+    ("option", "indices", "error", "message"),
+    [
+        ("sampler", [1, 0.9, 2.5], TypeError, "sample index 0.9 is a float, not an integer"),
+        ("sampler", [True, 1], TypeError, "sample index True is a bool, not an integer"),
+        ("sampler", [[3, 1], [0, 2]], TypeError, "sample index [3, 1] is a list, not an integer"),
+        ("sampler", [0, 2**63], IndexError, "sample index 9223372036854775808 is out of range for 6 samples"),
+        ("batch_sampler", [[0.9, 1.9]], TypeError, "sample index 0.9 is a float, not an integer"),
+        (
+            "batch_sampler",
+            [np.array([1.0])],
+            TypeError,
+            "sample indices must be integers, not an array of float64",
+        ),
+        ("batch_sampler", [[-(2**64)]], IndexError, "sample index -18446744073709551616 is out of range"),
+    ],
+)
+def test_mmap_loader_refuses_samplers_that_yield_no_integers(
+    small_dataset, prefetch, option, indices, error, message
+) -> None:
+    """numpy used to truncate 0.9 to sample 0, and overflow on 2**63."""
+    ds = MmapDataset(small_dataset[0], fields="label")
+    loader = MmapLoader(ds, batch_size=2, prefetch=prefetch, **{option: indices})
+    with pytest.raises(error, match=re.escape(message)):
+        list(loader)
+
+
+def test_mmap_loader_batches_a_sampler_of_numpy_integers(small_dataset) -> None:
+    ds = MmapDataset(small_dataset[0], fields="label")
+    sampler = [np.int64(5), np.uint8(4), np.int32(-1), 3, 0]
+    assert [b.tolist() for b in MmapLoader(ds, batch_size=2, sampler=sampler)] == [[5, 4], [5, 3], [0]]
+    assert [b.tolist() for b in MmapLoader(ds, batch_size=2, sampler=sampler, drop_last=True)] == [
+        [5, 4],
+        [5, 3],
+    ]
 
 
 def test_mmap_loader_raises_errors_from_its_thread_and_stops_when_left(small_dataset, monkeypatch) -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +18,11 @@ import torch
 from conftest import assert_same_array, write_samples
 from torch.utils.data import DataLoader
 
+import npz2mmap.parts
 from npz2mmap import MmapDataset
 from npz2mmap.converter import convert
 from npz2mmap.errors import FormatError
+from npz2mmap.merge import merge
 
 
 def load_source(path: Path, key: str) -> np.ndarray:
@@ -65,7 +71,7 @@ def test_pickled_dataset_is_small_and_holds_no_mapping(small_dataset) -> None:
     state = pickle.dumps(ds)
     assert len(state) < 4096
     clone = pickle.loads(state)
-    assert clone._reader is None
+    assert clone._opened is None and clone._locks == {}
     assert np.array_equal(clone[4]["tokens"], ds[4]["tokens"])
 
 
@@ -222,3 +228,141 @@ def test_a_replaced_dataset_is_refused_even_when_its_blob_reuses_the_inode(tmp_p
         convert([tmp_path / f"v{value}"], out, overwrite=True, workers=1)
     with pytest.raises(FormatError, match="does not belong to the index read"):
         ds[0]
+
+
+@pytest.fixture(params=["one part", "two parts"])
+def labelled(request, small_dataset, tmp_path) -> MmapDataset:
+    """The six labels 0..5, read from one dataset or from two parts of it through a manifest."""
+    out, _ = small_dataset
+    if request.param == "two parts":
+        for k in range(2):
+            convert([tmp_path / "src"], tmp_path / "parts" / f"p{k}", part=(k, 2), workers=1)
+        merge(sorted((tmp_path / "parts").iterdir()), tmp_path / "parts")
+        out = tmp_path / "parts"
+    return MmapDataset(out, fields="label")
+
+
+@pytest.mark.parametrize("index", [2, -4, np.int64(2), np.uint8(2), np.int32(-4), np.array(2)])
+def test_integer_indices_of_every_kind_read_the_same_sample(labelled, index) -> None:
+    assert int(labelled[index]) == 2
+    assert labelled.__getitems__([index, 5]).arrays["label"].tolist() == [2, 5]
+
+
+@pytest.mark.parametrize(
+    ("index", "kind"),
+    [
+        (2.7, "float"),
+        (np.float64(2.0), "float64"),
+        ("1", "str"),
+        (None, "NoneType"),
+        (True, "bool"),
+        (np.bool_(False), "bool"),
+    ],
+)
+def test_an_index_that_is_not_an_integer_is_refused_naming_it(labelled, index, kind) -> None:
+    """ds[2.7] used to read sample 2 of a multi-part dataset; bools would be masks to numpy."""
+    message = f"sample index {index!r} is a {kind}, not an integer"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        labelled[index]
+    with pytest.raises(TypeError, match=re.escape(message)):
+        labelled.__getitems__([0, index])
+    with pytest.raises(TypeError, match=re.escape(message)):
+        MmapDataset(labelled.path, fields="label", transform=lambda x: x).__getitems__([0, index])
+
+
+@pytest.mark.parametrize(
+    ("indices", "dtype"),
+    [
+        (np.array([0.9, 1.9]), "float64"),
+        (np.array([True, False]), "bool"),
+        (np.array(["1"]), "<U1"),
+        (np.array([1, 2], dtype=object), "object"),
+        (np.array([], dtype=np.float32), "float32"),
+    ],
+)
+def test_index_arrays_must_have_an_integer_dtype(labelled, indices, dtype) -> None:
+    with pytest.raises(
+        TypeError, match=re.escape(f"sample indices must be integers, not an array of {dtype}")
+    ):
+        labelled.__getitems__(indices)
+    with pytest.raises(TypeError, match=re.escape(f"not an array of {dtype}")):
+        labelled.reader.gather("label", indices)
+
+
+@pytest.mark.parametrize("indices", [[0.9, 1.9], [1, 2.0], [np.float32(1)], [0, [1]]])
+def test_lists_holding_a_non_integer_are_refused(labelled, indices) -> None:
+    """numpy would truncate [0.9, 1.9] to samples 0 and 1."""
+    with pytest.raises(TypeError, match="sample index .* is a .*, not an integer"):
+        labelled.__getitems__(indices)
+
+
+@pytest.mark.parametrize("index", [6, -7, 2**63, -(2**63) - 1, 2**64, -(2**64), 10**100])
+def test_huge_indices_are_out_of_range_never_an_overflow(labelled, index) -> None:
+    message = f"sample index {index} is out of range for 6 samples"
+    with pytest.raises(IndexError, match=re.escape(message)):
+        labelled[index]
+    with pytest.raises(IndexError, match=re.escape(message)):
+        labelled.__getitems__([0, index])
+    with pytest.raises(IndexError, match=re.escape(message)):
+        labelled.__getitems__([index, -1])  # a list numpy would turn into float64
+
+
+def test_unsigned_index_arrays_are_checked_before_conversion(labelled) -> None:
+    """2**63 as uint64 must not wrap to a negative index that counts from the end."""
+    with pytest.raises(IndexError, match=re.escape("sample index 9223372036854775808 is out of range")):
+        labelled.__getitems__(np.array([1, 2**63], dtype=np.uint64))
+    assert labelled.__getitems__(np.array([5, 0], dtype=np.uint64)).arrays["label"].tolist() == [5, 0]
+    assert labelled.__getitems__(np.array([[1], [-1]], dtype=np.int8)).arrays["label"].tolist() == [1, 5]
+
+
+@pytest.mark.parametrize("empty", [[], (), np.array([], dtype=np.int64), range(0)])
+def test_an_empty_batch_of_indices_is_fine(labelled, empty) -> None:
+    assert len(labelled.__getitems__(empty)) == 0
+    assert labelled.reader.gather("label", empty).shape == (0,)
+
+
+def test_threads_opening_the_dataset_at_once_share_one_mapping(small_dataset, monkeypatch) -> None:
+    """MmapLoader's prefetch thread and the training loop may both touch ds.reader first.
+
+    While the main thread maps the blob, another thread asks for the reader;
+    it must wait for that mapping instead of making its own.
+    """
+    out, _ = small_dataset
+    ds = MmapDataset(out)
+    constructed: list[str] = []
+    others: list[threading.Thread] = []
+    seen_by_other: list[object] = []
+    real_reader = npz2mmap.parts.DatasetReader
+
+    def counting_reader(path, *args, **kwargs):
+        constructed.append(str(path))
+        if len(constructed) == 1:  # the first mapping is under way: another thread asks meanwhile
+            others.append(threading.Thread(target=lambda: seen_by_other.append(ds.reader)))
+            others[0].start()
+            others[0].join(timeout=1)  # it waits for us, when opening is locked
+        return real_reader(path, *args, **kwargs)
+
+    monkeypatch.setattr(npz2mmap.parts, "DatasetReader", counting_reader)
+    reader = ds.reader
+    others[0].join()
+    assert seen_by_other == [reader] and seen_by_other[0] is reader
+    assert constructed == [str(out)]
+    assert ds.reader is reader and int(ds[4]["label"]) == 4
+
+
+def _exit_with_label_two(ds: MmapDataset) -> None:
+    sys.exit(0 if int(ds[2]["label"]) == 2 else 1)
+
+
+def test_a_process_forked_while_the_dataset_is_being_opened_opens_it_too(small_dataset) -> None:
+    """The lock was copied held by a thread the child does not have: the child needs its own."""
+    out, _ = small_dataset
+    ds = MmapDataset(out)
+    with ds._opening_lock(os.getpid()):  # as if another thread were opening it at the fork
+        child = multiprocessing.get_context("fork").Process(target=_exit_with_label_two, args=(ds,))
+        child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    assert child.exitcode == 0

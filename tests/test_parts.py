@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -131,6 +132,24 @@ def test_parts_that_disagree_are_refused(tmp_path, sources) -> None:
     with pytest.raises(FormatError, match="given twice"):
         MmapDataset([tmp_path / "a", tmp_path / "a"])
     assert run("merge", tmp_path / "a", tmp_path / "b", "-o", tmp_path / "m").exit_code == 1
+
+
+@pytest.mark.parametrize("second", ["p0", "./p0", "link-to-p0"])
+def test_a_manifest_listing_a_part_twice_is_refused_naming_the_manifest(tmp_path, sources, second) -> None:
+    """FORMAT.md: no part may appear twice. Read twice, its samples would count double."""
+    for i in range(2):
+        convert([sources], tmp_path / "ds" / f"p{i}", part=(i, 2), workers=1)
+    (tmp_path / "ds" / "link-to-p0").symlink_to("p0")
+    manifest = tmp_path / "ds" / "manifest.json"
+    manifest.write_text(json.dumps({"format": "npz2mmap-parts", "version": 1, "parts": ["p0", "p1", second]}))
+    message = f"{manifest}: lists part {os.path.normpath(tmp_path / 'ds' / second)} twice; each part may appear only once"
+    with pytest.raises(FormatError, match=f"^{re.escape(message)}$"):
+        MmapDataset(tmp_path / "ds")
+    assert verify(tmp_path / "ds").problems == [message]
+    for command in (("inspect", tmp_path / "ds"), ("merge", tmp_path / "ds", "-o", tmp_path / "m", "--copy")):
+        result = run(*command)
+        assert (result.exit_code, result.output) == (1, f"Error: {message}\n"), command
+    assert not (tmp_path / "m").exists()
 
 
 def test_part_selection_and_its_errors(tmp_path, sources, monkeypatch) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import textwrap
 import warnings
 
 import numpy as np
@@ -204,3 +206,27 @@ def test_nested_collation_gives_one_jagged_tensor(ragged) -> None:
     assert batch["label"].tolist() == [2, 0, 1]
     through_workers = DataLoader(ds, batch_size=6, num_workers=2, collate_fn=PaddedCollate(nested=True))
     assert sum(len(b["tokens"].unbind()) for b in through_workers) == 12
+
+
+@pytest.mark.parametrize("lengths", [np.zeros(0, np.int64), np.zeros((0, 3), np.int64), np.zeros((0, 0))])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_length_grouped_sampler_over_no_samples_gives_no_batches(lengths, drop_last) -> None:
+    sampler = LengthGroupedSampler(lengths, batch_size=4, drop_last=drop_last)
+    assert len(sampler) == 0 and list(sampler) == []
+
+
+def test_the_length_grouped_sampler_docstring_example_runs(ragged) -> None:
+    """The example is taken from the docstring and run as it is written there."""
+    dataset, samples = ragged
+    doc = inspect.getdoc(LengthGroupedSampler)
+    assert doc is not None and "::\n\n" in doc
+    example = textwrap.dedent(doc.split("::\n\n", 1)[1])
+    namespace = {"path": dataset}
+    exec(example, namespace)
+    for name in ("loader", "no_workers"):
+        batches = list(namespace[name])
+        labels = [int(label) for batch in batches for label in batch["label"]]
+        assert sorted(labels) == list(range(len(LENGTHS))), name
+        for batch in batches:
+            for label, row, n in zip(batch["label"], batch["tokens"], batch["tokens_lengths"], strict=True):
+                assert row[:n].tolist() == samples[int(label)]["tokens"].tolist()
