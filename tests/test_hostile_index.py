@@ -1,9 +1,9 @@
-"""Forged indexes: numbers too large for numpy, deep dtypes, subarrays.
+"""Forged indexes and tables: numbers too large for numpy, deep dtypes, subarrays.
 
 Each dataset is forged as a forger would make it (the blob identity names the
-edited index), so the edit reaches validation. Every reader, ``verify``,
-``inspect`` and ``merge --copy`` must answer with a one-line FormatError,
-never another exception, never an output.
+edited index, table checksums match the edited tables), so the edit reaches
+validation. Every reader, ``verify``, ``inspect`` and ``merge --copy`` must
+answer with a one-line FormatError, never another exception, never an output.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import rewrite_index, write_npz
+from conftest import rewrite_blob, rewrite_index, write_npz
 
 from npz2mmap import MmapDataset
 from npz2mmap.cli import cli
@@ -30,6 +31,8 @@ from npz2mmap.verify import verify
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 GOLDEN_TEXT = (GOLDEN / "v2" / "index.json").read_text()
+POINTS_OFFSETS_OFFSET = 448  # the golden 'points' offsets table: 0, 0, 8, 24 as <i8
+POINTS_SHAPES_OFFSET = 512  # the golden 'points' shapes table: rows (0, 2), (1, 2), (2, 2) of <i8
 
 
 def run(*args: object):
@@ -145,6 +148,99 @@ def test_an_index_document_with_numbers_or_nesting_beyond_any_limit_is_a_format_
         parse_index(document, "test")
 
 
+def forge_points_shapes(dataset: Path, rows: list[list[int]]) -> None:
+    """Write rows into the 'points' shapes table and record the table's new checksum, as a forger can."""
+    table = np.array(rows, dtype="<i8").tobytes()
+    rewrite_blob(dataset, POINTS_SHAPES_OFFSET, table)
+    rewrite_index(dataset, lambda d: field(d, "points")["shapes"].update(crc32=zlib.crc32(table)))
+
+
+HUGE_ROWS = {
+    # Sample 0 is (0, 2) and 0 bytes long: rows of 0 elements, for numpy too large.
+    "(0, 2**62)": ([[0, 2**62], [1, 2], [2, 2]], f"(0, {2**62})"),
+    # The product wraps to 0 in int64 arithmetic.
+    "(2**32, 2**32)": ([[2**32, 2**32], [1, 2], [2, 2]], f"({2**32}, {2**32})"),
+    # inspect's length histogram spanned -2**63..2: an int64 overflow.
+    "(-2**63, 0)": ([[-(2**63), 0], [1, 2], [2, 2]], f"({-(2**63)}, 0)"),
+}
+
+
+@pytest.mark.parametrize("case", HUGE_ROWS, ids=list(HUGE_ROWS))
+def test_a_shapes_row_too_large_for_numpy_is_named_by_readers_verify_and_merge(tmp_path, case) -> None:
+    rows, shown = HUGE_ROWS[case]
+    dataset = golden_copy(tmp_path)
+    forge_points_shapes(dataset, rows)
+    reader = DatasetReader(dataset)  # opening reads no table
+    with pytest.raises(
+        FormatError, match=re.escape("field 'points' sample 0: tables are corrupt (bytes 0..0")
+    ):
+        reader.view("points", 0)
+    with np.load(GOLDEN / "src" / "1.npz") as source:
+        assert reader.view("points", 1).tobytes() == source["points"].astype("<f4").tobytes()
+    dataset_reader = MmapDataset(dataset)
+    with pytest.raises(FormatError, match="field 'points' sample 0: tables are corrupt"):
+        dataset_reader[0]
+    with pytest.raises(FormatError, match=re.escape(f"field 'points': sample 0 has shape {shown}")):
+        dataset_reader.lengths("points")
+    assert verify(dataset).problems == [
+        f"field 'points': sample 0 has shape {shown}, which no numpy array of 4-byte items can have"
+    ]
+    for command in (["merge", dataset, "-o", tmp_path / "merged", "--copy"], ["inspect", dataset]):
+        result = run(*command)
+        assert result.exit_code == 1, (command, result.output)
+        assert result.output == (
+            f"Error: {dataset}: field 'points': sample 0 has shape {shown}, which no numpy array of "
+            "4-byte items can have; run npz2mmap verify\n"
+        )
+    assert not (tmp_path / "merged").exists()
+
+
+def test_offsets_whose_int64_differences_wrap_are_reported_not_raised(tmp_path) -> None:
+    """Offsets 0, 2**63 - 4, -8, 24 differ by 2**63 - 4, 2**63 - 4 (wrapped) and 32, all matching the shapes."""
+    dataset = golden_copy(tmp_path)
+    offsets = np.array([0, 2**63 - 4, -8, 24], dtype="<i8").tobytes()
+    rewrite_blob(dataset, POINTS_OFFSETS_OFFSET, offsets)
+    rewrite_index(dataset, lambda d: field(d, "points")["offsets"].update(crc32=zlib.crc32(offsets)))
+    forge_points_shapes(dataset, [[2**61 - 1, 1], [2**61 - 1, 1], [4, 2]])
+    assert verify(dataset).problems == ["field 'points': offsets decrease at sample 1"]
+    with pytest.raises(FormatError, match="field 'points' sample 1: tables are corrupt"):
+        DatasetReader(dataset).view("points", 1)
+
+
+@pytest.mark.parametrize(
+    ("field_name", "table", "payload_offset"),
+    [("points", "shapes", POINTS_SHAPES_OFFSET), ("label", "sample_crc32", 320)],
+)
+def test_merge_copy_refuses_a_part_whose_table_checksum_fails(
+    tmp_path, field_name, table, payload_offset
+) -> None:
+    """Before, merge --copy built a dataset from the corrupt table, under a fresh checksum, and exited 0."""
+    dataset = golden_copy(tmp_path)
+    rewrite_blob(dataset, payload_offset, np.array([5, 2], dtype="<i8").tobytes())
+    result = run("merge", dataset, "-o", tmp_path / "merged", "--copy")
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {dataset}: field {field_name!r}: the {table} table is corrupt (checksum mismatch); "
+        "run npz2mmap verify\n"
+    )
+    assert not (tmp_path / "merged").exists()
+    assert verify(dataset).problems == [
+        f"field {field_name!r}: the {table} table is corrupt (checksum mismatch)"
+    ]
+
+
+def test_merge_copy_refuses_a_part_whose_offsets_and_shapes_disagree(tmp_path) -> None:
+    dataset = golden_copy(tmp_path)
+    forge_points_shapes(dataset, [[0, 2], [2, 2], [1, 2]])  # rows 1 and 2 swapped: 16 and 8 bytes
+    result = run("merge", dataset, "-o", tmp_path / "merged", "--copy")
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {dataset}: field 'points': shape x itemsize differs from the byte count at sample 1 "
+        "(shape (2, 2) of 4-byte items, 8 bytes); run npz2mmap verify\n"
+    )
+    assert not (tmp_path / "merged").exists()
+
+
 def test_a_data_file_that_is_a_directory_is_a_format_error(tmp_path) -> None:
     dataset = golden_copy(tmp_path)
     (dataset / "data.npy").unlink()
@@ -175,3 +271,13 @@ def test_records_nested_to_the_limit_convert_and_read_back_and_deeper_are_refuse
         f"{source}[x]: dtype nests records more than {MAX_DTYPE_DEPTH} levels deep, more than a dataset may hold"
     )
     assert not (tmp_path / "deep-out").exists()
+
+
+def test_a_shapes_row_too_large_for_numpy_is_a_format_error_in_dataloader_workers(tmp_path) -> None:
+    from torch.utils.data import DataLoader
+
+    dataset = golden_copy(tmp_path)
+    forge_points_shapes(dataset, HUGE_ROWS["(0, 2**62)"][0])
+    loader = DataLoader(MmapDataset(dataset, fields="points"), batch_size=None, num_workers=2)
+    with pytest.raises(FormatError, match=re.escape("field 'points' sample 0: tables are corrupt")):
+        list(loader)
