@@ -65,7 +65,7 @@ def read_manifest(directory: str) -> list[str]:
     try:
         with open(path, encoding="utf-8") as fp:
             document = json.load(fp)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: also too many digits
         raise FormatError(f"{path}: cannot read the manifest ({exc})") from None
     if not isinstance(document, dict) or document.get("format") != MANIFEST_FORMAT:
         raise FormatError(f"{path}: not an npz2mmap manifest (format {MANIFEST_FORMAT!r} expected)")

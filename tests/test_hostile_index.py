@@ -281,3 +281,19 @@ def test_a_shapes_row_too_large_for_numpy_is_a_format_error_in_dataloader_worker
     loader = DataLoader(MmapDataset(dataset, fields="points"), batch_size=None, num_workers=2)
     with pytest.raises(FormatError, match=re.escape("field 'points' sample 0: tables are corrupt")):
         list(loader)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"format": "npz2mmap-parts", "version": ' + "9" * 5000 + ', "parts": ["a"]}', "Exceeds the limit"),
+        ('{"format": "npz2mmap-parts", "version": 1, "parts": ' + "[" * 5000 + "]" * 5000 + "}", "recursion"),
+    ],
+    ids=["5000 digits", "nested 5000 deep"],
+)
+def test_a_manifest_with_a_huge_number_or_deep_nesting_is_a_format_error(tmp_path, text, message) -> None:
+    (tmp_path / "manifest.json").write_text(text)
+    with pytest.raises(FormatError, match=f"manifest.json: cannot read the manifest .*{message}"):
+        MmapDataset(tmp_path)
+    result = run("inspect", tmp_path)
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
