@@ -90,6 +90,7 @@ def _merge_by_copy(parts: Parts, out: str, overwrite: bool, progress: Progress) 
     publish.check_output(out, overwrite)
     reader = PartsReader(parts)
     plan = _plan_concatenation(reader)
+    skipped = _read_skipped(parts)
     with publish.output_lock(out):
         staging = publish.make_staging_dir(out)
         try:
@@ -100,7 +101,7 @@ def _merge_by_copy(parts: Parts, out: str, overwrite: bool, progress: Progress) 
                 np.concatenate([part.table(f.name, "sample_crc32") for part in reader.readers])
                 for f in plan.fields
             ]
-            writer.finish_dataset(staging, plan, crcs, _read_skipped(parts))
+            writer.finish_dataset(staging, plan, crcs, skipped)
             publish.publish(staging, out, overwrite)
         except OSError as exc:
             raise OutputError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from exc
@@ -109,7 +110,16 @@ def _merge_by_copy(parts: Parts, out: str, overwrite: bool, progress: Progress) 
 
 
 def _plan_concatenation(reader: PartsReader) -> Plan:
+    """Lay out the whole from the parts' tables, each checked first as verify checks it.
+
+    The new tables are built from the parts' (shapes re-planned, sample
+    checksums concatenated), so a damaged table would otherwise be copied
+    under a fresh checksum.
+    """
     parts = reader.parts
+    for part in reader.readers:
+        for name in part.field_names:
+            part.check_tables(name)
     modes = {index.mode for index in parts.indexes}
     if len(modes) > 1:
         raise FormatError(

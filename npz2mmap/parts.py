@@ -73,7 +73,7 @@ def read_manifest(directory: str) -> list[str]:
     try:
         with open(path, encoding="utf-8") as fp:
             document = json.load(fp)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: also too many digits
         raise FormatError(f"{path}: cannot read the manifest ({exc})") from None
     if not isinstance(document, dict) or document.get("format") != MANIFEST_FORMAT:
         raise FormatError(f"{path}: not an npz2mmap manifest (format {MANIFEST_FORMAT!r} expected)")
@@ -187,15 +187,13 @@ class PartsReader:
         return normalise_indices(indices, self.parts.num_samples)
 
     def shapes(self, name: str) -> NDArray[np.int64]:
-        """Every sample's shape of a field, (num_samples, ndim), from the tables only."""
+        """Every sample's shape of a field, (num_samples, ndim), from the tables only.
+
+        The whole tables are checked first (as verify checks them), so every
+        shape returned is one numpy can make; FormatError names the part otherwise.
+        """
         info = self.field(name)
-        pieces = []
-        for reader in self.readers:
-            field = reader.index.field(name)
-            if field.shape is not None:
-                pieces.append(np.tile(np.array(field.shape, dtype=np.int64), (len(reader), 1)))
-            else:
-                pieces.append(np.asarray(reader.table(name, "shapes"), dtype=np.int64))
+        pieces = [reader.shapes(name) for reader in self.readers]
         return np.concatenate(pieces) if pieces else np.zeros((0, info.ndim), dtype=np.int64)
 
     def view(self, name: str, i: int) -> np.ndarray:

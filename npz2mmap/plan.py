@@ -24,12 +24,14 @@ from .spec import (
     BLOB_HEADER_NBYTES,
     CRC_DTYPE,
     IDENTITY_NBYTES,
+    MAX_DTYPE_DEPTH,
     MAX_NDIM,
     MAX_PAYLOAD_NBYTES,
     OFFSET_DTYPE,
     SHAPE_DTYPE,
     Region,
     checked_nbytes,
+    dtype_depth,
     representable_nbytes,
     storage_dtype,
 )
@@ -97,6 +99,11 @@ class _FieldCollector:
             raise SourceError(
                 f"{path}[{header.key}]: a {self.ndim}-d array leaves no room for the sample axis "
                 f"(numpy allows {MAX_NDIM} dimensions)"
+            )
+        if dtype_depth(self.dtype) > MAX_DTYPE_DEPTH:
+            raise SourceError(
+                f"{path}[{header.key}]: dtype nests records more than {MAX_DTYPE_DEPTH} levels deep, "
+                "more than a dataset may hold"
             )
 
     def add(self, header: MemberHeader, path: str) -> None:

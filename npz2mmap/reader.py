@@ -7,10 +7,10 @@ the per-sample tables are views of the mapping, never parsed.
 
 from __future__ import annotations
 
-import math
 import mmap
 import operator
 import os
+import zlib
 from collections.abc import Sequence
 from typing import SupportsIndex
 
@@ -32,6 +32,8 @@ from .spec import (
     blob_header,
     blob_identity,
     load_index,
+    ragged_table_problem,
+    representable_nbytes,
 )
 
 ADVICE = {
@@ -85,6 +87,42 @@ class DatasetReader:
     def table(self, name: str, table: str) -> np.ndarray:
         """A per-sample table of a field ('sample_crc32', 'offsets', 'shapes') as a view."""
         return self._field(name).tables[table]
+
+    def table_problems(self, name: str) -> list[str]:
+        """How a field's tables break the format: checksum mismatches, else inconsistent ragged tables.
+
+        Reads every table (not the data): O(num_samples), which opening never is.
+        Shared by verify, which reports them, and readers that need whole
+        tables (merge, lengths), which refuse them.
+        """
+        f = self.index.field(name)
+        problems = [
+            f"the {table} table is corrupt (checksum mismatch)"
+            for table, region in f.tables().items()
+            if zlib.crc32(self.payload[region.offset : region.end].data) != region.crc32
+        ]
+        if not problems and f.ragged:
+            problem = ragged_table_problem(f, self.table(name, "offsets"), self.table(name, "shapes"))
+            problems += [problem] if problem else []
+        return problems
+
+    def shapes(self, name: str) -> NDArray[np.int64]:
+        """Every sample's shape of a field, (num_samples, ndim), from the index or tables only.
+
+        A ragged field's tables are checked whole first (table_problems), so
+        every shape returned is one numpy can make; FormatError otherwise.
+        """
+        f = self.index.field(name)
+        if f.shape is not None:
+            return np.tile(np.array(f.shape, dtype=np.int64), (len(self), 1))
+        self.check_tables(name)
+        return np.asarray(self.table(name, "shapes"), dtype=np.int64)
+
+    def check_tables(self, name: str) -> None:
+        """Raise FormatError, naming the dataset and field, if table_problems finds any."""
+        problems = self.table_problems(name)
+        if problems:
+            raise FormatError(f"{self.path}: field {name!r}: {problems[0]}; run npz2mmap verify")
 
     def _field(self, name: str) -> _FieldView:
         try:
@@ -193,9 +231,10 @@ class _FieldView:
         offsets = self.offsets[first : first + count + 1]
         shape = tuple(int(d) for d in shapes[0]) if count else (0,) * self.field.ndim
         start, end = int(offsets[0]), int(offsets[-1])
-        row_nbytes = math.prod(shape) * self.field.dtype.itemsize
+        row_nbytes = representable_nbytes(shape, self.field.dtype.itemsize)
         if (
-            not self._extent_is_valid(start, end, (count, *shape))
+            row_nbytes is None
+            or not self._extent_is_valid(start, end, (count, *shape))
             or (shapes != shapes[:1]).any()
             or (np.diff(offsets) != row_nbytes).any()
         ):
@@ -206,12 +245,12 @@ class _FieldView:
         return self.data[start:end].view(self.field.dtype).reshape(count, *shape)
 
     def _extent_is_valid(self, start: int, end: int, shape: tuple[int, ...]) -> bool:
-        """Tables are checked per access, so opening never scans them."""
-        count = 1
-        for dim in shape:
-            count *= dim
-        in_bounds = 0 <= start <= end <= len(self.data)
-        return in_bounds and min(shape) >= 0 and end - start == count * self.field.dtype.itemsize
+        """Bytes ``start..end`` of the data hold an array of ``shape`` that numpy can make.
+
+        Tables are checked per access, in Python ints, so opening never scans them.
+        """
+        nbytes = representable_nbytes(shape, self.field.dtype.itemsize)
+        return nbytes is not None and 0 <= start <= end <= len(self.data) and end - start == nbytes
 
 
 def _region(payload: NDArray[np.uint8], region: Region | None) -> NDArray[np.uint8]:

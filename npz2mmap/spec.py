@@ -1,4 +1,4 @@
-"""The on-disk format, version 1: constants, the index model and its validation.
+"""The on-disk format, version 2: constants, the index model and its validation.
 
 This module is the only place that builds or parses ``index.json`` and the
 blob header; ``docs/FORMAT.md`` states the same rules in prose.  The writer,
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from .errors import FormatError, Npz2mmapError
 
@@ -53,6 +54,12 @@ MAX_NBYTES = (1 << 63) - 1
 MAX_NDIM = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
 # data.npy is at most MAX_NBYTES long (the largest file offset, too).
 MAX_PAYLOAD_NBYTES = MAX_NBYTES - BLOB_HEADER_NBYTES
+# Every number in an index is at most MAX_NBYTES, which has 19 digits; longer
+# numbers are refused before Python converts them (which is quadratic, and
+# past 4300 digits a ValueError).
+MAX_INT_DIGITS = len(str(MAX_NBYTES))
+# numpy (and our own parsing) recurses once per level of nested records.
+MAX_DTYPE_DEPTH = 32
 
 FIXED = "fixed"
 RAGGED = "ragged"
@@ -95,7 +102,7 @@ class Field:
         """Bytes per sample of a fixed field."""
         if self.shape is None:
             raise FormatError(f"field {self.name!r} is ragged and has no stride")
-        return _prod(self.shape) * self.dtype.itemsize
+        return checked_nbytes(self.shape, self.dtype.itemsize, f"field {self.name!r}")
 
     def tables(self) -> dict[str, Region]:
         named = {"sample_crc32": self.sample_crc32, "offsets": self.offsets, "shapes": self.shapes}
@@ -133,16 +140,18 @@ class Index:
         return tuple(f.name for f in self.fields)
 
 
-def _prod(shape: tuple[int, ...]) -> int:
-    result = 1
-    for dim in shape:
-        result *= dim
-    return result
-
-
 def brief(value: Any, limit: int = 240) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for messages quoting what a file holds."""
-    text = repr(value)
+    """``repr(value)`` cut to ``limit`` characters, for messages quoting what a file holds.
+
+    Safe for any value decoded from a file: an int too long to print is
+    described by its size, and so is a structure too deep to print.
+    """
+    if type(value) is int and value.bit_length() > 128:
+        return f"a {value.bit_length()}-bit integer"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        return f"a {type(value).__name__} too large to show"
     return text if len(text) <= limit else f"{text[:limit]}..."
 
 
@@ -178,6 +187,53 @@ def checked_nbytes(
             f"{MAX_NDIM} dimensions, and under 2**63 bytes even with its zero-length axes taken as 1)"
         )
     return nbytes
+
+
+def representable_row_nbytes(shapes: NDArray[np.int64], itemsize: int) -> NDArray[np.int64]:
+    """representable_nbytes of every row of a shapes table, -1 for a row numpy cannot make.
+
+    Vectorised without ever wrapping: a float estimate (zero dimensions taken
+    as 1, as numpy does) picks the rows whose exact product surely fits in
+    int64; the others, rare and only in a damaged table, are computed exactly
+    in Python ints.
+    """
+    shapes = np.asarray(shapes, dtype=np.int64)
+    negative = (shapes < 0).any(axis=1)
+    estimate = np.prod(np.maximum(shapes, 1).astype(np.float64), axis=1) * itemsize
+    surely_fits = ~negative & (estimate < 2.0**62)  # float error is far below a factor of 2
+    nbytes = np.full(len(shapes), -1, dtype=np.int64)
+    nbytes[surely_fits] = np.prod(shapes[surely_fits], axis=1) * itemsize
+    for i in np.flatnonzero(~surely_fits & ~negative):
+        exact = representable_nbytes([int(d) for d in shapes[i]], itemsize)
+        nbytes[i] = -1 if exact is None else exact
+    return nbytes
+
+
+def ragged_table_problem(f: Field, offsets: NDArray[np.int64], shapes: NDArray[np.int64]) -> str | None:
+    """How a ragged field's offsets and shapes tables break the format's rules, or None.
+
+    ``offsets`` run from 0 to the data size without decreasing, and every
+    sample's shape is one numpy can make whose byte size is its offsets'
+    difference. The checks readers make per access, over the whole table.
+    """
+    if offsets[0] != 0 or offsets[-1] != f.data.nbytes:
+        return f"offsets run from {offsets[0]} to {offsets[-1]}, expected 0 to {f.data.nbytes}"
+    decreasing = offsets[1:] < offsets[:-1]  # compared, not subtracted: a difference could wrap
+    if decreasing.any():
+        return f"offsets decrease at sample {int(np.argmax(decreasing))}"
+    sizes = np.diff(offsets)  # all offsets lie in 0..data.nbytes now
+    nbytes = representable_row_nbytes(shapes, f.dtype.itemsize)
+    mismatched = np.flatnonzero(nbytes != sizes)
+    if not len(mismatched):
+        return None
+    i = int(mismatched[0])
+    shape = tuple(int(d) for d in shapes[i])
+    if nbytes[i] < 0:
+        return f"sample {i} has shape {shape}, which no numpy array of {f.dtype.itemsize}-byte items can have"
+    return (
+        f"shape x itemsize differs from the byte count at sample {i} "
+        f"(shape {shape} of {f.dtype.itemsize}-byte items, {int(sizes[i])} bytes)"
+    )
 
 
 def storage_dtype(dtype: np.dtype) -> np.dtype:
@@ -228,18 +284,51 @@ def dtype_to_json(dtype: np.dtype) -> Any:
 
 
 def dtype_from_json(value: Any, where: str) -> np.dtype:
-    """Parse a stored dtype; refuse anything not little-endian, sized and pickle-free."""
+    """Parse a stored dtype; refuse anything not little-endian, sized and pickle-free.
+
+    Records nested more than MAX_DTYPE_DEPTH levels are refused before numpy
+    recurses into them, and so is a subarray dtype, which the converter never
+    stores: a field's shape is in ``shape``, its dtype describes one element.
+    """
+    if _record_depth(value) > MAX_DTYPE_DEPTH:
+        raise FormatError(f"{where}: dtype nests records more than {MAX_DTYPE_DEPTH} levels deep")
     try:
         dtype = np.lib.format.descr_to_dtype(_descr_from_json(value))
-    except (TypeError, ValueError, KeyError, IndexError) as exc:
-        raise FormatError(f"{where}: dtype {value!r} is not a valid numpy descr ({exc})") from None
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+        raise FormatError(f"{where}: dtype {brief(value)} is not a valid numpy descr ({exc})") from None
     if dtype.hasobject:
-        raise FormatError(f"{where}: dtype {value!r} holds Python objects, which are never stored")
+        raise FormatError(f"{where}: dtype {brief(value)} holds Python objects, which are never stored")
+    if dtype.subdtype is not None:
+        raise FormatError(
+            f"{where}: dtype {brief(value)} is a subarray dtype; a field's shape belongs in 'shape'"
+        )
     if dtype.itemsize == 0:
-        raise FormatError(f"{where}: dtype {value!r} has no size")
+        raise FormatError(f"{where}: dtype {brief(value)} has no size")
     if storage_dtype(dtype) != dtype:
-        raise FormatError(f"{where}: dtype {value!r} is not little-endian")
+        raise FormatError(f"{where}: dtype {brief(value)} is not little-endian")
     return dtype
+
+
+def _record_depth(value: Any) -> int:
+    """How deeply records nest in a JSON descr, counted without recursion and stopping past the limit."""
+    depth, level = 0, [value]
+    while level and depth <= MAX_DTYPE_DEPTH:
+        records = [item for item in level if isinstance(item, list)]
+        depth += bool(records)
+        entries = [entry for record in records for entry in record if isinstance(entry, list)]
+        level = [entry[1] for entry in entries if len(entry) > 1]
+    return depth
+
+
+def dtype_depth(dtype: np.dtype) -> int:
+    """How deeply records nest in ``dtype`` (0 for a plain dtype), as _record_depth counts a descr."""
+    depth, level = 0, [dtype]
+    while level and depth <= MAX_DTYPE_DEPTH:
+        level = [d.subdtype[0] if d.subdtype is not None else d for d in level]
+        records = [d.fields for d in level if d.fields is not None]
+        depth += bool(records)
+        level = [entry[0] for fields in records for entry in fields.values()]
+    return depth
 
 
 def _descr_from_json(value: Any) -> Any:
@@ -323,22 +412,44 @@ def load_index(dataset_dir: str | os.PathLike[str]) -> Index:
         raise FormatError(f"{path}: cannot read ({exc.strerror})") from None
     if len(raw) > MAX_INDEX_NBYTES:
         raise FormatError(f"{path}: larger than {MAX_INDEX_NBYTES} bytes; not a valid index")
+    return dataclasses.replace(parse_index(decode_json(raw, path), path), digest=index_digest(raw))
+
+
+class _TooManyDigits(ValueError):
+    pass
+
+
+def _bounded_int(text: str) -> int:
+    """json's int parser with the digits bounded first: longer numbers are never converted."""
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise _TooManyDigits(digits)
+    return int(text)
+
+
+def decode_json(raw: bytes, where: str) -> Any:
+    """The JSON value of ``raw``; FormatError if it is not UTF-8 JSON, nests too deeply
+    or holds an integer of more than MAX_INT_DIGITS digits."""
     try:
-        document = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{path}: not valid JSON ({exc})") from None
+        return json.loads(raw.decode("utf-8"), parse_int=_bounded_int)
+    except _TooManyDigits as exc:
+        raise FormatError(
+            f"{where}: holds an integer of {exc.args[0]} digits; no number in an index has more "
+            f"than {MAX_INT_DIGITS}"
+        ) from None
+    except ValueError as exc:  # also UnicodeDecodeError and json.JSONDecodeError
+        raise FormatError(f"{where}: not valid JSON ({exc})") from None
     except RecursionError:
-        raise FormatError(f"{path}: JSON nested too deeply") from None
-    return dataclasses.replace(parse_index(document, path), digest=index_digest(raw))
+        raise FormatError(f"{where}: JSON nested too deeply") from None
 
 
 def parse_index(document: Any, where: str) -> Index:
     """Validate a decoded index document and build the Index it describes."""
     doc = _Obj(document, where)
     name = doc.get("format", str)
-    version = doc.get("version", int)
+    version = doc.get("version", int, minimum=0)
     if name != FORMAT_NAME:
-        raise FormatError(f"{where}: format is {name!r}, expected {FORMAT_NAME!r}")
+        raise FormatError(f"{where}: format is {brief(name)}, expected {FORMAT_NAME!r}")
     if version not in SUPPORTED_VERSIONS:
         supported = ", ".join(str(v) for v in sorted(SUPPORTED_VERSIONS))
         advice = "convert the sources again" if version < FORMAT_VERSION else "upgrade npz2mmap"
@@ -353,12 +464,13 @@ def parse_index(document: Any, where: str) -> Index:
         raise FormatError(
             f"{where}: align must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, found {align}"
         )
-    payload_nbytes = doc.get("payload_nbytes", int, minimum=0)
+    payload_nbytes = doc.get("payload_nbytes", int, minimum=0, maximum=MAX_PAYLOAD_NBYTES)
     provenance = _Obj(doc.get("provenance", dict), f"{where}: provenance")
     provenance.require_keys({"tool", "tool_version", "mode", "num_sources", "num_skipped", "part"})
+    provenance.get("tool", str)
     mode = provenance.get("mode", str)
     if mode not in MODES:
-        raise FormatError(f"{where}: provenance mode {mode!r} is not one of {sorted(MODES)}")
+        raise FormatError(f"{where}: provenance mode {brief(mode)} is not one of {sorted(MODES)}")
     fields = tuple(
         _parse_field(item, num_samples, f"{where}: fields[{i}]")
         for i, item in enumerate(doc.get("fields", list))
@@ -386,7 +498,7 @@ def _parse_part(value: Any, where: str) -> tuple[int, int] | None:
     if value is None:
         return None
     if not isinstance(value, list) or len(value) != 2:
-        raise FormatError(f"{where} must be null or [i, n], found {value!r}")
+        raise FormatError(f"{where} must be null or [i, n], found {brief(value)}")
     i, n = (_as_int(v, where, minimum=0) for v in value)
     if not i < n:
         raise FormatError(f"{where}: part {i} of {n} does not exist")
@@ -396,16 +508,21 @@ def _parse_part(value: Any, where: str) -> tuple[int, int] | None:
 def _parse_field(document: Any, num_samples: int, where: str) -> Field:
     doc = _Obj(document, where)
     name = doc.get("name", str)
-    where = f"{where} ({name!r})"
+    where = f"{where} ({brief(name)})"
     doc = _Obj(document, where)
     kind = doc.get("kind", str)
     dtype = dtype_from_json(doc.get("dtype", (str, list)), where)
     ndim = doc.get("ndim", int, minimum=0)
+    if ndim >= MAX_NDIM:
+        raise FormatError(
+            f"{where}: ndim {ndim} leaves no room for the sample axis (numpy allows {MAX_NDIM} dimensions)"
+        )
     if kind == FIXED:
         doc.require_keys({"name", "kind", "dtype", "ndim", "cast", "shape", "data", "sample_crc32"})
-        shape = tuple(_as_int(v, f"{where}: shape", minimum=0) for v in doc.get("shape", list))
-        if len(shape) != ndim:
-            raise FormatError(f"{where}: shape {list(shape)} does not have ndim {ndim}")
+        listed = doc.get("shape", list)
+        if len(listed) != ndim:
+            raise FormatError(f"{where}: shape {brief(listed)} does not have ndim {ndim}")
+        shape = tuple(_as_int(v, f"{where}: shape", minimum=0) for v in listed)
         offsets = shapes = None
     elif kind == RAGGED:
         doc.require_keys(
@@ -417,7 +534,7 @@ def _parse_field(document: Any, num_samples: int, where: str) -> Field:
         offsets = _parse_region(doc.get("offsets", dict), f"{where}: offsets", table=True)
         shapes = _parse_region(doc.get("shapes", dict), f"{where}: shapes", table=True)
     else:
-        raise FormatError(f"{where}: kind is {kind!r}, expected {FIXED!r} or {RAGGED!r}")
+        raise FormatError(f"{where}: kind is {brief(kind)}, expected {FIXED!r} or {RAGGED!r}")
     f = Field(
         name=name,
         dtype=dtype,
@@ -437,16 +554,19 @@ def _parse_region(document: Any, where: str, table: bool) -> Region:
     doc = _Obj(document, where)
     doc.require_keys({"offset", "nbytes", "crc32"} if table else {"offset", "nbytes"})
     crc = doc.get("crc32", int, minimum=0, maximum=0xFFFFFFFF) if table else None
-    return Region(doc.get("offset", int, minimum=0), doc.get("nbytes", int, minimum=0), crc)
+    bound = {"minimum": 0, "maximum": MAX_PAYLOAD_NBYTES}
+    return Region(doc.get("offset", int, **bound), doc.get("nbytes", int, **bound), crc)
 
 
 def _check_region_sizes(f: Field, num_samples: int, where: str) -> None:
-    expected = {"sample_crc32": num_samples * CRC_DTYPE.itemsize}
+    """Each region holds what num_samples samples need, as arrays numpy can make."""
+    expected = {"sample_crc32": checked_nbytes((num_samples,), CRC_DTYPE.itemsize, f"{where}: sample_crc32")}
     if f.shape is not None:
-        expected["data"] = num_samples * f.stride
+        # Readers view the data as one (num_samples, *shape) array.
+        expected["data"] = checked_nbytes((num_samples, *f.shape), f.dtype.itemsize, f"{where}: all samples")
     else:
-        expected["offsets"] = (num_samples + 1) * OFFSET_DTYPE.itemsize
-        expected["shapes"] = num_samples * f.ndim * SHAPE_DTYPE.itemsize
+        expected["offsets"] = checked_nbytes((num_samples + 1,), OFFSET_DTYPE.itemsize, f"{where}: offsets")
+        expected["shapes"] = checked_nbytes((num_samples, f.ndim), SHAPE_DTYPE.itemsize, f"{where}: shapes")
     regions = {"data": f.data, **f.tables()}
     for name, nbytes in expected.items():
         if regions[name].nbytes != nbytes:
@@ -503,7 +623,7 @@ class _Obj:
         if extra:
             raise FormatError(f"{self.where}: unexpected key(s) {', '.join(extra)}")
 
-    def get(self, key: str, kind: Any, minimum: int | None = None, maximum: int | None = None) -> Any:
+    def get(self, key: str, kind: Any, minimum: int | None = None, maximum: int = MAX_NBYTES) -> Any:
         if key not in self.value:
             raise FormatError(f"{self.where}: missing key(s) {key}")
         value = self.value[key]
@@ -515,11 +635,12 @@ class _Obj:
         return value
 
 
-def _as_int(value: Any, where: str, minimum: int | None = None, maximum: int | None = None) -> int:
+def _as_int(value: Any, where: str, minimum: int | None = None, maximum: int = MAX_NBYTES) -> int:
+    """An int of the index; none is larger than MAX_NBYTES (a count, a size or an offset)."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise FormatError(f"{where} must be an integer, found {type(value).__name__}")
     if minimum is not None and value < minimum:
-        raise FormatError(f"{where} must be at least {minimum}, found {value}")
-    if maximum is not None and value > maximum:
-        raise FormatError(f"{where} must be at most {maximum}, found {value}")
+        raise FormatError(f"{where} must be at least {minimum}, found {brief(value)}")
+    if value > maximum:
+        raise FormatError(f"{where} must be at most {maximum}, found {brief(value)}")
     return value

@@ -43,19 +43,11 @@ def _describe_field(info: FieldInfo, readers: list[DatasetReader]) -> dict[str, 
     if info.shape is not None:
         out["shape"] = list(info.shape)
         return out
-    ranges = [_shape_range(r, info.name) for r in readers if len(r)]
-    out["min_shape"] = np.min([lo for lo, _ in ranges], axis=0).tolist() if ranges else []
-    out["max_shape"] = np.max([hi for _, hi in ranges], axis=0).tolist() if ranges else []
-    lengths = np.concatenate([_first_dims(r, info.name) for r in readers])
-    out["lengths"] = length_distribution(lengths) if len(lengths) else {}
+    shapes = [r.shapes(info.name) for r in readers if len(r)]  # tables checked whole
+    out["min_shape"] = np.min([s.min(axis=0) for s in shapes], axis=0).tolist() if shapes else []
+    out["max_shape"] = np.max([s.max(axis=0) for s in shapes], axis=0).tolist() if shapes else []
+    out["lengths"] = length_distribution(np.concatenate([s[:, 0] for s in shapes])) if shapes else {}
     return out
-
-
-def _first_dims(reader: DatasetReader, name: str) -> NDArray[np.int64]:
-    field = reader.index.field(name)
-    if field.shape is not None:
-        return np.full(len(reader), field.shape[0], dtype=np.int64)
-    return np.asarray(reader.table(name, "shapes")[:, 0], dtype=np.int64)
 
 
 def length_distribution(lengths: NDArray[np.int64], bins: int = 10) -> dict[str, Any]:
@@ -71,15 +63,6 @@ def length_distribution(lengths: NDArray[np.int64], bins: int = 10) -> dict[str,
         "mean": float(lengths.mean()),
         "histogram": {"counts": counts.tolist(), "edges": edges.tolist()},
     }
-
-
-def _shape_range(reader: DatasetReader, name: str) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
-    field = reader.index.field(name)
-    if field.shape is not None:
-        shape = np.array(field.shape, dtype=np.int64)
-        return shape, shape
-    shapes = reader.table(name, "shapes")
-    return shapes.min(axis=0), shapes.max(axis=0)
 
 
 def describe_sample(path: str | os.PathLike[str], i: int) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from npz2mmap import spec
 from npz2mmap.converter import convert
 
 
@@ -34,6 +36,30 @@ def assert_same_array(stored: np.ndarray, source: np.ndarray) -> None:
 
 def blob_bytes(dataset: Path) -> bytes:
     return (dataset / "data.npy").read_bytes()
+
+
+def rewrite_index(dataset: Path, edit: Callable[[Any], Any] | bytes) -> bytes:
+    """Replace ``dataset``'s index.json as a forger would: also the blob identity that names it.
+
+    ``edit`` changes the decoded document in place (or returns a new one), or
+    is the new index bytes. Returns the bytes written.
+    """
+    if isinstance(edit, bytes):
+        text = edit
+    else:
+        document = json.loads((dataset / spec.INDEX_NAME).read_text())
+        edited = edit(document)
+        text = json.dumps(document if edited is None else edited).encode()
+    (dataset / spec.INDEX_NAME).write_bytes(text)
+    rewrite_blob(dataset, 0, spec.blob_identity(spec.index_digest(text)))
+    return text
+
+
+def rewrite_blob(dataset: Path, payload_offset: int, data: bytes) -> None:
+    """Overwrite bytes of the blob's payload in place."""
+    with open(dataset / spec.BLOB_NAME, "r+b") as fp:
+        fp.seek(spec.BLOB_HEADER_NBYTES + payload_offset)
+        fp.write(data)
 
 
 @pytest.fixture
