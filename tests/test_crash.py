@@ -107,10 +107,19 @@ def test_kill_9_during_overwrite_leaves_the_old_or_the_new_dataset(
     assert DatasetReader(out).field_names in {("old",), ("n", "x")}
 
 
+def wait_for_staging(parent: Path, process: subprocess.Popen, seconds: float = 60) -> None:
+    """Until the conversion has begun to write (its staging directory exists), however loaded the machine."""
+    deadline = time.monotonic() + seconds
+    while not any(p.name.startswith(".out.npz2mmap-tmp-") for p in parent.iterdir()):
+        assert process.poll() is None and time.monotonic() < deadline, "the conversion never began to write"
+        time.sleep(0.01)
+
+
 def test_ctrl_c_cleans_up_and_exits_non_zero(tmp_path, sources, duration) -> None:
     out = tmp_path / "out"
     process = start_convert(sources, out)
-    time.sleep(0.6 * duration)
+    wait_for_staging(tmp_path, process)
+    time.sleep(0.2 * duration)
     os.killpg(process.pid, signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     if process.returncode == 0:
