@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from . import fsutil
 from .errors import FormatError, Npz2mmapError
 
 FORMAT_NAME = "npz2mmap"
@@ -309,20 +310,33 @@ def _region_to_json(region: Region) -> dict[str, int]:
 # --- index.json: reading and validation ------------------------------------
 
 
+def read_regular_file(path: str, max_nbytes: int) -> bytes:
+    """The whole of a small regular file of a dataset (``index.json``, ``manifest.json``).
+
+    Opened without blocking and checked on the descriptor (fsutil.open_regular),
+    and never more than ``max_nbytes`` read, so a pipe, a device or a huge
+    file in its place is refused at once. Raises FormatError naming the file.
+    """
+    try:
+        with os.fdopen(fsutil.open_regular(path), "rb") as fp:
+            raw = fp.read(max_nbytes + 1)
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing; is this an npz2mmap dataset?") from None
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except fsutil.NotRegularFile as exc:
+        raise FormatError(f"{path}: {exc}") from None
+    if len(raw) > max_nbytes:
+        raise FormatError(f"{path}: larger than {max_nbytes} bytes; not a valid {os.path.basename(path)}")
+    return raw
+
+
 def load_index(dataset_dir: str | os.PathLike[str]) -> Index:
     """Read and fully validate ``index.json``; raise FormatError on the first problem."""
     path = os.path.join(os.fspath(dataset_dir), INDEX_NAME)
     if not os.path.isdir(dataset_dir):
         raise FormatError(f"{os.fspath(dataset_dir)}: not a directory")
-    try:
-        with open(path, "rb") as fp:
-            raw = fp.read(MAX_INDEX_NBYTES + 1)
-    except FileNotFoundError:
-        raise FormatError(f"{path}: missing; is this an npz2mmap dataset?") from None
-    except OSError as exc:
-        raise FormatError(f"{path}: cannot read ({exc.strerror})") from None
-    if len(raw) > MAX_INDEX_NBYTES:
-        raise FormatError(f"{path}: larger than {MAX_INDEX_NBYTES} bytes; not a valid index")
+    raw = read_regular_file(path, MAX_INDEX_NBYTES)
     try:
         document = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
