@@ -129,7 +129,9 @@ def run_bounded(driver: str, jobs: list) -> list[dict]:
         pytest.fail(f"hung (no answer in {TIMEOUT_SECONDS} s) on {started[-1] if started else 'start-up'}")
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     results = [line for line in lines if "started" not in line]
-    assert len(results) == len(jobs), f"died ({result.returncode}) after {lines[-1:]}: {result.stderr[-2000:]}"
+    assert len(results) == len(jobs), (
+        f"died ({result.returncode}) after {lines[-1:]}: {result.stderr[-2000:]}"
+    )
     return results
 
 
