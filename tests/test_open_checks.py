@@ -193,6 +193,29 @@ def test_replacing_a_dataset_or_manifest_whose_index_is_a_pipe_is_refused_withou
     assert (tree / "ds" / "index.json").is_fifo() and manifest.is_fifo()
 
 
+def test_provenance_files_are_read_no_further_than_the_index_allows(tmp_path, datasets) -> None:
+    """A gigabyte without a newline, or more lines than declared, stops the read at once."""
+    cases = []
+    for name, damage in [
+        ("sources.jsonl", lambda path: (os.truncate(path, 0), os.truncate(path, 1 << 30))),  # sparse NULs
+        ("sources.jsonl", lambda path: path.write_text(path.read_text() + '"extra"\n' * 100_000)),
+        ("skipped.jsonl", lambda path: path.write_text('{"path": "a", "reason": "b"}\n' * 100_000)),
+    ]:
+        case = tmp_path / f"case{len(cases)}"
+        shutil.copytree(datasets / "ds", case)
+        damage(case / name)
+        cases.append((case, case / name))
+    results = run_bounded(CLI_DRIVER, [["verify", str(case), "-q"] for case, _ in cases])
+    expected = [
+        "line 1 is longer than 65536 bytes",
+        "holds more than the 6 lines the index declares",
+        "holds more than the 0 lines the index declares",
+    ]
+    for (case, path), message, result in zip(cases, expected, results, strict=True):
+        assert result["exit_code"] == 1 and result["unexpected"] is None
+        assert result["output"] == f"{path}: {message}\nError: {case}: 1 problem(s) found\n"
+
+
 def _truncate(blob: Path) -> None:
     blob.write_bytes(blob.read_bytes()[:-64])
 
@@ -268,8 +291,8 @@ def test_a_manifest_is_read_with_bounds_and_checked_json_types(tmp_path, dataset
     cases = {
         "version true": (json.dumps({**document, "version": True}), "manifest version True or keys"),
         "version 1.0": (json.dumps({**document, "version": 1.0}), "manifest version 1.0 or keys"),
-        "nested": ("[" * 100_000 + "]" * 100_000, "not valid JSON"),
-        "long integer": ('{"version": ' + "9" * 5000 + "}", "not valid JSON (Exceeds the limit"),
+        "nested": ("[" * 100_000 + "]" * 100_000, "JSON"),
+        "long integer": ('{"version": ' + "9" * 5000 + "}", "digits"),
         "too large": (" " * (16 << 20) + json.dumps(document), "larger than 16777216 bytes"),
     }
     for name, (text, message) in cases.items():
