@@ -386,9 +386,11 @@ def warm(dataset: str, quiet: bool) -> None:
     where = (
         result.blob_paths[0] if len(result.blob_paths) == 1 else f"{dataset} ({len(result.blob_paths)} parts)"
     )
-    click.echo(
-        one_line(
-            f"{where}: {human_bytes(result.resident_nbytes)} of {human_bytes(result.blob_nbytes)} "
-            f"resident in the page cache ({result.fraction:.0%})"
+    if result.resident_nbytes is None:
+        shown = f"{human_bytes(result.blob_nbytes)} read; how much stays resident is unknown on this platform"
+    else:
+        shown = (
+            f"{human_bytes(result.resident_nbytes)} of {human_bytes(result.blob_nbytes)} "
+            f"resident in the page cache ({result.resident_nbytes / result.blob_nbytes:.0%})"
         )
-    )
+    click.echo(one_line(f"{where}: {shown}"))

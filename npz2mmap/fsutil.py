@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import io
 import mmap
 import os
 import stat
@@ -169,31 +170,51 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def resident_nbytes(path: str) -> int:
-    """How many bytes of a file are in the page cache now (mincore(2) over a mapping)."""
-    size = os.path.getsize(path)
+def resident_nbytes(fd: int, nbytes: int) -> int | None:
+    """How many of the first ``nbytes`` of an open file are in the page cache now.
+
+    mincore(2) over a read-only mapping of the descriptor; None where the
+    platform has no mincore (Windows) or does not support it here.
+    """
     mincore = _libc_function("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
     if mincore is None:
-        raise OSError(errno.ENOSYS, "mincore is not available here")
-    if size == 0:
+        return None
+    if nbytes == 0:
         return 0
-    pages = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
-    with open(path, "rb") as fp, mmap.mmap(fp.fileno(), size, access=mmap.ACCESS_READ) as mapping:
+    pages = np.zeros(-(-nbytes // mmap.PAGESIZE), dtype=np.uint8)
+    with mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ) as mapping:
         view = np.frombuffer(mapping, dtype=np.uint8)
-        status = mincore(view.ctypes.data, size, pages.ctypes.data)
+        status = mincore(view.ctypes.data, nbytes, pages.ctypes.data)
         del view
     if status != 0:
         code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code), path)
-    return min(size, int(np.count_nonzero(pages & 1)) * mmap.PAGESIZE)
+        if code in _UNSUPPORTED:
+            return None
+        raise OSError(code, os.strerror(code))
+    return min(nbytes, int(np.count_nonzero(pages & 1)) * mmap.PAGESIZE)
 
 
-def load_into_page_cache(path: str, on_progress: Callable[[int], None] | None = None) -> None:
-    """Read a file once, in large sequential chunks, so its pages are cached."""
-    chunk = bytearray(8 << 20)
-    with open(path, "rb", buffering=0) as fp:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fp.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        while count := fp.readinto(chunk):
+WARM_CHUNK_NBYTES = 8 << 20
+
+
+def load_into_page_cache(fd: int, nbytes: int, on_progress: Callable[[int], None] | None = None) -> int:
+    """Read the first ``nbytes`` of an open file once, sequentially, so its pages are cached.
+
+    Reads only through ``fd`` and never past ``nbytes``; returns how many
+    bytes were read, fewer only if the file was truncated meanwhile.
+    """
+    if hasattr(os, "posix_fadvise"):  # not on macOS or Windows
+        with contextlib.suppress(OSError):  # advice only: some file systems refuse it
+            os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_SEQUENTIAL)
+    chunk = memoryview(bytearray(min(WARM_CHUNK_NBYTES, nbytes)))
+    done = 0
+    with io.FileIO(fd, "r", closefd=False) as fp:
+        fp.seek(0)
+        while done < nbytes:
+            count = fp.readinto(chunk[: min(len(chunk), nbytes - done)])
+            if not count:
+                break
+            done += count
             if on_progress is not None:
                 on_progress(count)
+    return done

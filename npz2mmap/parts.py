@@ -18,12 +18,32 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .errors import FormatError
-from .reader import DatasetReader, as_raw, check_blob, copy_bytes, normalise_index, normalise_indices
-from .spec import BLOB_NAME, INDEX_NAME, Index, load_index
+from .reader import (
+    DatasetReader,
+    as_raw,
+    check_blob,
+    copy_bytes,
+    normalise_index,
+    normalise_indices,
+    open_regular,
+)
+from .spec import (
+    BLOB_NAME,
+    INDEX_NAME,
+    SKIPPED_NAME,
+    SOURCES_NAME,
+    Index,
+    brief,
+    decode_json,
+    load_index,
+    read_regular_file,
+)
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "npz2mmap-parts"
 MANIFEST_VERSION = 1
+# A manifest names parts by path: 16 MiB holds hundreds of thousands.
+MAX_MANIFEST_NBYTES = 16 << 20
 
 PathLike = str | os.PathLike[str]
 
@@ -42,7 +62,8 @@ def resolve_parts(source: PathLike | Sequence[PathLike]) -> list[str]:
     """The dataset directories a dataset path (or list of paths) stands for, in order."""
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        if os.path.isfile(os.path.join(path, MANIFEST_NAME)) and not os.path.exists(
+        # lexists, not isfile: a manifest.json that is a pipe or a device is read (and refused), not ignored.
+        if os.path.lexists(os.path.join(path, MANIFEST_NAME)) and not os.path.lexists(
             os.path.join(path, INDEX_NAME)
         ):
             return read_manifest(path)
@@ -70,15 +91,16 @@ def _first_repeated(parts: Sequence[str]) -> str | None:
 def read_manifest(directory: str) -> list[str]:
     """Parts listed by ``directory/manifest.json``; raises FormatError if it is malformed."""
     path = os.path.join(directory, MANIFEST_NAME)
-    try:
-        with open(path, encoding="utf-8") as fp:
-            document = json.load(fp)
-    except (OSError, ValueError, RecursionError) as exc:  # ValueError: also too many digits
-        raise FormatError(f"{path}: cannot read the manifest ({exc})") from None
+    document = decode_json(read_regular_file(path, MAX_MANIFEST_NBYTES), path)
     if not isinstance(document, dict) or document.get("format") != MANIFEST_FORMAT:
         raise FormatError(f"{path}: not an npz2mmap manifest (format {MANIFEST_FORMAT!r} expected)")
-    if document.get("version") != MANIFEST_VERSION or set(document) != {"format", "version", "parts"}:
-        raise FormatError(f"{path}: manifest version {document.get('version')!r} or keys not supported")
+    version = document.get("version")
+    if (
+        type(version) is not int
+        or version != MANIFEST_VERSION
+        or set(document) != {"format", "version", "parts"}
+    ):
+        raise FormatError(f"{path}: manifest version {brief(version)} or keys not supported")
     parts = document["parts"]
     if not isinstance(parts, list) or not parts or not all(isinstance(p, str) and p for p in parts):
         raise FormatError(f"{path}: 'parts' must be a non-empty list of paths")
@@ -87,6 +109,16 @@ def read_manifest(directory: str) -> list[str]:
     if repeated is not None:
         raise FormatError(f"{path}: lists part {repeated} twice; each part may appear only once")
     return listed
+
+
+def _check_provenance_files(dataset_dir: str) -> None:
+    """FormatError unless sources.jsonl and skipped.jsonl are regular files.
+
+    Opening a dataset reads neither, but every command that does must find
+    a file there, never a pipe that would block or a device without end.
+    """
+    for name in (SOURCES_NAME, SKIPPED_NAME):
+        os.close(open_regular(os.path.join(dataset_dir, name)))
 
 
 def manifest_text(directory: str, parts: Sequence[str]) -> str:
@@ -108,6 +140,7 @@ class Parts:
         self.all_indexes = [load_index(p) for p in self.all_paths]
         for path, index in zip(self.all_paths, self.all_indexes, strict=True):
             check_blob(os.path.join(path, BLOB_NAME), index)
+            _check_provenance_files(path)
         self.paths, self.indexes = _contributing(self.all_paths, self.all_indexes)
         self.fields = _agreeing_fields(self.paths, self.indexes)
         sizes = np.array([index.num_samples for index in self.indexes], dtype=np.int64)

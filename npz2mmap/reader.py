@@ -313,11 +313,22 @@ def _within(idx: NDArray[np.integer], n: int) -> NDArray[np.int64]:
 
 def check_blob(blob_path: str, index: Index) -> None:
     """Check a blob against its index without mapping it; FormatError if it does not match."""
+    os.close(open_blob(blob_path, index))
+
+
+def open_blob(blob_path: str, index: Index) -> int:
+    """A descriptor of the blob, checked against its index; the caller closes it.
+
+    Whatever is read through it is the file that was checked, even if the
+    path is replaced meanwhile. Raises FormatError if it does not match.
+    """
     fd = open_regular(blob_path)
     try:
         _check_blob(fd, blob_path, index)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
 def _map_blob(blob_path: str, index: Index, check_identity: bool = True) -> mmap.mmap:

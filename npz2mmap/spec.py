@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from . import fsutil
 from .errors import FormatError, Npz2mmapError
 
 FORMAT_NAME = "npz2mmap"
@@ -398,20 +399,33 @@ def _region_to_json(region: Region) -> dict[str, int]:
 # --- index.json: reading and validation ------------------------------------
 
 
+def read_regular_file(path: str, max_nbytes: int) -> bytes:
+    """The whole of a small regular file of a dataset (``index.json``, ``manifest.json``).
+
+    Opened without blocking and checked on the descriptor (fsutil.open_regular),
+    and never more than ``max_nbytes`` read, so a pipe, a device or a huge
+    file in its place is refused at once. Raises FormatError naming the file.
+    """
+    try:
+        with os.fdopen(fsutil.open_regular(path), "rb") as fp:
+            raw = fp.read(max_nbytes + 1)
+    except FileNotFoundError:
+        raise FormatError(f"{path}: missing; is this an npz2mmap dataset?") from None
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except fsutil.NotRegularFile as exc:
+        raise FormatError(f"{path}: {exc}") from None
+    if len(raw) > max_nbytes:
+        raise FormatError(f"{path}: larger than {max_nbytes} bytes; not a valid {os.path.basename(path)}")
+    return raw
+
+
 def load_index(dataset_dir: str | os.PathLike[str]) -> Index:
     """Read and fully validate ``index.json``; raise FormatError on the first problem."""
     path = os.path.join(os.fspath(dataset_dir), INDEX_NAME)
     if not os.path.isdir(dataset_dir):
         raise FormatError(f"{os.fspath(dataset_dir)}: not a directory")
-    try:
-        with open(path, "rb") as fp:
-            raw = fp.read(MAX_INDEX_NBYTES + 1)
-    except FileNotFoundError:
-        raise FormatError(f"{path}: missing; is this an npz2mmap dataset?") from None
-    except OSError as exc:
-        raise FormatError(f"{path}: cannot read ({exc.strerror})") from None
-    if len(raw) > MAX_INDEX_NBYTES:
-        raise FormatError(f"{path}: larger than {MAX_INDEX_NBYTES} bytes; not a valid index")
+    raw = read_regular_file(path, MAX_INDEX_NBYTES)
     return dataclasses.replace(parse_index(decode_json(raw, path), path), digest=index_digest(raw))
 
 
@@ -434,7 +448,7 @@ def decode_json(raw: bytes, where: str) -> Any:
         return json.loads(raw.decode("utf-8"), parse_int=_bounded_int)
     except _TooManyDigits as exc:
         raise FormatError(
-            f"{where}: holds an integer of {exc.args[0]} digits; no number in an index has more "
+            f"{where}: holds an integer of {exc.args[0]} digits; no number npz2mmap reads has more "
             f"than {MAX_INT_DIGITS}"
         ) from None
     except ValueError as exc:  # also UnicodeDecodeError and json.JSONDecodeError

@@ -76,7 +76,7 @@ USERS_DIRECTORIES = {
     ),
     "directory-named-index-json": (
         directory_named_index_json,
-        r"index\.json: cannot read \(Is a directory\)",
+        r"index\.json: a directory, not a regular file",
     ),
     "dataset-plus-foreign-file": (dataset_with_a_foreign_file, r"it also holds 'notes\.txt'"),
     "manifest-plus-foreign-dir": (
