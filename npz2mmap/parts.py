@@ -25,7 +25,6 @@ from .reader import (
     copy_bytes,
     normalise_index,
     normalise_indices,
-    open_regular,
 )
 from .spec import (
     BLOB_NAME,
@@ -36,6 +35,7 @@ from .spec import (
     brief,
     decode_json,
     load_index,
+    open_regular,
     read_regular_file,
 )
 

@@ -17,8 +17,7 @@ from numpy.typing import NDArray
 
 from .errors import FormatError
 from .plan import Plan
-from .reader import open_regular
-from .spec import SKIPPED_NAME, SOURCES_NAME, Index
+from .spec import SKIPPED_NAME, SOURCES_NAME, Index, open_regular
 
 MAX_LINE_NBYTES = 1 << 16
 

@@ -17,7 +17,6 @@ from typing import SupportsIndex
 import numpy as np
 from numpy.typing import NDArray
 
-from . import fsutil
 from .errors import FormatError
 from .spec import (
     BLOB_HEADER_NBYTES,
@@ -32,6 +31,7 @@ from .spec import (
     blob_header,
     blob_identity,
     load_index,
+    open_regular,
     ragged_table_problem,
     representable_nbytes,
 )
@@ -344,18 +344,6 @@ def _map_blob(blob_path: str, index: Index, check_identity: bool = True) -> mmap
         return mmap.mmap(fd, index.blob_nbytes, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)
-
-
-def open_regular(path: str) -> int:
-    """A read-only descriptor of a regular file (see fsutil.open_regular); FormatError otherwise."""
-    try:
-        return fsutil.open_regular(path)
-    except FileNotFoundError:
-        raise FormatError(f"{path}: missing") from None
-    except OSError as exc:
-        raise FormatError(f"{path}: cannot open ({exc.strerror})") from None
-    except fsutil.NotRegularFile as exc:
-        raise FormatError(f"{path}: {exc}") from None
 
 
 def _check_blob(fd: int, blob_path: str, index: Index, check_identity: bool = True) -> None:

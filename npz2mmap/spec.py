@@ -399,22 +399,32 @@ def _region_to_json(region: Region) -> dict[str, int]:
 # --- index.json: reading and validation ------------------------------------
 
 
-def read_regular_file(path: str, max_nbytes: int) -> bytes:
-    """The whole of a small regular file of a dataset (``index.json``, ``manifest.json``).
+def open_regular(path: str, missing: str = "missing") -> int:
+    """A read-only descriptor of a dataset file that must be a regular file.
 
     Opened without blocking and checked on the descriptor (fsutil.open_regular),
-    and never more than ``max_nbytes`` read, so a pipe, a device or a huge
-    file in its place is refused at once. Raises FormatError naming the file.
+    so a pipe or a device in its place is refused at once. Raises FormatError
+    naming the file; ``missing`` says what its absence means.
     """
     try:
-        with os.fdopen(fsutil.open_regular(path), "rb") as fp:
-            raw = fp.read(max_nbytes + 1)
+        return fsutil.open_regular(path)
     except FileNotFoundError:
-        raise FormatError(f"{path}: missing; is this an npz2mmap dataset?") from None
+        raise FormatError(f"{path}: {missing}") from None
     except OSError as exc:
-        raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
+        raise FormatError(f"{path}: cannot open ({exc.strerror or exc})") from None
     except fsutil.NotRegularFile as exc:
         raise FormatError(f"{path}: {exc}") from None
+
+
+def read_regular_file(path: str, max_nbytes: int) -> bytes:
+    """The whole of a small dataset file (``index.json``, ``manifest.json``), never more
+    than ``max_nbytes`` read, so a huge file in its place is refused; FormatError otherwise."""
+    fd = open_regular(path, missing="missing; is this an npz2mmap dataset?")
+    try:
+        with os.fdopen(fd, "rb") as fp:
+            raw = fp.read(max_nbytes + 1)
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if len(raw) > max_nbytes:
         raise FormatError(f"{path}: larger than {max_nbytes} bytes; not a valid {os.path.basename(path)}")
     return raw

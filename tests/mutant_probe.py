@@ -45,23 +45,27 @@ def no_collate(sample: Any) -> Any:
 
 def read_all(path: str) -> str:
     """A digest of every sample's bytes through 2 DataLoader workers, or what went wrong."""
+    opened = outcome(lambda: MmapDataset(path, transform=raw_bytes), "FormatError at open")
+    if not isinstance(opened, MmapDataset):
+        return opened
+    return outcome(lambda: digest_of(opened), "FormatError")
+
+
+def digest_of(ds: MmapDataset) -> str:
+    loader = DataLoader(ds, batch_size=None, num_workers=2, collate_fn=no_collate, timeout=STEP_SECONDS)
+    digest = hashlib.sha256()
+    for sample in loader:
+        for name in sorted(sample):
+            digest.update(repr(sample[name]).encode())
+    return "data:" + digest.hexdigest()
+
+
+def outcome(step: Any, format_error: str) -> Any:
+    """What ``step()`` returns, or a word for how it failed."""
     try:
-        ds = MmapDataset(path, transform=raw_bytes)
+        return step()
     except FormatError:
-        return "FormatError at open"
-    except Hang:
-        return "hang"
-    except BaseException as exc:  # noqa: BLE001 - the probe reports anything else as a crash
-        return f"crash:{type(exc).__name__}:{str(exc)[:200]}"
-    try:
-        loader = DataLoader(ds, batch_size=None, num_workers=2, collate_fn=no_collate, timeout=STEP_SECONDS)
-        digest = hashlib.sha256()
-        for sample in loader:
-            for name in sorted(sample):
-                digest.update(repr(sample[name]).encode())
-        return "data:" + digest.hexdigest()
-    except FormatError:
-        return "FormatError"
+        return format_error
     except Hang:
         return "hang"
     except BaseException as exc:  # noqa: BLE001 - the probe reports anything else as a crash
