@@ -50,9 +50,9 @@ def make_base(root: Path) -> Path:
     return root / "base"
 
 
-def all_mutants(base: Path, seed: int = 0) -> list[Mutant]:
+def all_mutants(base: Path, seed: int = 0, index_edits: int = 60) -> list[Mutant]:
     rng = random.Random(seed)
-    return [*blob_mutants(base, rng), *index_mutants(base, rng), *file_mutants()]
+    return [*blob_mutants(base, rng), *index_mutants(base, rng, index_edits), *file_mutants()]
 
 
 # --- the blob ------------------------------------------------------------------
@@ -129,11 +129,11 @@ def _deep_record(depth: int) -> Any:
     return descr
 
 
-def index_mutants(base: Path, rng: random.Random) -> Iterator[Mutant]:
+def index_mutants(base: Path, rng: random.Random, edits: int) -> Iterator[Mutant]:
     document = json.loads((base / spec.INDEX_NAME).read_text())
     paths = list(_value_paths(document))
     values = [*HOSTILE_VALUES, _deep_record(40), _deep_record(200), "9" * 5000]
-    for k in range(60):
+    for k in range(edits):
         path = rng.choice(paths)
         value = rng.choice(values)
         for forged in (False, True):
