@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from .dataset import GatheredBatch, as_tensors
+from .spec import representable_nbytes
 
 
 class PaddedCollate:
@@ -58,9 +59,14 @@ class PaddedCollate:
 
     def _collate_ragged(self, name: str, arrays: list[np.ndarray]) -> dict[str, Any]:
         if self.nested:
+            if len({a.shape[1:] for a in arrays}) > 1:
+                raise ValueError(
+                    f"field {name!r} differs beyond its first dimension; a jagged nested tensor "
+                    "has one ragged dimension: collate it padded (nested=False)"
+                )
             tensors = [torch.from_numpy(a) for a in arrays]
             return {name: torch.nested.nested_tensor(tensors, layout=torch.jagged)}
-        padded, lengths = pad(arrays, self.pad_value)
+        padded, lengths = pad(arrays, self.pad_value, name)
         out = {name: torch.from_numpy(padded), f"{name}_lengths": torch.from_numpy(lengths)}
         if self.mask:
             out[f"{name}_mask"] = torch.from_numpy(valid_mask(arrays, padded.shape[1:]))
@@ -83,10 +89,19 @@ def _stack(name: str, arrays: list[np.ndarray]) -> np.ndarray:
     return np.stack(arrays)
 
 
-def pad(arrays: list[np.ndarray], pad_value: float = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Stack arrays of one dtype and ndim into (len, *largest shape); return it and their shapes."""
+def pad(arrays: list[np.ndarray], pad_value: float = 0, name: str = "data") -> tuple[np.ndarray, np.ndarray]:
+    """Stack arrays of one dtype and ndim into (len, *largest shape); return it and their shapes.
+
+    Raises ValueError when that padded batch is larger than numpy can make
+    (samples of shapes (2**60, 0) and (0, 2**60) pad to 2**120 elements).
+    """
     shapes = np.array([a.shape for a in arrays], dtype=np.int64).reshape(len(arrays), -1)
     largest = tuple(int(d) for d in shapes.max(axis=0)) if len(arrays) else ()
+    itemsize = arrays[0].dtype.itemsize if arrays else 4
+    if representable_nbytes((len(arrays), *largest), itemsize) is None:
+        raise ValueError(
+            f"field {name!r}: a batch padded to {(len(arrays), *largest)} is too large for numpy"
+        )
     out = np.full((len(arrays), *largest), pad_value, dtype=arrays[0].dtype if arrays else np.float32)
     for row, array in zip(out, arrays, strict=True):
         row[tuple(slice(0, d) for d in array.shape)] = array

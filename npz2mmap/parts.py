@@ -62,6 +62,7 @@ def resolve_parts(source: PathLike | Sequence[PathLike]) -> list[str]:
     """The dataset directories a dataset path (or list of paths) stands for, in order."""
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
+        _check_path(path, "dataset path")
         # lexists, not isfile: a manifest.json that is a pipe or a device is read (and refused), not ignored.
         if os.path.lexists(os.path.join(path, MANIFEST_NAME)) and not os.path.lexists(
             os.path.join(path, INDEX_NAME)
@@ -75,6 +76,16 @@ def resolve_parts(source: PathLike | Sequence[PathLike]) -> list[str]:
     if repeated is not None:
         raise FormatError(f"{repeated}: given twice; each part may appear only once")
     return parts
+
+
+def _check_path(part: str, where: str) -> None:
+    """A path the operating system can take: no NUL, no text that has no bytes (a lone surrogate)."""
+    try:
+        if "\0" in part:
+            raise ValueError
+        os.fsencode(part)
+    except (ValueError, UnicodeError):
+        raise FormatError(f"{where}: part path {part!r} is not a valid file name") from None
 
 
 def _first_repeated(parts: Sequence[str]) -> str | None:
@@ -104,6 +115,8 @@ def read_manifest(directory: str) -> list[str]:
     parts = document["parts"]
     if not isinstance(parts, list) or not parts or not all(isinstance(p, str) and p for p in parts):
         raise FormatError(f"{path}: 'parts' must be a non-empty list of paths")
+    for part in parts:
+        _check_path(part, path)
     listed = [os.path.normpath(os.path.join(directory, p)) for p in parts]
     repeated = _first_repeated(listed)
     if repeated is not None:

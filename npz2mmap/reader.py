@@ -266,7 +266,7 @@ def normalise_index(i: SupportsIndex, n: int) -> int:
     anything else raises TypeError, and an index out of range IndexError,
     however large (compared as Python ints, so nothing overflows).
     """
-    if isinstance(i, (bool, np.bool_)):
+    if isinstance(i, (bool, np.bool_)) or str(getattr(i, "dtype", "")) in ("bool", "torch.bool"):
         raise TypeError(_not_an_integer(i))
     try:
         i = operator.index(i)
@@ -291,7 +291,9 @@ def normalise_indices(indices: Sequence[int] | NDArray[np.integer], n: int) -> N
     if isinstance(indices, np.ndarray):
         if indices.dtype.kind not in "iu":
             raise TypeError(f"sample indices must be integers, not an array of {indices.dtype}")
-        return _within(indices.reshape(-1), n)
+        if indices.ndim != 1:
+            raise TypeError(f"sample indices must be one-dimensional, not of shape {indices.shape}")
+        return _within(indices, n)
     if not isinstance(indices, (list, tuple)):
         indices = list(indices)
     if all(type(i) is int for i in indices):

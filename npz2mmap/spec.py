@@ -284,6 +284,10 @@ def dtype_to_json(dtype: np.dtype) -> Any:
     return json.loads(json.dumps(descr))
 
 
+# The longest type string numpy writes is far shorter ('<M8[ns]', '|V1000000000', '<U2147483647').
+MAX_DESCR_CHARS = 64
+
+
 def dtype_from_json(value: Any, where: str) -> np.dtype:
     """Parse a stored dtype; refuse anything not little-endian, sized and pickle-free.
 
@@ -295,8 +299,11 @@ def dtype_from_json(value: Any, where: str) -> np.dtype:
         raise FormatError(f"{where}: dtype nests records more than {MAX_DTYPE_DEPTH} levels deep")
     try:
         dtype = np.lib.format.descr_to_dtype(_descr_from_json(value))
-    except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
-        raise FormatError(f"{where}: dtype {brief(value)} is not a valid numpy descr ({exc})") from None
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError, SyntaxError, MemoryError) as exc:
+        # SyntaxError: numpy parses a comma-separated type string as Python (a 5000-digit number...)
+        raise FormatError(
+            f"{where}: dtype {brief(value)} is not a valid numpy descr ({brief(str(exc))})"
+        ) from None
     if dtype.hasobject:
         raise FormatError(f"{where}: dtype {brief(value)} holds Python objects, which are never stored")
     if dtype.subdtype is not None:
@@ -334,6 +341,8 @@ def dtype_depth(dtype: np.dtype) -> int:
 
 def _descr_from_json(value: Any) -> Any:
     if isinstance(value, str):
+        if len(value) > MAX_DESCR_CHARS:
+            raise TypeError(f"a type string of {len(value)} characters (at most {MAX_DESCR_CHARS})")
         return value
     if not isinstance(value, list):
         raise TypeError("expected a string or a list of fields")
@@ -532,6 +541,8 @@ def _parse_part(value: Any, where: str) -> tuple[int, int] | None:
 def _parse_field(document: Any, num_samples: int, where: str) -> Field:
     doc = _Obj(document, where)
     name = doc.get("name", str)
+    if not _is_text(name):
+        raise FormatError(f"{where}: field name {brief(name)} is not valid text")
     where = f"{where} ({brief(name)})"
     doc = _Obj(document, where)
     kind = doc.get("kind", str)
@@ -591,6 +602,7 @@ def _check_region_sizes(f: Field, num_samples: int, where: str) -> None:
     else:
         expected["offsets"] = checked_nbytes((num_samples + 1,), OFFSET_DTYPE.itemsize, f"{where}: offsets")
         expected["shapes"] = checked_nbytes((num_samples, f.ndim), SHAPE_DTYPE.itemsize, f"{where}: shapes")
+        _check_ragged_data_size(f, num_samples, where)
     regions = {"data": f.data, **f.tables()}
     for name, nbytes in expected.items():
         if regions[name].nbytes != nbytes:
@@ -598,6 +610,23 @@ def _check_region_sizes(f: Field, num_samples: int, where: str) -> None:
                 f"{where}: {name} holds {regions[name].nbytes} bytes, expected {nbytes} "
                 f"for {num_samples} samples"
             )
+
+
+def _check_ragged_data_size(f: Field, num_samples: int, where: str) -> None:
+    """A ragged field's data is whole elements, and none at all without samples."""
+    if f.data.nbytes % f.dtype.itemsize or (num_samples == 0 and f.data.nbytes):
+        raise FormatError(
+            f"{where}: data holds {f.data.nbytes} bytes, not whole {f.dtype.itemsize}-byte elements "
+            f"of {num_samples} samples"
+        )
+
+
+def _is_text(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
 
 
 def check_layout(index: Index, where: str) -> None:

@@ -312,7 +312,7 @@ def test_unsigned_index_arrays_are_checked_before_conversion(labelled) -> None:
     with pytest.raises(IndexError, match=re.escape("sample index 9223372036854775808 is out of range")):
         labelled.__getitems__(np.array([1, 2**63], dtype=np.uint64))
     assert labelled.__getitems__(np.array([5, 0], dtype=np.uint64)).arrays["label"].tolist() == [5, 0]
-    assert labelled.__getitems__(np.array([[1], [-1]], dtype=np.int8)).arrays["label"].tolist() == [1, 5]
+    assert labelled.__getitems__(np.array([1, -1], dtype=np.int8)).arrays["label"].tolist() == [1, 5]
 
 
 @pytest.mark.parametrize("empty", [[], (), np.array([], dtype=np.int64), range(0)])
