@@ -54,6 +54,21 @@ def open_regular(path: str) -> int:
         raise
 
 
+def describe_kind(path: str) -> str:
+    """What is at ``path`` when it is not a regular file, for a message: "a pipe (FIFO)", "a broken link"...
+
+    Uses stat, which never blocks, not open.
+    """
+    try:
+        return _file_type(os.stat(path).st_mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        if exc.errno == errno.ENOENT:
+            return "a broken link"
+        return f"not readable ({exc.strerror})"
+
+
 def _file_type(mode: int) -> str:
     kinds = (
         (stat.S_ISDIR, "a directory"),

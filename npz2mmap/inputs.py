@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Sequence
 
+from . import fsutil
 from .errors import SourceError
 
 NPZ_SUFFIX = ".npz"
@@ -54,7 +55,7 @@ def _expand_path(path: str) -> list[str]:
     if os.path.isfile(path):
         return [os.path.abspath(path)]
     if os.path.lexists(path):
-        raise SourceError(f"{path}: not a regular file or directory (broken link?)")
+        raise SourceError(f"{path}: {fsutil.describe_kind(path)}, not a regular file or directory")
     raise SourceError(f"{path}: no such file or directory")
 
 
@@ -78,7 +79,7 @@ def _walk_npz(top: str) -> list[str]:
                 pending.append(entry.path)
             elif entry.name.lower().endswith(NPZ_SUFFIX):
                 if not _is(entry.is_file):
-                    raise SourceError(f"{entry.path}: not a regular file (broken link, pipe or device?)")
+                    raise SourceError(f"{entry.path}: {fsutil.describe_kind(entry.path)}, not a regular file")
                 found.append(os.path.abspath(entry.path))
     return sorted(found)
 
