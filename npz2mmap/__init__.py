@@ -47,7 +47,25 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    """Import on first use, so that ``import npz2mmap`` never pulls in torch."""
+    """Import on first use, so that ``import npz2mmap`` never pulls in torch.
+
+    Raises ImportError naming the extra to install when a name needs torch
+    and torch is missing.
+    """
     if name not in _LAZY:
         raise AttributeError(f"module 'npz2mmap' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    try:
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+    except ImportError as exc:
+        if exc.name != "torch":
+            raise
+        raise ImportError(
+            f"npz2mmap.{name} needs PyTorch, which is not installed: pip install 'npz2mmap[torch]'",
+            name="torch",
+        ) from exc
+    return getattr(module, name)
+
+
+def __dir__() -> list[str]:
+    """The public names too, though they are imported only on first use (tab completion)."""
+    return sorted(set(globals()) | set(__all__))

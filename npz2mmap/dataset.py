@@ -17,6 +17,7 @@ from typing import Any, overload
 import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
+from torch.utils.data._utils.collate import default_collate_fn_map
 
 from .parts import Parts, PartsReader
 from .reader import ADVICE, copy_bytes
@@ -170,8 +171,32 @@ class GatheredBatch(SequenceABC[Any]):
         if isinstance(j, slice):
             return [self[k] for k in range(*j.indices(self.length))]
         if self.single is not None:
-            return self.arrays[self.single][j]
-        return {name: array[j] for name, array in self.arrays.items()}
+            return self._sample(self.single, j)
+        return {name: self._sample(name, j) for name in self.arrays}
+
+    def _sample(self, name: str, j: int) -> np.ndarray:
+        """One sample's array; a ragged field's is marked so torch's default collate lists it."""
+        array = self.arrays[name][j]
+        return array.view(RaggedSample) if name in self.ragged else array
+
+
+class RaggedSample(np.ndarray):
+    """A sample of a ragged field, as GatheredBatch hands it to torch's default collate.
+
+    Samples of one ragged field differ in shape, so stacking them fails inside
+    torch; the default collate gives them as a list of tensors instead, as
+    ``collate`` does (``PaddedCollate`` pads them into one tensor).
+    """
+
+
+def _collate_ragged_samples(batch: Sequence[np.ndarray], *, collate_fn_map: Any = None) -> list[Any]:
+    """torch's default collate for ragged samples: one tensor per sample, in a list."""
+    return [as_tensors(np.asarray(sample)) for sample in batch]
+
+
+# torch documents extending its default collate through this registry; the key
+# is a type only GatheredBatch makes, so nothing else is collated differently.
+default_collate_fn_map[RaggedSample] = _collate_ragged_samples
 
 
 class SampleList(list[Any]):

@@ -13,6 +13,12 @@ import time
 
 import numpy as np
 
+# Why the first epoch is slower: the rates differ by tens of times, and say nothing wrong.
+EPOCH_NOTES = (
+    "(cold: starts the 2 workers, which import torch, and reads the data from disk)",
+    "(warm: the workers are running and the data is in the page cache)",
+)
+
 
 def make(out_dir: str, count: int) -> None:
     """Image-like input, a label and a ragged token sequence per file, from a fixed seed."""
@@ -52,7 +58,8 @@ def load(dataset: str) -> None:
             seen += len(batch["label"])
         rate = seen / (time.perf_counter() - started)
         print(
-            f"epoch {epoch}: {seen} samples, {rate:,.0f} samples/s, input batch {tuple(batch['input'].shape)}"
+            f"epoch {epoch}: {seen} samples, {rate:,.0f} samples/s, "
+            f"input batch {tuple(batch['input'].shape)} {EPOCH_NOTES[min(epoch, 1)]}"
         )
     for i in (0, len(ds) // 2, len(ds) - 1):
         with np.load(sources[i], allow_pickle=False) as npz:

@@ -73,6 +73,23 @@ def test_ragged_fields_collate_to_lists_and_transforms_still_apply(small_dataset
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+def test_default_collate_lists_ragged_fields_as_the_quick_start_uses_it(small_dataset, workers) -> None:
+    """DataLoader(MmapDataset(path)) with no collate_fn works on ragged data: one tensor per sample."""
+    out, sources = small_dataset
+    expected = sources_by_label(sources)
+    loader = DataLoader(MmapDataset(out), batch_size=4, num_workers=workers)
+    batches = list(loader)
+    assert [len(b["tokens"]) for b in batches] == [4, 2]
+    for batch in batches:
+        assert batch["input"].shape[1:] == (3, 4, 5) and isinstance(batch["tokens"], list)
+        for label, tokens in zip(batch["label"].tolist(), batch["tokens"], strict=True):
+            assert tokens.dtype == torch.int32
+            assert tokens.numpy().tobytes() == expected[label]["tokens"].tobytes()
+    single = default_collate(MmapDataset(out, fields="tokens").__getitems__([2, 0]))
+    assert [t.tolist() for t in single] == [expected[2]["tokens"].tolist(), expected[0]["tokens"].tolist()]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
 def test_dataloader_with_the_batch_path_returns_exactly_the_sources(small_dataset, workers) -> None:
     out, sources = small_dataset
     expected = sources_by_label(sources)

@@ -1,0 +1,130 @@
+"""The README as a new user meets it: every Python snippet runs, and torch is optional.
+
+Each ```python block of README.md runs in its own interpreter, in a temporary
+directory holding the README's own example (scripts/example.py, converted) at
+every path the snippets name. A prelude defines the names the README leaves
+to the reader; an epilogue iterates the snippet's ``loader`` to the end, since
+a DataLoader only fails when it is iterated. The snippets are run as written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from npz2mmap.converter import convert
+
+ROOT = Path(__file__).resolve().parent.parent
+SNIPPETS = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+DATASET_NAMES = ("data.mmap", "seq.mmap")  # the paths the snippets open
+
+PRELUDE = """\
+# Names the README leaves to the reader.
+epochs = 2
+def my_augment(sample):
+    return sample
+"""
+
+# A snippet meant for torchrun runs as rank 0 of a single-process group, on gloo
+# where this machine has no CUDA for the snippet's "nccl" (as its comment says).
+TORCHRUN_PRELUDE = """\
+import os, socket
+import torch, torch.distributed
+with socket.socket() as _s:
+    _s.bind(("127.0.0.1", 0))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(_s.getsockname()[1]))
+_init = torch.distributed.init_process_group
+def _init_here(backend=None, *args, **kwargs):
+    if backend == "nccl" and not torch.cuda.is_available():
+        backend = "gloo"
+    return _init(backend, *args, **kwargs)
+torch.distributed.init_process_group = _init_here
+"""
+
+EPILOGUE = """
+# A DataLoader fails only when iterated: run the snippet's last loader to the end.
+if "loader" in globals():
+    print("batches:", sum(1 for _ in loader))
+"""
+
+
+def run_python(code: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def example_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The README's example (scripts/example.py make), converted at every path the snippets use."""
+    work = tmp_path_factory.mktemp("readme")
+    subprocess.run(
+        [sys.executable, ROOT / "scripts" / "example.py", "make", work / "npz", "--count", "200"],
+        check=True,
+        capture_output=True,
+    )
+    convert([work / "npz"], work / DATASET_NAMES[0], workers=1)
+    for name in DATASET_NAMES[1:]:
+        shutil.copytree(work / DATASET_NAMES[0], work / name)
+    return work
+
+
+def test_the_readme_has_the_snippets_this_test_runs() -> None:
+    assert len(SNIPPETS) >= 4
+    assert 'DataLoader(MmapDataset("data.mmap"), batch_size=64, shuffle=True, num_workers=8)' in SNIPPETS[0]
+
+
+@pytest.mark.parametrize("number", range(len(SNIPPETS)))
+def test_readme_snippet_runs_on_the_example(example_dir: Path, number: int) -> None:
+    snippet = SNIPPETS[number]
+    prelude = PRELUDE + (TORCHRUN_PRELUDE if "init_process_group" in snippet else "")
+    result = run_python(prelude + snippet + EPILOGUE, example_dir)
+    assert result.returncode == 0, f"README snippet {number + 1}:\n{snippet}\n{result.stderr}"
+    if "loader" in snippet:
+        assert re.search(r"^batches: [1-9]", result.stdout, re.M), result.stdout
+
+
+BLOCK_TORCH = "import sys\nsys.modules['torch'] = None  # as if torch were not installed\n"
+
+
+def test_mmap_dataset_without_torch_says_what_to_install(tmp_path: Path) -> None:
+    result = run_python(BLOCK_TORCH + "from npz2mmap import MmapDataset", tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == (
+        "ImportError: npz2mmap.MmapDataset needs PyTorch, which is not installed: "
+        "pip install 'npz2mmap[torch]'"
+    )
+
+
+def test_the_converter_and_dir_work_without_torch(tmp_path: Path) -> None:
+    code = BLOCK_TORCH + "import npz2mmap\nnpz2mmap.convert\nprint(' '.join(dir(npz2mmap)))"
+    result = run_python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    import npz2mmap
+
+    assert set(npz2mmap.__all__) <= set(result.stdout.split())
+
+
+def test_the_example_says_why_its_first_epoch_is_slower(example_dir: Path, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, ROOT / "scripts" / "example.py", "load", example_dir / DATASET_NAMES[0]],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    epochs = [line for line in result.stdout.splitlines() if line.startswith("epoch ")]
+    assert [line.split(":")[0] for line in epochs] == ["epoch 0", "epoch 1"]
+    assert epochs[0].endswith(
+        " (cold: starts the 2 workers, which import torch, and reads the data from disk)"
+    )
+    assert epochs[1].endswith(" (warm: the workers are running and the data is in the page cache)")
