@@ -1,6 +1,8 @@
-"""File-system operations the writer needs beyond os: reserve, exchange, lock.
+"""File-system operations beyond portable os: positioned I/O, reserve, exchange, lock, advice.
 
-Each degrades gracefully where the platform or file system lacks it.
+Each degrades to a correct, maybe slower, path where the platform or file
+system lacks it (macOS, Windows). Which facilities exist is decided once, at
+import, so a test can take them away here and in spawned workers alike.
 """
 
 from __future__ import annotations
@@ -8,25 +10,50 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import importlib
 import io
 import mmap
 import os
 import stat
 from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None  # type: ignore[assignment]
-    import msvcrt
+# For tests only: comma-separated facilities to behave as if missing (fcntl,
+# pread, pwrite, posix_fadvise, fallocate, renameat2), read at import so that
+# spawned workers, which import afresh, inherit the choice with the environment.
+WITHOUT_ENV = "NPZ2MMAP_WITHOUT"
+_WITHOUT = frozenset(os.environ.get(WITHOUT_ENV, "").split(","))
+
+
+def _import(name: str) -> ModuleType | None:
+    if name in _WITHOUT:
+        return None
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _os_function(name: str) -> Callable[..., Any] | None:
+    return None if name in _WITHOUT else getattr(os, name, None)
+
+
+fcntl = _import("fcntl")  # not on Windows
+msvcrt = _import("msvcrt")  # only on Windows
+pread = _os_function("pread")  # not on Windows
+pwrite = _os_function("pwrite")  # not on Windows
+posix_fadvise = _os_function("posix_fadvise")  # not on macOS or Windows
 
 _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 # Opening a FIFO blocks until a writer comes; O_NONBLOCK returns at once, and
 # the type of what was opened is then checked on the descriptor itself.
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-_READ_FLAGS = os.O_RDONLY | _NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0)
+# Windows opens descriptors in text mode, which would turn b"\n" into b"\r\n".
+BINARY = getattr(os, "O_BINARY", 0)
+_READ_FLAGS = os.O_RDONLY | _NONBLOCK | getattr(os, "O_NOCTTY", 0) | BINARY
 
 
 class NotRegularFile(ValueError):
@@ -85,6 +112,9 @@ _RENAME_EXCHANGE = 2
 
 
 def _libc_function(name: str, *argtypes: type) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """A libc function of this process, or None where there is none (Windows, macOS, tests)."""
+    if name.removesuffix("64") in _WITHOUT:
+        return None
     try:
         function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (AttributeError, OSError, TypeError):  # TypeError: Windows has no "this process" library
@@ -94,26 +124,73 @@ def _libc_function(name: str, *argtypes: type) -> ctypes._CFuncPtr | None:  # ty
     return function
 
 
-def reserve(fd: int, nbytes: int) -> None:
-    """Allocate ``nbytes`` of disk for ``fd`` now, so a full disk fails here and not halfway.
+fallocate = _libc_function("fallocate64", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+renameat2 = _libc_function(
+    "renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint
+)
+mincore = _libc_function("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
-    Uses fallocate(2) directly (glibc's posix_fallocate would emulate it by
-    writing every block where unsupported); a no-op where unsupported.
+
+def read_at(fd: int, nbytes: int, offset: int) -> bytes:
+    """Up to ``nbytes`` from ``offset``: pread(2) where there is one, else seek and read.
+
+    The fallback moves the descriptor's position, so it is only for a
+    descriptor that one thread of one process uses at a time.
     """
-    fallocate = _libc_function("fallocate64", ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-    if fallocate is None or nbytes == 0:
+    if pread is not None:
+        return bytes(pread(fd, nbytes, offset))
+    os.lseek(fd, offset, os.SEEK_SET)
+    return os.read(fd, nbytes)
+
+
+def write_all_at(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """Write every byte of ``data`` at ``offset``: pwrite(2) where there is one, else seek and write.
+
+    Each call may write fewer bytes than asked, so loop. The fallback moves
+    the descriptor's position: every writer opens its own descriptor.
+    """
+    view = memoryview(data)
+    while view:
+        if pwrite is not None:
+            written = pwrite(fd, view, offset)
+        else:
+            os.lseek(fd, offset, os.SEEK_SET)
+            written = os.write(fd, view)
+        view = view[written:]
+        offset += written
+
+
+def reserve(fd: int, nbytes: int) -> None:
+    """Allocate the first ``nbytes`` of ``fd`` on disk now, so a full disk fails here and not halfway.
+
+    Uses fallocate(2); where there is none (macOS, Windows) or the file
+    system refuses it, writes zeros instead: slower, but a full disk still
+    fails here, and a later write through a mapping cannot die of SIGBUS.
+    Raises OSError (ENOSPC on a full disk).
+    """
+    if nbytes == 0:
         return
-    if fallocate(fd, 0, 0, nbytes) != 0:
+    if fallocate is not None:
+        if fallocate(fd, 0, 0, nbytes) == 0:
+            return
         code = ctypes.get_errno()
         if code not in _UNSUPPORTED:
             raise OSError(code, os.strerror(code))
+    _write_zeros(fd, nbytes)
+
+
+ZEROS_CHUNK_NBYTES = 8 << 20
+
+
+def _write_zeros(fd: int, nbytes: int) -> None:
+    zeros = bytes(min(ZEROS_CHUNK_NBYTES, nbytes))
+    for offset in range(0, nbytes, len(zeros)):
+        write_all_at(fd, memoryview(zeros)[: min(len(zeros), nbytes - offset)], offset)
+    os.fsync(fd)
 
 
 def exchange(path_a: str, path_b: str) -> bool:
     """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where unsupported."""
-    renameat2 = _libc_function(
-        "renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint
-    )
     if renameat2 is None:
         return False
     if renameat2(_AT_FDCWD, os.fsencode(path_a), _AT_FDCWD, os.fsencode(path_b), _RENAME_EXCHANGE) == 0:
@@ -153,8 +230,13 @@ def exclusive_lock(lock_path: str) -> Iterator[int | None]:
 
 
 def _try_lock(fd: int) -> bool:
-    """Lock ``fd`` without waiting: flock(2) on POSIX, its first byte on Windows."""
+    """Lock ``fd`` without waiting: flock(2) on POSIX, its first byte on Windows.
+
+    Raises OSError on a platform with neither.
+    """
     if fcntl is None:
+        if msvcrt is None:
+            raise OSError(errno.ENOSYS, "no way to lock a file on this platform (neither fcntl nor msvcrt)")
         try:
             msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
         except OSError:
@@ -177,7 +259,12 @@ def _same_file(fd: int, path: str) -> bool:
 
 
 def fsync_dir(path: str) -> None:
-    """Make a directory's entries (a rename, a new file) durable."""
+    """Make a directory's entries (a rename, a new file) durable.
+
+    Nothing on Windows, which cannot open a directory (NTFS journals its entries).
+    """
+    if os.name == "nt":
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -191,7 +278,6 @@ def resident_nbytes(fd: int, nbytes: int) -> int | None:
     mincore(2) over a read-only mapping of the descriptor; None where the
     platform has no mincore (Windows) or does not support it here.
     """
-    mincore = _libc_function("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
     if mincore is None:
         return None
     if nbytes == 0:
@@ -212,15 +298,26 @@ def resident_nbytes(fd: int, nbytes: int) -> int | None:
 WARM_CHUNK_NBYTES = 8 << 20
 
 
+def advise(fd: int, nbytes: int, advice: str) -> None:
+    """Tell the kernel how the first ``nbytes`` of ``fd`` will be read: "sequential" or "willneed".
+
+    Advice only: nothing where there is no posix_fadvise (macOS, Windows) or
+    the file system refuses it.
+    """
+    if posix_fadvise is None:
+        return
+    flag = os.POSIX_FADV_SEQUENTIAL if advice == "sequential" else os.POSIX_FADV_WILLNEED
+    with contextlib.suppress(OSError):
+        posix_fadvise(fd, 0, nbytes, flag)
+
+
 def load_into_page_cache(fd: int, nbytes: int, on_progress: Callable[[int], None] | None = None) -> int:
     """Read the first ``nbytes`` of an open file once, sequentially, so its pages are cached.
 
     Reads only through ``fd`` and never past ``nbytes``; returns how many
     bytes were read, fewer only if the file was truncated meanwhile.
     """
-    if hasattr(os, "posix_fadvise"):  # not on macOS or Windows
-        with contextlib.suppress(OSError):  # advice only: some file systems refuse it
-            os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_SEQUENTIAL)
+    advise(fd, nbytes, "sequential")
     chunk = memoryview(bytearray(min(WARM_CHUNK_NBYTES, nbytes)))
     done = 0
     with io.FileIO(fd, "r", closefd=False) as fp:

@@ -142,7 +142,7 @@ def _plan_concatenation(reader: PartsReader) -> Plan:
 
 def _copy_data(parts_reader: PartsReader, plan: Plan, blob_path: str, progress: Progress) -> None:
     """Each part's data region of each field, back to back: the bytes are already final."""
-    fd = os.open(blob_path, os.O_WRONLY)
+    fd = os.open(blob_path, os.O_WRONLY | fsutil.BINARY)
     try:
         for k, reader in enumerate(parts_reader.readers):
             index = reader.index
@@ -153,7 +153,7 @@ def _copy_data(parts_reader: PartsReader, plan: Plan, blob_path: str, progress: 
                 position = BLOB_HEADER_NBYTES + field.data.offset + int(field.sample_offsets[start])
                 for chunk in range(0, len(data), COPY_CHUNK_NBYTES):
                     piece = data[chunk : chunk + COPY_CHUNK_NBYTES]
-                    writer.pwrite_all(fd, piece.data, position + chunk)
+                    fsutil.write_all_at(fd, piece.data, position + chunk)
                     progress.advance(0, len(piece))
             progress.advance(1, 0)
     finally:

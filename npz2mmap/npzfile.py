@@ -128,8 +128,8 @@ def _prefetch_small_file(fp: IO[bytes]) -> None:
     by the copy pass anyway. Larger files are left to the kernel's readahead.
     """
     size = os.fstat(fp.fileno()).st_size
-    if size <= PREFETCH_MAX_NBYTES and hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fp.fileno(), 0, size, os.POSIX_FADV_WILLNEED)
+    if size <= PREFETCH_MAX_NBYTES:
+        fsutil.advise(fp.fileno(), size, "willneed")
 
 
 def members(zf: zipfile.ZipFile, path: str) -> dict[str, zipfile.ZipInfo]:

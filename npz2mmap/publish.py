@@ -111,11 +111,30 @@ def output_lock(out_dir: str) -> Iterator[int]:
 
 
 def _remove_leftovers(parent: str, name: str) -> None:
-    """Staging and retired directories of OUT whose converter was killed."""
+    """Staging and retired directories of OUT whose converter was killed.
+
+    Where directories cannot be swapped atomically, a converter killed between
+    moving the old OUT aside and moving the new one in left OUT absent: its
+    old dataset is put back in place (or, if that fails, left aside), never removed.
+    """
     prefixes = (f".{name}{STAGING_MARK}", f".{name}{RETIRED_MARK}")
-    for entry in os.listdir(parent):
-        if entry.startswith(prefixes):
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+    leftovers = sorted(entry for entry in os.listdir(parent) if entry.startswith(prefixes))
+    retired = [entry for entry in leftovers if entry.startswith(prefixes[1])]
+    out_dir = os.path.join(parent, name)
+    if len(retired) == 1 and not os.path.lexists(out_dir) and _holds_data(os.path.join(parent, retired[0])):
+        leftovers.remove(retired[0])
+        with contextlib.suppress(OSError):
+            os.rename(os.path.join(parent, retired[0]), out_dir)
+    for entry in leftovers:
+        shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def _holds_data(path: str) -> bool:
+    """A dataset or a manifest directory of ours, not an empty directory: worth putting back."""
+    try:
+        return bool(os.listdir(path)) and _why_not_ours(path) is None
+    except OSError:
+        return False
 
 
 def make_staging_dir(out_dir: str) -> str:
@@ -143,7 +162,11 @@ def publish(staging_dir: str, out_dir: str, overwrite: bool) -> None:
     Replacing swaps the two directories in one atomic step where the system
     can (the old dataset then sits at ``staging_dir`` for the caller to remove),
     so OUT is at every moment either the old or the new complete dataset.
-    Readers that have the old dataset open keep their mapping of the old files.
+    Elsewhere (macOS, Windows, file systems without RENAME_EXCHANGE) the old
+    OUT is renamed aside first, so OUT is briefly absent; a converter killed
+    right then leaves the old dataset aside, and the next conversion to OUT
+    puts it back. Readers that have the old dataset open keep their mapping
+    of the old files (on Windows, the rename then fails instead).
     """
     check_output(out_dir, overwrite)
     parent = os.path.dirname(os.path.abspath(out_dir))

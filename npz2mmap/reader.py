@@ -17,6 +17,7 @@ from typing import SupportsIndex
 import numpy as np
 from numpy.typing import NDArray
 
+from . import fsutil
 from .errors import FormatError
 from .spec import (
     BLOB_HEADER_NBYTES,
@@ -349,7 +350,8 @@ def _map_blob(blob_path: str, index: Index, check_identity: bool = True) -> mmap
 
 
 def _check_blob(fd: int, blob_path: str, index: Index, check_identity: bool = True) -> None:
-    if check_identity and read_at(fd, IDENTITY_NBYTES, BLOB_HEADER_NBYTES) != blob_identity(index.digest):
+    expected_identity = blob_identity(index.digest)
+    if check_identity and fsutil.read_at(fd, IDENTITY_NBYTES, BLOB_HEADER_NBYTES) != expected_identity:
         raise FormatError(identity_problem(blob_path))
     size = os.fstat(fd).st_size
     if size != index.blob_nbytes:
@@ -357,7 +359,7 @@ def _check_blob(fd: int, blob_path: str, index: Index, check_identity: bool = Tr
             f"{blob_path}: {size} bytes, but the index expects {index.blob_nbytes}; "
             "the blob is truncated or does not belong to this index"
         )
-    if read_at(fd, BLOB_HEADER_NBYTES, 0) != blob_header(index.payload_nbytes):
+    if fsutil.read_at(fd, BLOB_HEADER_NBYTES, 0) != blob_header(index.payload_nbytes):
         raise FormatError(f"{blob_path}: .npy header does not match the index")
 
 
@@ -366,11 +368,3 @@ def identity_problem(blob_path: str) -> str:
         f"{blob_path}: does not belong to the index read (index.json was edited, or the "
         "dataset was replaced after it was opened); open it again, or run npz2mmap verify"
     )
-
-
-def read_at(fd: int, nbytes: int, offset: int) -> bytes:
-    """Up to ``nbytes`` from ``offset``: os.pread where the platform has it, else seek and read."""
-    if hasattr(os, "pread"):
-        return os.pread(fd, nbytes, offset)
-    os.lseek(fd, offset, os.SEEK_SET)
-    return os.read(fd, nbytes)

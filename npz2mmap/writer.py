@@ -89,7 +89,7 @@ def write_sample(blob_path: str, task: SampleTask) -> SampleResult:
     The blob is opened for this task alone: a descriptor kept for later tasks
     would outlive the file it names (a retry replaces ``data.npy``).
     """
-    fd = os.open(blob_path, os.O_WRONLY)
+    fd = os.open(blob_path, os.O_WRONLY | fsutil.BINARY)
     try:
         return _copy_members(task, fd, blob_path)
     finally:
@@ -134,7 +134,7 @@ def _copy_c_order(
     crcs = _RowCrcs(member.rows, _stored_nbytes(header, member))
     position = member.file_offset
     for piece in stored_pieces(chunks, header, member.dtype, where):
-        pwrite_all(fd, piece, position)
+        fsutil.write_all_at(fd, piece, position)
         crcs.feed(piece)
         position += len(piece)
     return crcs.result()
@@ -167,15 +167,6 @@ class _RowCrcs:
 
     def result(self) -> list[int]:
         return self.crcs if self.row_nbytes else [0] * self.rows
-
-
-def pwrite_all(fd: int, data: bytes | bytearray | memoryview, position: int) -> None:
-    """os.pwrite until every byte is written (it may write fewer)."""
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, position)
-        view = view[written:]
-        position += written
 
 
 def _copy_fortran(
@@ -240,10 +231,10 @@ def create_blob(staging_dir: str, payload_nbytes: int) -> str:
     writes through a mapping (Fortran-order members) from dying of SIGBUS.
     """
     path = os.path.join(staging_dir, BLOB_NAME)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | fsutil.BINARY, 0o644)
     try:
         fsutil.reserve(fd, BLOB_HEADER_NBYTES + payload_nbytes)
-        pwrite_all(fd, blob_header(payload_nbytes), 0)
+        fsutil.write_all_at(fd, blob_header(payload_nbytes), 0)
         os.ftruncate(fd, BLOB_HEADER_NBYTES + payload_nbytes)
     finally:
         os.close(fd)
@@ -259,7 +250,7 @@ def finish_dataset(
 ) -> Index:
     """Write the tables, sources.jsonl, skipped.jsonl and, last, index.json; fsync everything."""
     blob_path = os.path.join(staging_dir, BLOB_NAME)
-    fd = os.open(blob_path, os.O_WRONLY)
+    fd = os.open(blob_path, os.O_WRONLY | fsutil.BINARY)
     try:
         fields = tuple(_write_tables(fd, f, crcs) for f, crcs in zip(plan.fields, sample_crc32s, strict=True))
         index = Index(
@@ -275,7 +266,7 @@ def finish_dataset(
         )
         index_text = index_to_json(index).encode("utf-8")
         digest = index_digest(index_text)
-        pwrite_all(fd, blob_identity(digest), BLOB_HEADER_NBYTES)
+        fsutil.write_all_at(fd, blob_identity(digest), BLOB_HEADER_NBYTES)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -289,7 +280,7 @@ def finish_dataset(
 def _write_tables(fd: int, f: FieldPlan, crcs: np.ndarray) -> Field:
     def put(region: Region, table: np.ndarray) -> Region:
         data = np.ascontiguousarray(table).tobytes()
-        pwrite_all(fd, data, BLOB_HEADER_NBYTES + region.offset)
+        fsutil.write_all_at(fd, data, BLOB_HEADER_NBYTES + region.offset)
         return dataclasses.replace(region, crc32=zlib.crc32(data))
 
     offsets = shapes = None

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import write_samples
 
-from npz2mmap import publish
+from npz2mmap import fsutil, publish
 from npz2mmap.cli import cli
 from npz2mmap.converter import convert
 from npz2mmap.errors import OutputError, SourceError
@@ -128,7 +128,7 @@ def test_a_full_disk_is_a_clean_error_and_removes_temporary_files(
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(os, "pwrite", fill_up)
+    monkeypatch.setattr(fsutil, "pwrite", fill_up)
     with pytest.raises(OutputError, match=r"out: cannot write the dataset \(No space left on device\)"):
         convert([good_sources], tmp_path / "out", workers=1)
     assert not (tmp_path / "out").exists()

@@ -71,12 +71,7 @@ def test_warm_reads_only_the_blob_it_checked_never_what_replaced_it(monkeypatch,
 
 
 def test_warm_where_mincore_is_missing_reports_residency_as_unknown(monkeypatch, dataset) -> None:
-    real_libc_function = fsutil._libc_function
-    monkeypatch.setattr(
-        fsutil,
-        "_libc_function",
-        lambda name, *types: None if name == "mincore" else real_libc_function(name, *types),
-    )
+    monkeypatch.setattr(fsutil, "mincore", None)
     result = CliRunner().invoke(cli, ["warm", str(dataset), "-q"])
     size = (dataset / "data.npy").stat().st_size
     assert result.exit_code == 0, result.output
@@ -87,6 +82,7 @@ def test_warm_where_mincore_is_missing_reports_residency_as_unknown(monkeypatch,
 
 def test_warm_where_posix_fadvise_is_missing_still_reads_the_whole_blob(monkeypatch, dataset) -> None:
     monkeypatch.delattr(os, "posix_fadvise", raising=False)
+    monkeypatch.setattr(fsutil, "posix_fadvise", None)
     progress = RecordingProgress()
     result = cache.warm(dataset, progress)
     assert progress.nbytes == result.blob_nbytes == (dataset / "data.npy").stat().st_size
