@@ -55,13 +55,17 @@ def _render_lengths(name: str, stats: dict[str, Any]) -> list[str]:
     )
     counts, edges = stats["histogram"]["counts"], stats["histogram"]["edges"]
     widest = max(counts) or 1
-    labels = [f"{edges[k]:,.0f}..{edges[k + 1]:,.0f}" for k in range(len(counts))]
+    labels = [_bin_label(edges[k], min(edges[k + 1] - 1, stats["max"])) for k in range(len(counts))]
     width = max(len(label) for label in labels)
     bars = [
         f"  {label.rjust(width)}  {'#' * round(30 * count / widest):<30}  {count:,}"
         for label, count in zip(labels, counts, strict=True)
     ]
     return [head, *bars]
+
+
+def _bin_label(first: int, last: int) -> str:
+    return f"{first:,}" if first == last else f"{first:,}..{last:,}"
 
 
 def _shape_text(field: dict[str, Any]) -> str:

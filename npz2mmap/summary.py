@@ -51,18 +51,30 @@ def _describe_field(info: FieldInfo, readers: list[DatasetReader]) -> dict[str, 
 
 
 def length_distribution(lengths: NDArray[np.int64], bins: int = 10) -> dict[str, Any]:
-    """Min, percentiles, max, mean and a histogram of a ragged field's first dimension."""
-    counts, edges = np.histogram(lengths, bins=min(bins, int(lengths.max() - lengths.min()) + 1))
+    """Min, percentiles, max, mean and a histogram of a ragged field's first dimension.
+
+    Lengths are integers, so the histogram's bins are whole lengths: bin k holds
+    lengths from edges[k] up to edges[k + 1] - 1, and no length is in two bins.
+    Figures are rounded to 6 significant digits (no 230.29999999999998).
+    """
+    low, high = int(lengths.min()), int(lengths.max())
+    width = -(-(high - low + 1) // bins)
+    counts = np.bincount((lengths - low) // width, minlength=-(-(high - low + 1) // width))
+    edges = [low + k * width for k in range(len(counts) + 1)]
     percentiles = np.percentile(lengths, [50, 90, 99])
     return {
-        "min": int(lengths.min()),
-        "p50": float(percentiles[0]),
-        "p90": float(percentiles[1]),
-        "p99": float(percentiles[2]),
-        "max": int(lengths.max()),
-        "mean": float(lengths.mean()),
-        "histogram": {"counts": counts.tolist(), "edges": edges.tolist()},
+        "min": low,
+        "p50": _rounded(percentiles[0]),
+        "p90": _rounded(percentiles[1]),
+        "p99": _rounded(percentiles[2]),
+        "max": high,
+        "mean": _rounded(lengths.mean()),
+        "histogram": {"counts": counts.tolist(), "edges": edges},
     }
+
+
+def _rounded(value: float) -> float:
+    return float(f"{float(value):.6g}")
 
 
 def describe_sample(path: str | os.PathLike[str], i: int) -> dict[str, Any]:

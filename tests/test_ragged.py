@@ -230,3 +230,15 @@ def test_the_length_grouped_sampler_docstring_example_runs(ragged) -> None:
         for batch in batches:
             for label, row, n in zip(batch["label"], batch["tokens"], batch["tokens_lengths"], strict=True):
                 assert row[:n].tolist() == samples[int(label)]["tokens"].tolist()
+
+
+def test_length_histogram_bins_are_whole_lengths_that_never_overlap() -> None:
+    from npz2mmap.render import _render_lengths
+    from npz2mmap.summary import length_distribution
+
+    stats = length_distribution(np.array([64, 100, 230, 231, 500, 2048], dtype=np.int64))
+    assert sum(stats["histogram"]["counts"]) == 6 and stats["mean"] == 528.833
+    labels = [line.split()[0] for line in _render_lengths("t", stats)[1:]]
+    assert labels[0] == "64..262" and labels[-1] == "1,855..2,048"
+    bounds = [[int(x.replace(",", "")) for x in label.split("..")] for label in labels]
+    assert all(b[0] == a[-1] + 1 for a, b in zip(bounds, bounds[1:], strict=False))
