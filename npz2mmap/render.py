@@ -82,9 +82,14 @@ def render_sample(info: dict[str, Any]) -> str:
     """What `npz2mmap inspect --sample I` prints: one row of figures per field."""
     rows = [("field", "dtype", "shape", "min", "max", "mean")]
     for f in info["fields"]:
-        stats = [f"{f[k]:.6g}" if k in f else "-" for k in ("min", "max", "mean")]
+        stats = [_figure(f[k]) if k in f else "-" for k in ("min", "max", "mean")]
         rows.append((f["name"], f["dtype"], str(tuple(f["shape"])), *stats))
     return "\n".join([f"sample {info['sample']}", *_table(rows)])
+
+
+def _figure(value: float) -> str:
+    """An integer exactly (3000000000, not 3e+09), anything else to 6 significant digits."""
+    return str(value) if isinstance(value, int) else f"{value:.6g}"
 
 
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:

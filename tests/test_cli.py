@@ -289,3 +289,16 @@ def test_verify_problems_naming_a_source_with_a_newline_are_one_line_each(tmp_pa
     problem, error = result.stderr.splitlines()
     assert problem.startswith(f"sample 0 ({tmp_path}/two\\nlines.npz): field 'x': ")
     assert error == f"Error: {tmp_path / 'out'}: 1 problem(s) found"
+
+
+def test_inspect_sample_prints_integers_exactly(tmp_path) -> None:
+    write_samples(
+        tmp_path / "src", [{"big": np.array([3_000_000_001, 7], dtype=np.int64), "f": np.float32(0.5)}]
+    )
+    run("convert", tmp_path / "src", "-o", tmp_path / "ds", "-q")
+    rows = {
+        line.split()[0]: line.split()
+        for line in run("inspect", tmp_path / "ds", "--sample", "0").output.splitlines()
+    }
+    assert rows["big"][-3:] == ["7", "3000000001", "1.5e+09"]
+    assert rows["f"][-3:] == ["0.5", "0.5", "0.5"]
