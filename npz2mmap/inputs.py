@@ -34,18 +34,22 @@ def discover_sources(inputs: Sequence[str | os.PathLike[str]]) -> list[str]:
 
 
 def _expand_list_file(list_path: str) -> Iterable[str]:
-    """Each non-blank line is a path, relative to the list file's directory."""
+    """Each line is a path, relative to the list file's directory; blank lines and
+    lines starting with ``#`` are skipped. The list is opened like a source (a pipe
+    in its place is refused, never waited on)."""
     try:
-        with open(list_path, encoding="utf-8") as fp:
+        with open(fsutil.open_regular(list_path), encoding="utf-8") as fp:
             lines = fp.read().splitlines()
     except OSError as exc:
         raise SourceError(f"{list_path}: cannot read list file ({exc.strerror})") from None
+    except fsutil.NotRegularFile as exc:
+        raise SourceError(f"{list_path}: list file is {exc}") from None
     except UnicodeDecodeError:
         raise SourceError(f"{list_path}: list file is not UTF-8 text") from None
     base = os.path.dirname(os.path.abspath(list_path))
     for line in lines:
         entry = line.strip()
-        if entry:
+        if entry and not entry.startswith("#"):
             yield from _expand_path(os.path.join(base, entry))
 
 

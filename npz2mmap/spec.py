@@ -443,7 +443,8 @@ def load_index(dataset_dir: str | os.PathLike[str]) -> Index:
     """Read and fully validate ``index.json``; raise FormatError on the first problem."""
     path = os.path.join(os.fspath(dataset_dir), INDEX_NAME)
     if not os.path.isdir(dataset_dir):
-        raise FormatError(f"{os.fspath(dataset_dir)}: not a directory")
+        what = "not a directory" if os.path.lexists(dataset_dir) else "no such dataset"
+        raise FormatError(f"{os.fspath(dataset_dir)}: {what}")
     raw = read_regular_file(path, MAX_INDEX_NBYTES)
     return dataclasses.replace(parse_index(decode_json(raw, path), path), digest=index_digest(raw))
 

@@ -136,7 +136,7 @@ def test_real_console_script_errors_without_traceback_unless_debug(tmp_path) -> 
     missing = tmp_path / "missing"
     result = subprocess.run([SCRIPT, "inspect", missing], capture_output=True, text=True)
     assert result.returncode == 1
-    assert result.stderr == f"Error: {missing}: not a directory\n"
+    assert result.stderr == f"Error: {missing}: no such dataset\n"
     result = subprocess.run([SCRIPT, "--debug", "inspect", missing], capture_output=True, text=True)
     assert result.returncode == 1
     assert "Traceback" in result.stderr and "FormatError" in result.stderr

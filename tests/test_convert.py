@@ -246,3 +246,15 @@ def test_cast_refuses_a_change_of_kind_and_unknown_keys(tmp_path) -> None:
     with pytest.raises(SourceError, match="use --cast x=DTYPE to store one dtype"):
         convert([tmp_path / "src"], tmp_path / "out", workers=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_list_files_skip_comments_and_a_list_that_is_a_pipe_is_refused(tmp_path) -> None:
+    for i in range(2):
+        write_npz(tmp_path / "data" / f"{i}.npz", v=np.int64(i))
+    (tmp_path / "list.txt").write_text("# the training split\ndata/1.npz\n   # not this one: data/0.npz\n\n")
+    convert([f"@{tmp_path / 'list.txt'}"], tmp_path / "out", workers=1)
+    reader = DatasetReader(tmp_path / "out")
+    assert [int(reader.view("v", i)) for i in range(len(reader))] == [1]
+    os.mkfifo(tmp_path / "pipe.txt")
+    with pytest.raises(SourceError, match=r"pipe\.txt: list file is a pipe \(FIFO\), not a regular file"):
+        convert([f"@{tmp_path / 'pipe.txt'}"], tmp_path / "out2", workers=1)
