@@ -126,7 +126,13 @@ def rank_batches(num_samples: int, world_size: int, drop_last: bool) -> list[lis
     lengths = LENGTHS[:num_samples]
     samplers = [
         LengthGroupedSampler(
-            lengths, batch_size=4, pool_batches=100, drop_last=drop_last, seed=9, num_replicas=world_size, rank=r
+            lengths,
+            batch_size=4,
+            pool_batches=100,
+            drop_last=drop_last,
+            seed=9,
+            num_replicas=world_size,
+            rank=r,
         )
         for r in range(world_size)
     ]
@@ -188,5 +194,7 @@ def test_rank_and_world_size_come_from_torch_distributed(monkeypatch) -> None:
 
 @pytest.mark.parametrize(("num_replicas", "rank"), [(2, 2), (2, -1), (0, 0)])
 def test_a_rank_outside_the_world_is_refused(num_replicas, rank) -> None:
-    with pytest.raises(ValueError, match=f"rank must be in 0..num_replicas-1, got rank {rank} of {num_replicas}"):
+    with pytest.raises(
+        ValueError, match=f"rank must be in 0..num_replicas-1, got rank {rank} of {num_replicas}"
+    ):
         length_sampler(num_replicas=num_replicas, rank=rank)
