@@ -3,36 +3,95 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
+import torch.distributed as dist
 from torch.utils.data import Sampler
 
+T = TypeVar("T")
 
-class BlockShuffleSampler(Sampler[int]):
+
+class _Resumable:
+    """Epoch, and ``state_dict`` / ``load_state_dict`` to resume mid-epoch.
+
+    The protocol torchdata's ``StatefulDataLoader`` calls (and a training loop
+    can call itself): the state is the epoch and how many items the current
+    pass has yielded; after ``load_state_dict`` the next pass yields the rest
+    of that epoch in the same order, and later passes are whole epochs again.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.epoch = 0
+        self._yielded = 0
+        self._resume_at = 0
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch's order; a different epoch drops a pending resume."""
+        if epoch != self.epoch:
+            self._resume_at = 0
+        self.epoch = epoch
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the current pass stands: its epoch, seed and items yielded so far."""
+        return {"epoch": self.epoch, "seed": self.seed, "yielded": self._yielded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next pass continue the saved epoch after its yielded items.
+
+        Raises ValueError for a state this sampler did not write: missing or
+        non-integer entries, another seed, a count past the epoch's end.
+        """
+        epoch, seed, yielded = (_state_int(state, key) for key in ("epoch", "seed", "yielded"))
+        if seed != self.seed:
+            raise ValueError(f"sampler state has seed {seed}, this sampler has seed {self.seed}")
+        if not 0 <= yielded <= len(self):
+            raise ValueError(f"sampler state: yielded {yielded} is outside 0..{len(self)}")
+        self.epoch = epoch
+        self._yielded = self._resume_at = yielded
+
+    def _counted(self, items: Iterable[T]) -> Iterator[T]:
+        """Skip a pending resume's items now; count the rest as they are yielded."""
+        self._yielded = skip = self._resume_at
+        self._resume_at = 0
+        return self._count(items, skip)
+
+    def _count(self, items: Iterable[T], skip: int) -> Iterator[T]:
+        for position, item in enumerate(items):
+            if position >= skip:
+                self._yielded += 1
+                yield item
+
+
+class BlockShuffleSampler(_Resumable, Sampler[int]):
     """Shuffle blocks of neighbouring samples, then the samples within each block.
 
     Every epoch visits every sample once in a new order, but reads stay inside
     one block of ``block_size`` neighbours at a time, so on a dataset larger
     than RAM the disk sees block-sized sequential reads instead of scattered
     ones (the idea of FFCV's quasi-random order). Call ``set_epoch`` each epoch.
+    Resumable mid-epoch through ``state_dict`` / ``load_state_dict``.
     """
 
     def __init__(self, num_samples: int, block_size: int = 1024, seed: int = 0) -> None:
         if num_samples < 0 or block_size < 1:
             raise ValueError("num_samples must be >= 0 and block_size >= 1")
+        super().__init__(seed)
         self.num_samples = num_samples
         self.block_size = block_size
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
+        return self._counted(self._order())
+
+    def _order(self) -> Iterator[int]:
         rng = np.random.default_rng((self.seed, self.epoch))
         num_blocks = -(-self.num_samples // self.block_size)
         for block in rng.permutation(num_blocks):
@@ -42,7 +101,7 @@ class BlockShuffleSampler(Sampler[int]):
             yield from members.tolist()
 
 
-class LengthGroupedSampler(Sampler[list[int]]):
+class LengthGroupedSampler(_Resumable, Sampler[list[int]]):
     """Batches of samples of similar length, in a new random order each epoch.
 
     A batch sampler: samples are shuffled, cut into pools of ``batch_size *
@@ -50,8 +109,18 @@ class LengthGroupedSampler(Sampler[list[int]]):
     the batches are shuffled, so padding stays small while order stays random.
     ``lengths`` comes from ``MmapDataset.lengths(field)`` (shapes of more than
     one dimension are compared by element count). Every sample appears exactly
-    once per epoch; no samples give no batches. With a DataLoader, or without
-    worker processes::
+    once per epoch; no samples give no batches.
+
+    Under DDP, as with ``DistributedSampler``: ``num_replicas`` and ``rank``
+    (default: from ``torch.distributed`` once initialised, else 1 and 0) give
+    each rank an equal share of the epoch's shuffled samples, grouped by
+    length on that rank, so every rank has the same number of batches. When
+    the sample count does not divide by ``num_replicas``, the first samples of
+    the shuffled order are repeated to fill the last share (fewer than
+    ``num_replicas`` of them); with ``drop_last`` the last ones are left out
+    instead, along with each rank's short batch. Resumable mid-epoch through
+    ``state_dict`` / ``load_state_dict`` (per rank). With a
+    DataLoader, or without worker processes::
 
         from torch.utils.data import DataLoader
         from npz2mmap import LengthGroupedSampler, MmapDataset, MmapLoader, PaddedCollate
@@ -70,27 +139,36 @@ class LengthGroupedSampler(Sampler[list[int]]):
         pool_batches: int = 50,
         drop_last: bool = False,
         seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
     ) -> None:
         if batch_size < 1 or pool_batches < 1:
             raise ValueError("batch_size and pool_batches must be at least 1")
+        super().__init__(seed)
         lengths = np.asarray(lengths)
         self.lengths = lengths.reshape(len(lengths), math.prod(lengths.shape[1:])).prod(axis=1)
         self.batch_size = batch_size
         self.pool = batch_size * pool_batches
         self.drop_last = drop_last
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self.num_replicas, self.rank = _replicas_and_rank(num_replicas, rank)
 
     def __len__(self) -> int:
-        n = len(self.lengths)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        share = self._share_size()
+        return share // self.batch_size if self.drop_last else -(-share // self.batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
+        return self._counted(self._batches())
+
+    def _share_size(self) -> int:
+        """How many samples each rank gets per epoch."""
+        n = len(self.lengths)
+        return n // self.num_replicas if self.drop_last else -(-n // self.num_replicas)
+
+    def _batches(self) -> Iterator[list[int]]:
         rng = np.random.default_rng((self.seed, self.epoch))
-        order = rng.permutation(len(self.lengths))
+        shuffled = rng.permutation(len(self.lengths))
+        # Every rank draws the same permutation, so the shares are disjoint.
+        order = np.resize(shuffled, self._share_size() * self.num_replicas)[self.rank :: self.num_replicas]
         batches = []
         for start in range(0, len(order), self.pool):
             pool = order[start : start + self.pool]
@@ -100,3 +178,23 @@ class LengthGroupedSampler(Sampler[list[int]]):
             batches = [b for b in batches if len(b) == self.batch_size]
         for k in rng.permutation(len(batches)):
             yield batches[k].tolist()
+
+
+def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """The world size and rank given, or torch.distributed's, or a single process's."""
+    in_group = dist.is_available() and dist.is_initialized()
+    if num_replicas is None:
+        num_replicas = dist.get_world_size() if in_group else 1
+    if rank is None:
+        rank = dist.get_rank() if in_group else 0
+    if num_replicas < 1 or not 0 <= rank < num_replicas:
+        raise ValueError(f"rank must be in 0..num_replicas-1, got rank {rank} of {num_replicas}")
+    return num_replicas, rank
+
+
+def _state_int(state: dict[str, Any], key: str) -> int:
+    """One integer entry of a sampler state; ValueError if missing or not an int."""
+    value = state.get(key)
+    if type(value) is not int:
+        raise ValueError(f"sampler state: {key!r} must be an integer, found {value!r}")
+    return value

@@ -1,0 +1,200 @@
+"""The shipped samplers: mid-epoch resume (state_dict protocol) and LengthGroupedSampler under DDP.
+
+The oracle for a resume is the same sampler run through the same epoch
+without interruption: the resumed loader must yield exactly its remaining
+batches, in order.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+from npz2mmap import BlockShuffleSampler, LengthGroupedSampler
+
+NUM_SAMPLES = 37
+LENGTHS = np.random.default_rng(7).integers(1, 500, size=NUM_SAMPLES)
+
+
+def block_sampler() -> BlockShuffleSampler:
+    return BlockShuffleSampler(NUM_SAMPLES, block_size=5, seed=3)
+
+
+def length_sampler(**kwargs: int) -> LengthGroupedSampler:
+    return LengthGroupedSampler(LENGTHS, batch_size=4, pool_batches=2, seed=3, **kwargs)
+
+
+def loader_over(sampler: BlockShuffleSampler | LengthGroupedSampler) -> DataLoader:
+    dataset = list(range(NUM_SAMPLES))
+    if isinstance(sampler, LengthGroupedSampler):
+        return DataLoader(dataset, batch_sampler=sampler, collate_fn=list)
+    return DataLoader(dataset, batch_size=4, sampler=sampler, collate_fn=list)
+
+
+SAMPLERS: dict[str, Callable[[], BlockShuffleSampler | LengthGroupedSampler]] = {
+    "block_shuffle": block_sampler,
+    "length_grouped": length_sampler,
+    "length_grouped_rank_1_of_3": lambda: length_sampler(num_replicas=3, rank=1),
+}
+
+
+@pytest.mark.parametrize("make_sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+@pytest.mark.parametrize("stop_after", [0, 1, 3])
+def test_a_dataloader_over_a_restored_sampler_yields_the_rest_of_the_epoch(make_sampler, stop_after) -> None:
+    reference = make_sampler()
+    reference.set_epoch(2)
+    whole_epoch = list(loader_over(reference))
+    reference.set_epoch(3)
+    next_epoch = list(loader_over(reference))
+
+    interrupted = make_sampler()
+    interrupted.set_epoch(2)
+    batches = iter(loader_over(interrupted))
+    seen = [next(batches) for _ in range(stop_after)]
+    state = interrupted.state_dict()
+    assert seen == whole_epoch[:stop_after]
+
+    resumed = make_sampler()  # a new process: epoch 0 until the state says otherwise
+    resumed.load_state_dict(state)
+    resumed.set_epoch(2)  # the usual loop sets the epoch again; the resume survives it
+    assert list(loader_over(resumed)) == whole_epoch[stop_after:]
+    resumed.set_epoch(3)
+    assert list(loader_over(resumed)) == next_epoch
+
+
+def test_a_resume_is_dropped_when_another_epoch_is_chosen() -> None:
+    reference = length_sampler()
+    reference.set_epoch(5)
+    epoch_5 = list(reference)
+    sampler = length_sampler()
+    sampler.load_state_dict({"epoch": 4, "seed": 3, "yielded": 2})
+    sampler.set_epoch(5)
+    assert list(sampler) == epoch_5
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ({"epoch": 1, "seed": 4, "yielded": 0}, "sampler state has seed 4, this sampler has seed 3"),
+        ({"epoch": 1, "seed": 3, "yielded": NUM_SAMPLES + 1}, f"yielded 38 is outside 0..{NUM_SAMPLES}"),
+        ({"epoch": 1, "seed": 3, "yielded": -1}, "yielded -1 is outside"),
+        ({"epoch": 1, "seed": 3}, "'yielded' must be an integer, found None"),
+        ({"epoch": 1.5, "seed": 3, "yielded": 0}, "'epoch' must be an integer, found 1.5"),
+    ],
+)
+def test_a_state_this_sampler_did_not_write_is_refused(state, message) -> None:
+    sampler = block_sampler()
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        sampler.load_state_dict(state)
+    assert list(sampler) == list(block_sampler())  # nothing half-loaded
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("make_sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+def test_stateful_dataloader_resumes_at_the_exact_next_batch(make_sampler, num_workers) -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def loader(sampler):
+        dataset = list(range(NUM_SAMPLES))
+        if isinstance(sampler, LengthGroupedSampler):
+            kwargs = {"batch_sampler": sampler}
+        else:
+            kwargs = {"batch_size": 4, "sampler": sampler}
+        return stateful.StatefulDataLoader(dataset, num_workers=num_workers, collate_fn=list, **kwargs)
+
+    reference = make_sampler()
+    reference.set_epoch(1)
+    whole_epoch = list(loader(reference))
+    interrupted = make_sampler()
+    interrupted.set_epoch(1)
+    running = loader(interrupted)
+    batches = iter(running)
+    assert [next(batches) for _ in range(3)] == whole_epoch[:3]
+    state = running.state_dict()
+    del batches
+
+    resumed = loader(make_sampler())
+    resumed.load_state_dict(state)
+    assert list(resumed) == whole_epoch[3:]
+
+
+def rank_batches(num_samples: int, world_size: int, drop_last: bool) -> list[list[list[int]]]:
+    lengths = LENGTHS[:num_samples]
+    samplers = [
+        LengthGroupedSampler(
+            lengths,
+            batch_size=4,
+            pool_batches=100,
+            drop_last=drop_last,
+            seed=9,
+            num_replicas=world_size,
+            rank=r,
+        )
+        for r in range(world_size)
+    ]
+    for sampler in samplers:
+        sampler.set_epoch(1)
+    batches = [list(sampler) for sampler in samplers]
+    assert [len(b) for b in batches] == [len(s) for s in samplers]
+    return batches
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_samples", [0, 1, 3, 17, NUM_SAMPLES])
+def test_ranks_share_every_sample_and_pad_like_distributed_sampler(world_size, num_samples) -> None:
+    per_rank = rank_batches(num_samples, world_size, drop_last=False)
+    assert len({len(batches) for batches in per_rank}) == 1  # DDP needs as many steps on every rank
+    share = -(-num_samples // world_size)
+    assert len(per_rank[0]) == -(-share // 4)
+    counts = Counter(i for batches in per_rank for batch in batches for i in batch)
+    assert set(counts) == set(range(num_samples))
+    assert sum(counts.values()) == share * world_size  # each rank has the same share...
+    assert sum(counts.values()) - num_samples < world_size  # ...padded by fewer than world_size repeats
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("num_samples", [0, 3, 17, NUM_SAMPLES])
+def test_ranks_with_drop_last_leave_out_the_remainder_and_repeat_nothing(world_size, num_samples) -> None:
+    per_rank = rank_batches(num_samples, world_size, drop_last=True)
+    assert len({len(batches) for batches in per_rank}) == 1
+    all_indices = [i for batches in per_rank for batch in batches for i in batch]
+    assert len(all_indices) == len(set(all_indices))
+    assert all(len(batch) == 4 for batches in per_rank for batch in batches)
+    assert len(all_indices) == world_size * (num_samples // world_size // 4 * 4)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_each_rank_batches_neighbouring_lengths(world_size) -> None:
+    """With one pool per rank, a rank's batches cut its sorted lengths into consecutive runs."""
+    for batches in rank_batches(NUM_SAMPLES, world_size, drop_last=False):
+        runs = sorted((sorted(LENGTHS[batch].tolist()) for batch in batches), key=lambda run: run[0])
+        for before, after in zip(runs, runs[1:], strict=False):
+            assert before[-1] <= after[0]
+
+
+def test_ranks_draw_a_new_split_each_epoch() -> None:
+    sampler = length_sampler(num_replicas=2, rank=0)
+    first = sorted(i for batch in sampler for i in batch)
+    sampler.set_epoch(1)
+    assert sorted(i for batch in sampler for i in batch) != first
+
+
+def test_rank_and_world_size_come_from_torch_distributed(monkeypatch) -> None:
+    monkeypatch.setattr("torch.distributed.is_initialized", lambda: True)
+    monkeypatch.setattr("torch.distributed.get_world_size", lambda: 3)
+    monkeypatch.setattr("torch.distributed.get_rank", lambda: 2)
+    sampler = length_sampler()
+    assert (sampler.num_replicas, sampler.rank) == (3, 2)
+    assert list(sampler) == list(length_sampler(num_replicas=3, rank=2))
+
+
+@pytest.mark.parametrize(("num_replicas", "rank"), [(2, 2), (2, -1), (0, 0)])
+def test_a_rank_outside_the_world_is_refused(num_replicas, rank) -> None:
+    with pytest.raises(
+        ValueError, match=f"rank must be in 0..num_replicas-1, got rank {rank} of {num_replicas}"
+    ):
+        length_sampler(num_replicas=num_replicas, rank=rank)
