@@ -42,7 +42,7 @@ def warm(path: str | os.PathLike[str], progress: Progress | None = None) -> Resi
     """
     progress = progress or SilentProgress()
     parts = Parts(path)
-    progress.stage("warm", len(parts.paths), sum(index.blob_nbytes for index in parts.indexes))
+    progress.stage("warm", len(parts.paths), sum(index.blob_nbytes for index in parts.indexes), unit="parts")
 
     def load(blob_path: str, fd: int, index: Index) -> None:
         nbytes = fsutil.load_into_page_cache(fd, index.blob_nbytes, lambda count: progress.advance(0, count))

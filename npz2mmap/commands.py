@@ -12,6 +12,8 @@ import functools
 import json
 import os
 import re
+import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -25,6 +27,7 @@ from .converter import cast_dtype, part_from_environment
 from .converter import convert as convert_files
 from .errors import Npz2mmapError
 from .merge import merge as merge_parts
+from .progress import Progress, SilentProgress
 from .render import human_bytes, render_sample, render_summary
 from .spec import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
 from .summary import describe_dataset, describe_sample, field_statistics
@@ -36,41 +39,144 @@ F = TypeVar("F", bound=Callable[..., Any])
 tqdm.tqdm.monitor_interval = 0
 
 
+PROGRESS_MODES = ("auto", "bar", "log", "none")
+LOG_INTERVAL_SECONDS = 10.0
+
+
 class BarProgress:
     """Draws each stage of a library call as a tqdm bar on stderr."""
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    def __init__(self) -> None:
         self.bar: tqdm.tqdm[Any] | None = None
-        self.files = self.total_files = 0
+        self.done = self.total = 0
+        self.unit = "files"
 
-    def stage(self, name: str, total_files: int, total_nbytes: int) -> None:
+    def stage(self, name: str, total_files: int, total_nbytes: int, unit: str = "files") -> None:
         self.close()
-        self.files, self.total_files = 0, total_files
-        disable = None if self.enabled else True  # None: only when stderr is a terminal
+        self.done, self.total, self.unit = 0, total_files, unit
         if total_nbytes:
-            self.bar = tqdm.tqdm(
-                total=total_nbytes, desc=name, unit="B", unit_scale=True, disable=disable, dynamic_ncols=True
-            )
+            self.bar = tqdm.tqdm(total=total_nbytes, desc=name, unit="B", unit_scale=True, dynamic_ncols=True)
         else:
-            self.bar = tqdm.tqdm(
-                total=total_files, desc=name, unit=" files", disable=disable, dynamic_ncols=True
-            )
+            self.bar = tqdm.tqdm(total=total_files, desc=name, unit=f" {unit}", dynamic_ncols=True)
 
     def advance(self, files: int, nbytes: int) -> None:
-        if self.bar is None or self.bar.disable:
+        if self.bar is None:
             return
-        self.files += files
+        self.done += files
         if self.bar.unit == "B":
-            self.bar.set_postfix_str(f"{self.files}/{self.total_files} files", refresh=False)
+            self.bar.set_postfix_str(f"{self.done}/{self.total} {self.unit}", refresh=False)
             self.bar.update(nbytes)
         else:
             self.bar.update(files)
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class LogProgress:
+    """Prints a progress line to stderr every ``interval`` seconds, for logs that are not a terminal.
+
+    A stage that runs at least ``interval`` seconds gets periodic lines and a
+    last one when it finishes; shorter stages print nothing. ``clock`` is
+    injectable so tests need not sleep.
+    """
+
+    def __init__(
+        self, interval: float = LOG_INTERVAL_SECONDS, clock: Callable[[], float] | None = None
+    ) -> None:
+        self.interval = interval
+        self.clock = clock if clock is not None else time.monotonic
+        self.name: str | None = None
+        self.unit = "files"
+        self.done = self.total = self.nbytes = self.total_nbytes = 0
+        self.started = self.last_line = 0.0
+
+    def stage(self, name: str, total_files: int, total_nbytes: int, unit: str = "files") -> None:
+        self.close()
+        self.name, self.unit, self.total, self.total_nbytes = name, unit, total_files, total_nbytes
+        self.done = self.nbytes = 0
+        self.started = self.last_line = self.clock()
+
+    def advance(self, files: int, nbytes: int) -> None:
+        self.done += files
+        self.nbytes += nbytes
+        now = self.clock()
+        if now - self.last_line >= self.interval:
+            self.last_line = now
+            click.echo(self.line(now - self.started, finished=False), err=True)
+
+    def close(self, finished: bool = True) -> None:
+        """End the stage: its last line, if it printed any and ``finished`` (not stopped by an error)."""
+        if self.name is not None and finished and self.last_line > self.started:
+            click.echo(self.line(self.clock() - self.started, finished=True), err=True)
+        self.name = None
+
+    def line(self, seconds: float, finished: bool) -> str:
+        """``copy: 120/1,000 files (12%), 1.2 GB/9.8 GB, 45.6 MB/s, 0:00:27 elapsed, ETA 0:03:18``."""
+        parts = [f"{self.done:,}/{self.total:,} {self.unit} ({_percent(self.done, self.total)})"]
+        if self.total_nbytes:
+            done, total = self.nbytes, self.total_nbytes
+            parts.append(f"{human_bytes(done)}/{human_bytes(total)}")
+            parts.append(f"{human_bytes(round(done / seconds)) if seconds > 0 else '?'}/s")
+        else:
+            done, total = self.done, self.total
+            parts.append(f"{done / seconds:,.1f} {self.unit}/s" if seconds > 0 else f"? {self.unit}/s")
+        if finished:
+            parts.append(f"done in {_clock_time(seconds)}")
+        else:
+            eta = _clock_time((total - done) * seconds / done) if done and total >= done else "?"
+            parts.append(f"{_clock_time(seconds)} elapsed, ETA {eta}")
+        return f"{self.name}: " + ", ".join(parts)
+
+
+def _percent(done: int, total: int) -> str:
+    return f"{min(done, total) * 100 // total}%" if total else "100%"
+
+
+def _clock_time(seconds: float) -> str:
+    """3725.2 -> '1:02:05'."""
+    whole = int(seconds)
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
+def choose_progress(mode: str) -> BarProgress | LogProgress | SilentProgress:
+    """The display for ``--progress``: auto draws bars on a terminal and prints log lines elsewhere."""
+    if mode == "auto":
+        mode = "bar" if sys.stderr.isatty() else "log"
+    if mode == "bar":
+        return BarProgress()
+    if mode == "log":
+        return LogProgress()
+    return SilentProgress()
+
+
+@contextlib.contextmanager
+def showing_progress(mode: str) -> Iterator[Progress]:
+    """A progress display for one command; its last line is printed only if the command succeeds."""
+    progress = choose_progress(mode)
+    try:
+        yield progress
+    except BaseException:
+        if not isinstance(progress, SilentProgress):
+            progress.close(finished=False)
+        raise
+    if not isinstance(progress, SilentProgress):
+        progress.close()
+
+
+def progress_option(func: F) -> F:
+    """``--progress auto|bar|log|none``, shared by the commands that read or write much data."""
+    return click.option(
+        "--progress",
+        "progress_mode",
+        type=click.Choice(PROGRESS_MODES),
+        default="auto",
+        show_default=True,
+        help="bar: progress bars; log: a line every 10 s, for logs; none: nothing; "
+        "auto: bars on a terminal, else log.",
+    )(func)
 
 
 # C0 and C1 controls, Unicode line breaks, and the surrogates that stand for undecodable bytes in paths.
@@ -235,7 +341,8 @@ def output_option(help_text: str) -> Callable[[F], F]:
 @click.option(
     "--overwrite", is_flag=True, help="Replace an existing dataset at OUT once the new one is complete."
 )
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars and no summary.")
+@progress_option
+@click.option("-q", "--quiet", is_flag=True, help="No progress and no summary (--progress none).")
 @friendly_errors
 def convert(
     inputs: tuple[str, ...],
@@ -248,6 +355,7 @@ def convert(
     workers: int | None,
     align: int,
     overwrite: bool,
+    progress_mode: str,
     quiet: bool,
 ) -> None:
     """Convert INPUT... into the dataset directory OUT.
@@ -258,8 +366,7 @@ def convert(
     """
     if part is not None:
         out_dir = part_directory(out_dir, part)
-    progress = BarProgress(not quiet)
-    try:
+    with showing_progress("none" if quiet else progress_mode) as progress:
         result = convert_files(
             list(inputs),
             out_dir,
@@ -273,8 +380,6 @@ def convert(
             overwrite=overwrite,
             progress=progress,
         )
-    finally:
-        progress.close()
     if result.skipped:
         first_reason = result.skipped[0][1]
         click.echo(
@@ -315,26 +420,21 @@ def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> Non
         return
     summary = describe_dataset(dataset)
     if stats:
-        progress = BarProgress(not as_json)
-        try:
+        with showing_progress("none" if as_json else "auto") as progress:
             summary["stats"] = field_statistics(dataset, progress)
-        finally:
-            progress.close()
     click.echo(json.dumps(summary, indent=1) if as_json else render_summary(summary))
 
 
 @cli.command()
 @click.argument("dataset", type=click.Path(file_okay=False))
 @click.option("--sources", is_flag=True, help="Also compare every sample bit for bit with its NPZ file.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar; print only problems.")
+@progress_option
+@click.option("-q", "--quiet", is_flag=True, help="No progress; print only problems (--progress none).")
 @friendly_errors
-def verify(dataset: str, sources: bool, quiet: bool) -> None:
+def verify(dataset: str, sources: bool, progress_mode: str, quiet: bool) -> None:
     """Check a dataset's checksums and tables; exit 0 only if all is well."""
-    progress = BarProgress(not quiet)
-    try:
+    with showing_progress("none" if quiet else progress_mode) as progress:
         report = verify_dataset(dataset, sources=sources, progress=progress)
-    finally:
-        progress.close()
     for problem in report.problems:
         click.echo(one_line(problem), err=True)
     if not report.ok:
@@ -349,9 +449,12 @@ def verify(dataset: str, sources: bool, quiet: bool) -> None:
 @output_option("Directory to hold manifest.json, or with --copy the dataset to create.")
 @click.option("--copy", is_flag=True, help="Copy the parts into one single dataset instead of listing them.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing manifest or dataset at OUT.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no summary.")
+@progress_option
+@click.option("-q", "--quiet", is_flag=True, help="No progress and no summary (--progress none).")
 @friendly_errors
-def merge(parts: tuple[str, ...], out_dir: str, copy: bool, overwrite: bool, quiet: bool) -> None:
+def merge(
+    parts: tuple[str, ...], out_dir: str, copy: bool, overwrite: bool, progress_mode: str, quiet: bool
+) -> None:
     """Join datasets into one at OUT: a manifest naming them, or with --copy one blob.
 
     The PART datasets are read in the order given.
@@ -360,11 +463,8 @@ def merge(parts: tuple[str, ...], out_dir: str, copy: bool, overwrite: bool, qui
     copied, and MmapDataset(OUT) reads them as one. With --copy, writes a
     single dataset at OUT.
     """
-    progress = BarProgress(not quiet)
-    try:
+    with showing_progress("none" if quiet else progress_mode) as progress:
         result = merge_parts(list(parts), out_dir, copy=copy, overwrite=overwrite, progress=progress)
-    finally:
-        progress.close()
     if not quiet:
         what = "one dataset" if result.copied else os.path.join(out_dir, "manifest.json")
         click.echo(one_line(f"Merged {result.num_parts} parts, {result.num_samples:,} samples, into {what}"))
@@ -372,17 +472,16 @@ def merge(parts: tuple[str, ...], out_dir: str, copy: bool, overwrite: bool, qui
 
 @cli.command()
 @click.argument("dataset", type=click.Path(file_okay=False))
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@progress_option
+@click.option("-q", "--quiet", is_flag=True, help="No progress (--progress none).")
 @friendly_errors
-def warm(dataset: str, quiet: bool) -> None:
+def warm(dataset: str, progress_mode: str, quiet: bool) -> None:
     """Load a dataset into this node's page cache and report how much is resident."""
-    progress = BarProgress(not quiet)
     try:
-        result = warm_dataset(dataset, progress=progress)
+        with showing_progress("none" if quiet else progress_mode) as progress:
+            result = warm_dataset(dataset, progress=progress)
     except OSError as exc:
         raise click.ClickException(f"{dataset}: cannot read the blob ({exc.strerror or exc})") from None
-    finally:
-        progress.close()
     where = (
         result.blob_paths[0] if len(result.blob_paths) == 1 else f"{dataset} ({len(result.blob_paths)} parts)"
     )

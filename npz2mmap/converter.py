@@ -192,7 +192,7 @@ def _scan(
     A part with no usable source (an empty slice of ``--part``, or one whose
     files were all skipped) plans an empty dataset: no samples, no fields.
     """
-    progress.stage("scan", len(sources), 0)
+    progress.stage("scan", len(sources), 0, unit="files")
 
     def usable() -> Iterator[tuple[str, dict[str, MemberHeader]]]:
         for path, headers in zip(sources, imap(scan_one, sources), strict=True):
@@ -234,7 +234,7 @@ def _copy(
 def _copy_samples(
     plan: Plan, staging: str, imap: Mapper[Any, Any], progress: Progress, skip_bad: bool
 ) -> tuple[list[np.ndarray], list[tuple[int, str]]]:
-    progress.stage("copy", plan.num_samples, plan.data_nbytes)
+    progress.stage("copy", len(plan.sources), plan.data_nbytes, unit="files")
     blob_path = writer.create_blob(staging, plan.payload_nbytes)
     crc32s = [np.zeros(plan.num_samples, dtype=np.uint32) for _ in plan.fields]
     failed = []
@@ -242,6 +242,7 @@ def _copy_samples(
     for result in imap(copy_one, writer.sample_tasks(plan)):
         if isinstance(result, _Failure):
             failed.append((result.file, result.reason))
+            progress.advance(1, 0)
             continue
         first, count = plan.file_rows(result.file)
         for table, crcs in zip(crc32s, result.crc32s, strict=True):

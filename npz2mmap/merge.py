@@ -94,7 +94,7 @@ def _merge_by_copy(parts: Parts, out: str, overwrite: bool, progress: Progress) 
     with publish.output_lock(out):
         staging = publish.make_staging_dir(out)
         try:
-            progress.stage("merge", len(parts.paths), plan.data_nbytes)
+            progress.stage("merge", len(parts.paths), plan.data_nbytes, unit="parts")
             blob_path = writer.create_blob(staging, plan.payload_nbytes)
             _copy_data(reader, plan, blob_path, progress)
             crcs = [

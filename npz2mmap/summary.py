@@ -115,7 +115,7 @@ def field_statistics(
     readers = [DatasetReader(p, index) for p, index in zip(parts.paths, parts.indexes, strict=True)]
     numeric = [name for name in parts.field_names if parts.field(name).dtype.kind in "biuf"]
     total = sum(r.index.field(name).data.nbytes for r in readers for name in numeric)
-    progress.stage("stats", len(numeric), total)
+    progress.stage("stats", len(numeric), total, unit="fields")
     return {name: _stream_stats(readers, name, progress) for name in numeric}
 
 

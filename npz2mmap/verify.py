@@ -85,38 +85,48 @@ def _verify_one(path: str, sources: bool, progress: Progress) -> VerifyReport:
     if not reader.has_identity():
         report.problems.append(identity_problem(reader.blob_path))
     report.num_samples = index.num_samples
-    progress.stage("verify", index.num_samples, index.payload_nbytes)
-    for f in index.fields:
-        _check_field(reader, f, report, progress)
+    _check_fields(reader, index.fields, report, progress)
     _check_padding(reader, index, report)
     source_files = _check_provenance_files(report, index)
     if sources and source_files is not None:
-        progress.stage("compare", index.num_samples, 0)
+        progress.stage("compare", index.num_samples, 0, unit="samples")
         _compare_sources(reader, source_files, report, progress)
         report.sources_checked = True
     return report
 
 
-def _check_field(reader: DatasetReader, f: Field, report: VerifyReport, progress: Progress) -> None:
-    table_problems = reader.table_problems(f.name)
-    report.problems += [f"field {f.name!r}: {problem}" for problem in table_problems]
-    if table_problems:
-        return
-    expected = reader.table(f.name, "sample_crc32")
-    bad = []
+def _check_fields(
+    reader: DatasetReader, fields: tuple[Field, ...], report: VerifyReport, progress: Progress
+) -> None:
+    """Check every sample's checksum in each field whose tables are consistent, sample by sample.
+
+    Going sample by sample lets progress count samples; problems are
+    reported field by field, in index order.
+    """
+    table_problems = {f.name: reader.table_problems(f.name) for f in fields}
+    checked = [f for f in fields if not table_problems[f.name]]
+    expected = {f.name: reader.table(f.name, "sample_crc32") for f in checked}
+    bad: dict[str, list[int]] = {f.name: [] for f in checked}
+    progress.stage("verify", len(reader), sum(f.data.nbytes for f in checked), unit="samples")
     for i in range(len(reader)):
-        data = reader.view(f.name, i)  # tables are consistent: raises nothing
-        if zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data) != expected[i]:
-            bad.append(i)
-        progress.advance(0, data.nbytes)
-    if bad:
-        report.bad_samples[f.name] = bad
-        shown = ", ".join(str(i) for i in bad[:MAX_SAMPLES_NAMED]) + (
-            " ..." if len(bad) > MAX_SAMPLES_NAMED else ""
-        )
-        report.problems.append(
-            f"field {f.name!r}: {len(bad)} sample(s) do not match their checksums: {shown}"
-        )
+        nbytes = 0
+        for f in checked:
+            data = reader.view(f.name, i)  # tables are consistent: raises nothing
+            if zlib.crc32(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data) != expected[f.name][i]:
+                bad[f.name].append(i)
+            nbytes += data.nbytes
+        progress.advance(1, nbytes)
+    for f in fields:
+        report.problems += [f"field {f.name!r}: {problem}" for problem in table_problems[f.name]]
+        if bad.get(f.name):
+            _report_bad_checksums(report, f.name, bad[f.name])
+
+
+def _report_bad_checksums(report: VerifyReport, name: str, bad: list[int]) -> None:
+    report.bad_samples[name] = bad
+    more = " ..." if len(bad) > MAX_SAMPLES_NAMED else ""
+    shown = ", ".join(str(i) for i in bad[:MAX_SAMPLES_NAMED]) + more
+    report.problems.append(f"field {name!r}: {len(bad)} sample(s) do not match their checksums: {shown}")
 
 
 def _check_padding(reader: DatasetReader, index: Index, report: VerifyReport) -> None:

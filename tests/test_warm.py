@@ -22,7 +22,7 @@ class RecordingProgress:
     def __init__(self) -> None:
         self.nbytes = 0
 
-    def stage(self, name: str, total_files: int, total_nbytes: int) -> None:
+    def stage(self, name: str, total_files: int, total_nbytes: int, unit: str = "files") -> None:
         pass
 
     def advance(self, files: int, nbytes: int) -> None:
