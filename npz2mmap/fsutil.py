@@ -250,6 +250,13 @@ def _try_lock(fd: int) -> bool:
 
 
 def _same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the lock file that ``fd`` holds open.
+
+    Not an identity of a dataset (those carry their own, written into the
+    blob): this asks whether another process removed the lock file between
+    our open and our lock. An inode number can be reused only once nothing
+    holds it open, and ``fd`` does, so equal numbers here mean the same file.
+    """
     try:
         on_disk = os.stat(path)
     except FileNotFoundError:
