@@ -16,6 +16,7 @@ from typing import Any, overload
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 from torch.utils.data import Dataset, default_collate
 from torch.utils.data._utils.collate import default_collate_fn_map
 
@@ -52,6 +53,8 @@ class MmapDataset(Dataset[Any]):
         for name in names:
             self.parts.field(name)
         self.fields: tuple[str, ...] = tuple(names)
+        # The selected fields whose shape differs between samples (in any part); batches carry it.
+        self.ragged_fields = frozenset(name for name in names if self.parts.field(name).shape is None)
         self.transform = transform
         self.tensors = tensors
         if advice is not None and advice not in ADVICE:
@@ -99,7 +102,7 @@ class MmapDataset(Dataset[Any]):
         array = copy_bytes(view)
         return as_tensors(array) if self.tensors else array
 
-    def __getitems__(self, indices: Sequence[int]) -> Sequence[Any]:
+    def __getitems__(self, indices: Sequence[int] | NDArray[np.integer]) -> Sequence[Any]:
         """A batch of samples, gathered with one copy per field (DataLoader calls this).
 
         Returns a GatheredBatch: a sequence of samples that the default collate
@@ -113,11 +116,6 @@ class MmapDataset(Dataset[Any]):
         arrays = {name: reader.gather(name, indices) for name in self.fields}
         single = self.fields[0] if self.single else None
         return GatheredBatch(arrays, single, len(indices), self.ragged_fields)
-
-    @property
-    def ragged_fields(self) -> frozenset[str]:
-        """The selected fields whose shape differs between samples (in any part)."""
-        return frozenset(name for name in self.fields if self.parts.field(name).shape is None)
 
     def lengths(self, field: str) -> np.ndarray:
         """Per-sample lengths of a field (int64 (N,) for 1-d samples, shapes (N, ndim) otherwise).

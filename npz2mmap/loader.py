@@ -158,9 +158,9 @@ class MmapLoader:
     def load(self, indices: np.ndarray) -> Any:
         """One batch: each fixed field gathered straight into its output tensor."""
         if self.collate_fn is not None:
-            return self.collate_fn(self.dataset.__getitems__(indices.tolist()))
+            return self.collate_fn(self.dataset.__getitems__(indices))
         if self.dataset.transform is not None:
-            return collate(self.dataset.__getitems__(indices.tolist()))
+            return collate(self.dataset.__getitems__(indices))
         reader = self.dataset.reader
         out = {name: self._gather(reader, name, indices) for name in self.dataset.fields}
         return out[self.dataset.fields[0]] if self.dataset.single else out
