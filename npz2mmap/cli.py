@@ -24,6 +24,10 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.stderr.write("\nAborted!\n")
         sys.exit(ABORTED_EXIT_CODE)
+    except OSError as exc:  # our own output could not be written (a full disk, a closed pipe)
+        if sys.stderr is not None:
+            sys.stderr.write(f"Error: cannot write the output ({exc.strerror or exc})\n")
+        sys.exit(1)
 
 
 def __getattr__(name: str) -> Any:

@@ -143,6 +143,8 @@ def _clock_time(seconds: float) -> str:
 
 def choose_progress(mode: str) -> BarProgress | LogProgress | SilentProgress:
     """The display for ``--progress``: auto draws bars on a terminal and prints log lines elsewhere."""
+    if sys.stderr is None:  # closed (2>&-): nowhere to show progress
+        return SilentProgress()
     if mode == "auto":
         mode = "bar" if sys.stderr.isatty() else "log"
     if mode == "bar":
@@ -183,12 +185,18 @@ def progress_option(func: F) -> F:
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 
 
+MAX_LINE_CHARS = 4000
+
+
 def one_line(text: str) -> str:
     """``text`` with every unprintable character escaped (``\\n``, ``\\x1b``), so it prints as one line.
 
     Paths come from users and file systems and may hold any of them.
     """
-    return _UNPRINTABLE.sub(lambda match: match.group().encode("unicode_escape").decode("ascii"), text)
+    escaped = _UNPRINTABLE.sub(lambda match: match.group().encode("unicode_escape").decode("ascii"), text)
+    if len(escaped) > MAX_LINE_CHARS:  # a path or a list line can be megabytes long
+        return escaped[: MAX_LINE_CHARS // 2] + " ... " + escaped[-MAX_LINE_CHARS // 2 :]
+    return escaped
 
 
 @contextlib.contextmanager

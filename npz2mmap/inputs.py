@@ -10,6 +10,8 @@ from .errors import SourceError
 
 NPZ_SUFFIX = ".npz"
 LIST_PREFIX = "@"
+# Two million paths of 100 characters fit; a file much larger is not a list.
+MAX_LIST_CHARS = 256 << 20
 
 
 def discover_sources(inputs: Sequence[str | os.PathLike[str]]) -> list[str]:
@@ -38,8 +40,11 @@ def _expand_list_file(list_path: str) -> Iterable[str]:
     lines starting with ``#`` are skipped. The list is opened like a source (a pipe
     in its place is refused, never waited on)."""
     try:
-        with open(fsutil.open_regular(list_path), encoding="utf-8") as fp:
-            lines = fp.read().splitlines()
+        with open(fsutil.open_regular(list_path), encoding="utf-8-sig") as fp:
+            text = fp.read(MAX_LIST_CHARS + 1)
+        if len(text) > MAX_LIST_CHARS:
+            raise SourceError(f"{list_path}: list file is longer than {MAX_LIST_CHARS:,} characters")
+        lines = text.splitlines()
     except OSError as exc:
         raise SourceError(f"{list_path}: cannot read list file ({exc.strerror})") from None
     except fsutil.NotRegularFile as exc:

@@ -47,6 +47,8 @@ class _Resumable:
         Raises ValueError for a state this sampler did not write: missing or
         non-integer entries, another seed, a count past the epoch's end.
         """
+        if not isinstance(state, dict):
+            raise ValueError(f"sampler state must be a dict, not {type(state).__name__}")
         epoch, seed, yielded = (_state_int(state, key) for key in ("epoch", "seed", "yielded"))
         if seed != self.seed:
             raise ValueError(f"sampler state has seed {seed}, this sampler has seed {self.seed}")

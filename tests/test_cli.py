@@ -302,3 +302,35 @@ def test_inspect_sample_prints_integers_exactly(tmp_path) -> None:
     }
     assert rows["big"][-3:] == ["7", "3000000001", "1.5e+09"]
     assert rows["f"][-3:] == ["0.5", "0.5", "0.5"]
+
+
+def test_list_files_may_start_with_a_bom_and_a_huge_one_is_refused(tmp_path, monkeypatch) -> None:
+    write_samples(tmp_path / "src", [{"x": np.int64(1)}])
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfsrc/s00000.npz\n")
+    assert run("convert", f"@{tmp_path / 'bom.txt'}", "-o", tmp_path / "out", "-q").exit_code == 0
+    monkeypatch.setattr("npz2mmap.inputs.MAX_LIST_CHARS", 10)
+    result = run("convert", f"@{tmp_path / 'bom.txt'}", "-o", tmp_path / "out2", "-q")
+    assert result.exit_code == 1
+    assert result.output == f"Error: {tmp_path / 'bom.txt'}: list file is longer than 10 characters\n"
+
+
+def test_errors_of_huge_lines_are_cut_to_one_readable_line() -> None:
+    from npz2mmap.commands import MAX_LINE_CHARS, one_line
+
+    line = one_line("x" * 10_000_000 + "\n")
+    assert len(line) < MAX_LINE_CHARS + 10 and " ... " in line and line.endswith("\\n")
+
+
+def test_closed_stderr_and_a_full_stdout_are_one_line_errors_or_silence(tmp_path) -> None:
+    write_samples(tmp_path / "src", [{"x": np.int64(1)}])
+    assert run("convert", tmp_path / "src", "-o", tmp_path / "ds", "-q").exit_code == 0
+    closed = subprocess.run(
+        f"{SCRIPT} verify {tmp_path / 'ds'} 2>&-", shell=True, capture_output=True, text=True
+    )
+    assert closed.returncode == 0 and closed.stdout.startswith("OK: ")
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [SCRIPT, "verify", tmp_path / "ds"], stdout=full, stderr=subprocess.PIPE, text=True
+        )
+    assert result.returncode == 1
+    assert result.stderr == "Error: cannot write the output (No space left on device)\n"

@@ -198,3 +198,11 @@ def test_a_rank_outside_the_world_is_refused(num_replicas, rank) -> None:
         ValueError, match=f"rank must be in 0..num_replicas-1, got rank {rank} of {num_replicas}"
     ):
         length_sampler(num_replicas=num_replicas, rank=rank)
+
+
+@pytest.mark.parametrize("state", [None, [], "epoch"])
+def test_a_state_that_is_not_a_dict_is_a_value_error(state) -> None:
+    from npz2mmap import BlockShuffleSampler
+
+    with pytest.raises(ValueError, match="sampler state must be a dict"):
+        BlockShuffleSampler(10).load_state_dict(state)
