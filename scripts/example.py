@@ -31,7 +31,7 @@ def make(out_dir: str, count: int) -> None:
             label=np.int64(rng.integers(10)),
             tokens=rng.integers(0, 50_000, size=int(rng.integers(8, 256)), dtype=np.int32),
         )
-    print(f"wrote {count} .npz files to {out_dir}")
+    print(f"wrote {count:,} .npz files to {out_dir}")
 
 
 def load(dataset: str) -> None:
@@ -58,7 +58,7 @@ def load(dataset: str) -> None:
             seen += len(batch["label"])
         rate = seen / (time.perf_counter() - started)
         print(
-            f"epoch {epoch}: {seen} samples, {rate:,.0f} samples/s, "
+            f"epoch {epoch}: {seen:,} samples, {rate:,.0f} samples/s, "
             f"input batch {tuple(batch['input'].shape)} {EPOCH_NOTES[min(epoch, 1)]}"
         )
     for i in (0, len(ds) // 2, len(ds) - 1):
