@@ -28,7 +28,7 @@ from .converter import convert as convert_files
 from .errors import Npz2mmapError
 from .merge import merge as merge_parts
 from .progress import Progress, SilentProgress
-from .render import human_bytes, render_sample, render_summary
+from .render import human_bytes, plural, render_sample, render_summary
 from .spec import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
 from .summary import describe_dataset, describe_sample, field_statistics
 from .verify import verify as verify_dataset
@@ -64,7 +64,8 @@ class BarProgress:
             return
         self.done += files
         if self.bar.unit == "B":
-            self.bar.set_postfix_str(f"{self.done}/{self.total} {self.unit}", refresh=False)
+            of_total = f"{self.done}/{self.total} {counted(self.unit, self.total)}"
+            self.bar.set_postfix_str(of_total, refresh=False)
             self.bar.update(nbytes)
         else:
             self.bar.update(files)
@@ -115,7 +116,8 @@ class LogProgress:
 
     def line(self, seconds: float, finished: bool) -> str:
         """``copy: 120/1,000 files (12%), 1.2 GB/9.8 GB, 45.6 MB/s, 0:00:27 elapsed, ETA 0:03:18``."""
-        parts = [f"{self.done:,}/{self.total:,} {self.unit} ({_percent(self.done, self.total)})"]
+        of_total = f"{self.done:,}/{self.total:,} {counted(self.unit, self.total)}"
+        parts = [f"{of_total} ({_percent(self.done, self.total)})"]
         if self.total_nbytes:
             done, total = self.nbytes, self.total_nbytes
             parts.append(f"{human_bytes(done)}/{human_bytes(total)}")
@@ -129,6 +131,11 @@ class LogProgress:
             eta = _clock_time((total - done) * seconds / done) if done and total >= done else "?"
             parts.append(f"{_clock_time(seconds)} elapsed, ETA {eta}")
         return f"{self.name}: " + ", ".join(parts)
+
+
+def counted(unit: str, total: int) -> str:
+    """A plural unit ('files') as it reads after 'N of ``total``': 'file' when the total is 1."""
+    return unit[:-1] if total == 1 and unit.endswith("s") else unit
 
 
 def _percent(done: int, total: int) -> str:
@@ -392,7 +399,7 @@ def convert(
         first_reason = result.skipped[0][1]
         click.echo(
             one_line(
-                f"Warning: skipped {len(result.skipped):,} bad file(s), listed in "
+                f"Warning: skipped {plural(len(result.skipped), 'bad file')}, listed in "
                 f"{os.path.join(out_dir, SKIPPED_NAME)}; the first: {first_reason}"
             ),
             err=True,
@@ -401,7 +408,7 @@ def convert(
         index = result.index
         click.echo(
             one_line(
-                f"Converted {index.num_samples:,} samples, {len(index.fields)} fields, "
+                f"Converted {plural(index.num_samples, 'sample')}, {plural(len(index.fields), 'field')}, "
                 f"{human_bytes(result.data_nbytes)} into {out_dir} in {result.seconds:.1f} s"
             )
         )
@@ -446,10 +453,10 @@ def verify(dataset: str, sources: bool, progress_mode: str, quiet: bool) -> None
     for problem in report.problems:
         click.echo(one_line(problem), err=True)
     if not report.ok:
-        raise click.ClickException(f"{dataset}: {len(report.problems)} problem(s) found")
+        raise click.ClickException(f"{dataset}: {plural(len(report.problems), 'problem')} found")
     if not quiet:
         checked = "checksums, tables, padding" + (" and sources" if report.sources_checked else "")
-        click.echo(one_line(f"OK: {dataset}: {report.num_samples:,} samples verified ({checked})"))
+        click.echo(one_line(f"OK: {dataset}: {plural(report.num_samples, 'sample')} verified ({checked})"))
 
 
 @cli.command()
@@ -475,7 +482,8 @@ def merge(
         result = merge_parts(list(parts), out_dir, copy=copy, overwrite=overwrite, progress=progress)
     if not quiet:
         what = "one dataset" if result.copied else os.path.join(out_dir, "manifest.json")
-        click.echo(one_line(f"Merged {result.num_parts} parts, {result.num_samples:,} samples, into {what}"))
+        counts = f"{plural(result.num_parts, 'part')}, {plural(result.num_samples, 'sample')}"
+        click.echo(one_line(f"Merged {counts}, into {what}"))
 
 
 @cli.command()

@@ -16,6 +16,11 @@ def human_bytes(nbytes: int) -> str:
     raise AssertionError("unreachable")
 
 
+def plural(count: int, noun: str) -> str:
+    """1 -> '1 sample', 1000 -> '1,000 samples': a count with its noun in the right number."""
+    return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
+
+
 def render_summary(summary: dict[str, Any]) -> str:
     """What `npz2mmap inspect` prints for a dataset: header lines, parts, fields, lengths, stats."""
     lines = [

@@ -166,7 +166,7 @@ def test_skip_bad_converts_the_good_files_and_records_the_bad(tmp_path, good_sou
         ["convert", str(good_sources), "-o", str(tmp_path / "out"), "--skip-bad", "--workers", str(workers)],
     )
     assert result.exit_code == 0, result.output
-    assert f"Warning: skipped 2 bad file(s), listed in {tmp_path / 'out' / 'skipped.jsonl'}" in result.output
+    assert f"Warning: skipped 2 bad files, listed in {tmp_path / 'out' / 'skipped.jsonl'}" in result.output
     reader = DatasetReader(tmp_path / "out")
     assert len(reader) == 2 and reader.index.num_skipped == 2
     assert [int(reader.view("x", i)[0]) for i in range(2)] == [0, 2]

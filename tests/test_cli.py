@@ -128,8 +128,8 @@ def test_verify_failure_lists_problems_and_exits_1(tmp_path, sources) -> None:
     (out / "data.npy").write_bytes(bytes(blob))
     result = run("verify", out)
     assert result.exit_code == 1
-    assert "field 'input': 1 sample(s) do not match their checksums: 0" in result.output
-    assert f"Error: {out}: 1 problem(s) found" in result.output
+    assert "field 'input': 1 sample does not match its checksum: 0" in result.output
+    assert f"Error: {out}: 1 problem found" in result.output
 
 
 def test_real_console_script_errors_without_traceback_unless_debug(tmp_path) -> None:
@@ -243,7 +243,7 @@ def test_errors_are_one_line_whatever_a_path_holds(tmp_path, sources, name, show
     result = run_script("convert", sources, "-o", tmp_path / "out", "--skip-bad", "-q")
     assert result.returncode == 0
     assert result.stderr == (
-        f"Warning: skipped 1 bad file(s), listed in {tmp_path / 'out' / 'skipped.jsonl'}; the first: "
+        f"Warning: skipped 1 bad file, listed in {tmp_path / 'out' / 'skipped.jsonl'}; the first: "
         f"{sources}/{shown}: not a valid zip/npz file (File is not a zip file)\n"
     )
     result = run_script("inspect", sources / name)  # click's own usage error quotes the path too
@@ -288,7 +288,7 @@ def test_verify_problems_naming_a_source_with_a_newline_are_one_line_each(tmp_pa
     assert result.returncode == 1
     problem, error = result.stderr.splitlines()
     assert problem.startswith(f"sample 0 ({tmp_path}/two\\nlines.npz): field 'x': ")
-    assert error == f"Error: {tmp_path / 'out'}: 1 problem(s) found"
+    assert error == f"Error: {tmp_path / 'out'}: 1 problem found"
 
 
 def test_inspect_sample_prints_integers_exactly(tmp_path) -> None:
@@ -334,3 +334,35 @@ def test_closed_stderr_and_a_full_stdout_are_one_line_errors_or_silence(tmp_path
         )
     assert result.returncode == 1
     assert result.stderr == "Error: cannot write the output (No space left on device)\n"
+
+
+def test_counts_of_one_read_in_the_singular(tmp_path) -> None:
+    write_samples(tmp_path / "src", [{"x": np.arange(3, dtype=np.int64)}])
+    (tmp_path / "src" / "zbad.npz").write_bytes(b"not a zip")
+    result = run_script("convert", tmp_path / "src", "-o", tmp_path / "ds", "--skip-bad")
+    assert result.returncode == 0
+    assert result.stderr.startswith(f"Warning: skipped 1 bad file, listed in {tmp_path / 'ds' / 'skipped.jsonl'}")
+    assert result.stdout.startswith(f"Converted 1 sample, 1 field, 24 B into {tmp_path / 'ds'} in ")
+    result = run_script("verify", tmp_path / "ds")
+    assert result.stdout == f"OK: {tmp_path / 'ds'}: 1 sample verified (checksums, tables, padding)\n"
+    result = run_script("merge", tmp_path / "ds", "-o", tmp_path / "merged")
+    assert result.stdout == f"Merged 1 part, 1 sample, into {tmp_path / 'merged' / 'manifest.json'}\n"
+    blob = bytearray((tmp_path / "ds" / "data.npy").read_bytes())
+    blob[128 + 64] ^= 0xFF  # the first byte of sample 0, after the header and the blob identity
+    (tmp_path / "ds" / "data.npy").write_bytes(bytes(blob))
+    result = run_script("verify", tmp_path / "ds", "-q")
+    assert result.returncode == 1
+    assert result.stderr == (
+        "field 'x': 1 sample does not match its checksum: 0\n"
+        f"Error: {tmp_path / 'ds'}: 1 problem found\n"
+    )
+
+
+def test_progress_lines_name_a_single_item_in_the_singular() -> None:
+    from npz2mmap.commands import LogProgress
+
+    ticks = iter([0.0, 5.0])
+    progress = LogProgress(clock=lambda: next(ticks))
+    progress.stage("copy", 1, 0, unit="files")
+    progress.advance(1, 0)
+    assert progress.line(12.0, finished=True) == "copy: 1/1 file (100%), 0.1 files/s, done in 0:00:12"

@@ -113,7 +113,7 @@ def test_inspect_verify_and_warm_understand_parts(tmp_path, sources) -> None:
     report = verify(tmp_path / "ds")
     assert report.bad_samples == {"id": [11]}
     assert report.problems == [
-        f"part {tmp_path / 'ds' / 'part-1'}: field 'id': 1 sample(s) do not match their checksums: 0"
+        f"part {tmp_path / 'ds' / 'part-1'}: field 'id': 1 sample does not match its checksum: 0"
     ]
 
 
