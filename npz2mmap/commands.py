@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import click
 import numpy as np
 import tqdm
+from click.core import ParameterSource
 
 from . import __version__
 from .cache import warm as warm_dataset
@@ -175,6 +176,16 @@ def showing_progress(mode: str) -> Iterator[Progress]:
         progress.close()
 
 
+def quiet_progress(quiet: bool, progress_mode: str) -> str:
+    """The progress mode of a command with ``-q``: none; a usage error if --progress asked for another."""
+    source = click.get_current_context().get_parameter_source("progress_mode")
+    if quiet and progress_mode != "none" and source is not ParameterSource.DEFAULT:
+        raise click.UsageError(
+            f"-q/--quiet shows no progress; it cannot be used with --progress {progress_mode}"
+        )
+    return "none" if quiet else progress_mode
+
+
 def progress_option(func: F) -> F:
     """``--progress auto|bar|log|none``, shared by the commands that read or write much data."""
     return click.option(
@@ -231,20 +242,48 @@ class OneLineErrorsGroup(click.Group):
         with _one_line_errors():
             return super().invoke(ctx)
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The Commands section of --help, each command's whole one-line summary wrapped, never cut."""
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=MAX_LINE_CHARS)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+DEBUG_HELP = "Show full tracebacks instead of one-line errors."
+
+
+def _remember_debug(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    """Note --debug where every command sees it: ``ctx.meta`` is shared by the group and its command."""
+    if value:
+        ctx.meta["npz2mmap.debug"] = True
+    return value
+
+
+def debug_option(func: F) -> F:
+    """``--debug`` after the command too (``npz2mmap convert ... --debug``), as before it."""
+    return click.option(
+        "--debug", is_flag=True, expose_value=False, callback=_remember_debug, help=DEBUG_HELP
+    )(func)
+
 
 def friendly_errors(func: F) -> F:
-    """Show the project's errors as one line (exit 1); --debug shows the traceback."""
+    """Show the project's errors as one line (exit 1); the command gets --debug to show the traceback."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
         except Npz2mmapError as exc:
-            if click.get_current_context().find_root().params.get("debug"):
+            if click.get_current_context().meta.get("npz2mmap.debug"):
                 raise
             raise click.ClickException(str(exc)) from None
 
-    return wrapper  # type: ignore[return-value]
+    return debug_option(wrapper)  # type: ignore[return-value]
 
 
 def _parse_keys(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
@@ -300,8 +339,8 @@ def _check_align(ctx: click.Context, param: click.Parameter, value: int) -> int:
 
 @click.group(cls=OneLineErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="npz2mmap")
-@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
-def cli(debug: bool) -> None:
+@debug_option
+def cli() -> None:
     """Convert many .npz files into one memory-mapped dataset for PyTorch."""
 
 
@@ -381,7 +420,7 @@ def convert(
     """
     if part is not None:
         out_dir = part_directory(out_dir, part)
-    with showing_progress("none" if quiet else progress_mode) as progress:
+    with showing_progress(quiet_progress(quiet, progress_mode)) as progress:
         result = convert_files(
             list(inputs),
             out_dir,
@@ -426,6 +465,10 @@ def convert(
 @friendly_errors
 def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> None:
     """Show a dataset's format, samples, size and fields."""
+    if sample is not None and stats:
+        raise click.UsageError(
+            "--stats cannot be used with --sample, which shows the sample's min, max and mean"
+        )
     if sample is not None:
         try:
             info = describe_sample(dataset, sample)
@@ -448,7 +491,7 @@ def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> Non
 @friendly_errors
 def verify(dataset: str, sources: bool, progress_mode: str, quiet: bool) -> None:
     """Check a dataset's checksums and tables; exit 0 only if all is well."""
-    with showing_progress("none" if quiet else progress_mode) as progress:
+    with showing_progress(quiet_progress(quiet, progress_mode)) as progress:
         report = verify_dataset(dataset, sources=sources, progress=progress)
     for problem in report.problems:
         click.echo(one_line(problem), err=True)
@@ -478,7 +521,7 @@ def merge(
     copied, and MmapDataset(OUT) reads them as one. With --copy, writes a
     single dataset at OUT.
     """
-    with showing_progress("none" if quiet else progress_mode) as progress:
+    with showing_progress(quiet_progress(quiet, progress_mode)) as progress:
         result = merge_parts(list(parts), out_dir, copy=copy, overwrite=overwrite, progress=progress)
     if not quiet:
         what = "one dataset" if result.copied else os.path.join(out_dir, "manifest.json")
@@ -494,7 +537,7 @@ def merge(
 def warm(dataset: str, progress_mode: str, quiet: bool) -> None:
     """Load a dataset into this node's page cache and report how much is resident."""
     try:
-        with showing_progress("none" if quiet else progress_mode) as progress:
+        with showing_progress(quiet_progress(quiet, progress_mode)) as progress:
             result = warm_dataset(dataset, progress=progress)
     except OSError as exc:
         raise click.ClickException(f"{dataset}: cannot read the blob ({exc.strerror or exc})") from None

@@ -366,3 +366,76 @@ def test_progress_lines_name_a_single_item_in_the_singular() -> None:
     progress.stage("copy", 1, 0, unit="files")
     progress.advance(1, 0)
     assert progress.line(12.0, finished=True) == "copy: 1/1 file (100%), 0.1 files/s, done in 0:00:12"
+
+
+def test_debug_after_the_command_shows_the_traceback(tmp_path, sources) -> None:
+    missing = tmp_path / "missing"
+    result = run_script("inspect", missing, "--debug")
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr
+    assert result.stderr.splitlines()[-1] == f"npz2mmap.errors.FormatError: {missing}: no such dataset"
+    result = run_script("convert", sources, "-o", tmp_path / "out", "--keys", "nope", "--debug")
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("npz2mmap.errors.SourceError: ")
+    assert not (tmp_path / "out").exists()
+    for command in ("convert", "inspect", "verify", "merge", "warm"):
+        assert "--debug" in run(command, "--help").output
+
+
+def test_main_help_shows_every_command_summary_whole() -> None:
+    result = run("--help")
+    assert result.exit_code == 0
+    commands = " ".join(result.output.split("Commands:\n", 1)[1].split())
+    assert commands == (
+        "convert Convert INPUT... into the dataset directory OUT. "
+        "inspect Show a dataset's format, samples, size and fields. "
+        "merge Join datasets into one at OUT: a manifest naming them, or with --copy one blob. "
+        "verify Check a dataset's checksums and tables; exit 0 only if all is well. "
+        "warm Load a dataset into this node's page cache and report how much is resident."
+    )
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (
+            ("inspect", "{ds}", "--sample", "0", "--stats"),
+            "--stats cannot be used with --sample, which shows the sample's min, max and mean",
+        ),
+        (
+            ("inspect", "{ds}", "--sample", "0", "--stats", "--json"),
+            "--stats cannot be used with --sample, which shows the sample's min, max and mean",
+        ),
+        (
+            ("convert", "{src}", "-o", "{tmp}/out", "-q", "--progress", "bar"),
+            "-q/--quiet shows no progress; it cannot be used with --progress bar",
+        ),
+        (
+            ("verify", "{ds}", "--progress", "log", "-q"),
+            "-q/--quiet shows no progress; it cannot be used with --progress log",
+        ),
+        (
+            ("merge", "{ds}", "-o", "{tmp}/out", "-q", "--progress", "auto"),
+            "-q/--quiet shows no progress; it cannot be used with --progress auto",
+        ),
+        (
+            ("warm", "{ds}", "-q", "--progress", "bar"),
+            "-q/--quiet shows no progress; it cannot be used with --progress bar",
+        ),
+    ],
+)
+def test_options_that_contradict_each_other_are_usage_errors(tmp_path, sources, command, message) -> None:
+    assert run("convert", sources, "-o", tmp_path / "ds", "-q").exit_code == 0
+    paths = {"ds": tmp_path / "ds", "src": sources, "tmp": tmp_path}
+    result = run(*(part.format(**paths) for part in command))
+    assert result.exit_code == 2
+    assert result.output.splitlines()[-1] == f"Error: {message}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_quiet_with_progress_none_is_no_contradiction(tmp_path, sources) -> None:
+    result = run("convert", sources, "-o", tmp_path / "ds", "-q", "--progress", "none")
+    assert (result.exit_code, result.output) == (0, "")
+    result = run("verify", tmp_path / "ds", "--progress", "none", "-q")
+    assert (result.exit_code, result.output) == (0, "")
