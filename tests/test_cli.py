@@ -341,7 +341,9 @@ def test_counts_of_one_read_in_the_singular(tmp_path) -> None:
     (tmp_path / "src" / "zbad.npz").write_bytes(b"not a zip")
     result = run_script("convert", tmp_path / "src", "-o", tmp_path / "ds", "--skip-bad")
     assert result.returncode == 0
-    assert result.stderr.startswith(f"Warning: skipped 1 bad file, listed in {tmp_path / 'ds' / 'skipped.jsonl'}")
+    assert result.stderr.startswith(
+        f"Warning: skipped 1 bad file, listed in {tmp_path / 'ds' / 'skipped.jsonl'}"
+    )
     assert result.stdout.startswith(f"Converted 1 sample, 1 field, 24 B into {tmp_path / 'ds'} in ")
     result = run_script("verify", tmp_path / "ds")
     assert result.stdout == f"OK: {tmp_path / 'ds'}: 1 sample verified (checksums, tables, padding)\n"
@@ -353,8 +355,7 @@ def test_counts_of_one_read_in_the_singular(tmp_path) -> None:
     result = run_script("verify", tmp_path / "ds", "-q")
     assert result.returncode == 1
     assert result.stderr == (
-        "field 'x': 1 sample does not match its checksum: 0\n"
-        f"Error: {tmp_path / 'ds'}: 1 problem found\n"
+        f"field 'x': 1 sample does not match its checksum: 0\nError: {tmp_path / 'ds'}: 1 problem found\n"
     )
 
 
