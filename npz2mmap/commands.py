@@ -524,7 +524,7 @@ def merge(
     with showing_progress(quiet_progress(quiet, progress_mode)) as progress:
         result = merge_parts(list(parts), out_dir, copy=copy, overwrite=overwrite, progress=progress)
     if not quiet:
-        what = "one dataset" if result.copied else os.path.join(out_dir, "manifest.json")
+        what = f"one dataset at {out_dir}" if result.copied else os.path.join(out_dir, "manifest.json")
         counts = f"{plural(result.num_parts, 'part')}, {plural(result.num_samples, 'sample')}"
         click.echo(one_line(f"Merged {counts}, into {what}"))
 

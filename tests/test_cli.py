@@ -440,3 +440,25 @@ def test_quiet_with_progress_none_is_no_contradiction(tmp_path, sources) -> None
     assert (result.exit_code, result.output) == (0, "")
     result = run("verify", tmp_path / "ds", "--progress", "none", "-q")
     assert (result.exit_code, result.output) == (0, "")
+
+
+def test_merge_names_what_it_wrote(tmp_path, sources) -> None:
+    parts = [tmp_path / "ds" / f"part-0000{i}" for i in range(2)]
+    for i in range(2):
+        assert run("convert", sources, "-o", tmp_path / "ds", "--part", f"{i}/2", "-q").exit_code == 0
+    result = run("merge", *parts, "-o", tmp_path / "copied", "--copy")
+    assert result.exit_code == 0
+    assert result.output == f"Merged 2 parts, 4 samples, into one dataset at {tmp_path / 'copied'}\n"
+    assert sorted(os.listdir(tmp_path / "copied")) == [
+        "data.npy",
+        "index.json",
+        "skipped.jsonl",
+        "sources.jsonl",
+    ]
+    result = run("merge", *parts, "-o", tmp_path / "ds")
+    assert result.exit_code == 0
+    assert result.output == f"Merged 2 parts, 4 samples, into {tmp_path / 'ds' / 'manifest.json'}\n"
+    assert json.loads((tmp_path / "ds" / "manifest.json").read_text())["parts"] == [
+        "part-00000",
+        "part-00001",
+    ]
