@@ -451,6 +451,27 @@ def convert(
                 f"{human_bytes(result.data_nbytes)} into {out_dir} in {result.seconds:.1f} s"
             )
         )
+        growth = _growth_note(result.data_nbytes, result.sources_nbytes)
+        if growth:
+            click.echo(growth)
+
+
+MUCH_LARGER_FACTOR = 4
+
+
+def _growth_note(data_nbytes: int, sources_nbytes: int) -> str | None:
+    """A line for arrays much larger than their source files, which only compression explains.
+
+    Users converting compressed NPZ files do not expect the dataset to be many
+    times their size; --cast widens at most 4x, and zip headers add to the sources.
+    """
+    if not sources_nbytes or data_nbytes <= MUCH_LARGER_FACTOR * sources_nbytes:
+        return None
+    return (
+        f"Note: the dataset's {human_bytes(data_nbytes)} of arrays are {data_nbytes / sources_nbytes:,.0f} "
+        f"times the size of their compressed sources, {human_bytes(sources_nbytes)}: the dataset stores "
+        "them uncompressed, so that they can be memory-mapped"
+    )
 
 
 @cli.command()

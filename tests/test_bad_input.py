@@ -143,11 +143,14 @@ def test_a_really_full_filesystem(tmp_path, good_sources) -> None:
         pytest.skip("cannot mount a tmpfs here")
     try:
         write_samples(tmp_path / "big", [{"x": np.zeros(100_000)} for _ in range(2)])
+        convert([tmp_path / "big"], tmp_path / "ref")
+        blob_nbytes = (tmp_path / "ref" / "data.npy").stat().st_size
         result = CliRunner().invoke(cli, ["convert", str(tmp_path / "big"), "-o", str(mount / "out")])
         assert result.exit_code == 1
         assert result.output.startswith(
-            f"Error: {mount / 'out'}: cannot write the dataset (No space left on device)"
+            f"Error: {mount / 'out'}: the dataset needs {blob_nbytes:,} bytes (1.6 MB), "
         )
+        assert result.output.endswith(" kB) free on its file system\n")
         assert os.listdir(mount) == []
     finally:
         os.system(f"umount {mount}")

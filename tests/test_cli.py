@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -462,3 +463,37 @@ def test_merge_names_what_it_wrote(tmp_path, sources) -> None:
         "part-00000",
         "part-00001",
     ]
+
+
+def test_convert_notes_arrays_much_larger_than_their_compressed_sources(tmp_path) -> None:
+    write_samples(tmp_path / "zipped", [{"x": np.zeros((1000, 1000), dtype=np.float32)}], compressed=True)
+    sources_nbytes = (tmp_path / "zipped" / "s00000.npz").stat().st_size
+    result = run("convert", tmp_path / "zipped", "-o", tmp_path / "ds")
+    assert result.exit_code == 0
+    assert result.output.splitlines()[1] == (
+        f"Note: the dataset's 4.0 MB of arrays are {4_000_000 / sources_nbytes:,.0f} times the size of "
+        f"their compressed sources, {sources_nbytes / 1000:.1f} kB: the dataset stores them uncompressed, "
+        "so that they can be memory-mapped"
+    )
+    write_samples(tmp_path / "plain", [{"x": np.zeros((1000, 1000), dtype=np.float32)}])
+    result = run("convert", tmp_path / "plain", "-o", tmp_path / "ds2")
+    assert result.exit_code == 0 and len(result.output.splitlines()) == 1
+
+
+def test_convert_refuses_a_dataset_larger_than_the_free_space_before_writing(tmp_path, monkeypatch) -> None:
+    write_samples(tmp_path / "src", [{"x": np.zeros(100_000)} for _ in range(2)], compressed=True)
+    assert run("convert", tmp_path / "src", "-o", tmp_path / "ref", "-q").exit_code == 0
+    blob_nbytes = (tmp_path / "ref" / "data.npy").stat().st_size
+    real_disk_usage = shutil.disk_usage
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda path: real_disk_usage(path)._replace(free=blob_nbytes - 1)
+    )
+    result = run("convert", tmp_path / "src", "-o", tmp_path / "out")
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {tmp_path / 'out'}: the dataset needs {blob_nbytes:,} bytes ({blob_nbytes / 1e6:.1f} MB), "
+        f"{blob_nbytes - 1:,} bytes ({(blob_nbytes - 1) / 1e6:.1f} MB) free on its file system\n"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["ref", "src"]  # nothing written, no staging directory
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_disk_usage(path)._replace(free=blob_nbytes))
+    assert run("convert", tmp_path / "src", "-o", tmp_path / "out", "-q").exit_code == 0
