@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import click
 import numpy as np
 import tqdm
+from click.core import ParameterSource
 
 from . import __version__
 from .cache import warm as warm_dataset
@@ -28,7 +29,7 @@ from .converter import convert as convert_files
 from .errors import Npz2mmapError
 from .merge import merge as merge_parts
 from .progress import Progress, SilentProgress
-from .render import human_bytes, render_sample, render_summary
+from .render import human_bytes, plural, render_sample, render_summary
 from .spec import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
 from .summary import describe_dataset, describe_sample, field_statistics
 from .verify import verify as verify_dataset
@@ -64,7 +65,8 @@ class BarProgress:
             return
         self.done += files
         if self.bar.unit == "B":
-            self.bar.set_postfix_str(f"{self.done}/{self.total} {self.unit}", refresh=False)
+            of_total = f"{self.done}/{self.total} {counted(self.unit, self.total)}"
+            self.bar.set_postfix_str(of_total, refresh=False)
             self.bar.update(nbytes)
         else:
             self.bar.update(files)
@@ -115,7 +117,8 @@ class LogProgress:
 
     def line(self, seconds: float, finished: bool) -> str:
         """``copy: 120/1,000 files (12%), 1.2 GB/9.8 GB, 45.6 MB/s, 0:00:27 elapsed, ETA 0:03:18``."""
-        parts = [f"{self.done:,}/{self.total:,} {self.unit} ({_percent(self.done, self.total)})"]
+        of_total = f"{self.done:,}/{self.total:,} {counted(self.unit, self.total)}"
+        parts = [f"{of_total} ({_percent(self.done, self.total)})"]
         if self.total_nbytes:
             done, total = self.nbytes, self.total_nbytes
             parts.append(f"{human_bytes(done)}/{human_bytes(total)}")
@@ -129,6 +132,11 @@ class LogProgress:
             eta = _clock_time((total - done) * seconds / done) if done and total >= done else "?"
             parts.append(f"{_clock_time(seconds)} elapsed, ETA {eta}")
         return f"{self.name}: " + ", ".join(parts)
+
+
+def counted(unit: str, total: int) -> str:
+    """A plural unit ('files') as it reads after 'N of ``total``': 'file' when the total is 1."""
+    return unit[:-1] if total == 1 and unit.endswith("s") else unit
 
 
 def _percent(done: int, total: int) -> str:
@@ -166,6 +174,16 @@ def showing_progress(mode: str) -> Iterator[Progress]:
         raise
     if not isinstance(progress, SilentProgress):
         progress.close()
+
+
+def quiet_progress(quiet: bool, progress_mode: str) -> str:
+    """The progress mode of a command with ``-q``: none; a usage error if --progress asked for another."""
+    source = click.get_current_context().get_parameter_source("progress_mode")
+    if quiet and progress_mode != "none" and source is not ParameterSource.DEFAULT:
+        raise click.UsageError(
+            f"-q/--quiet shows no progress; it cannot be used with --progress {progress_mode}"
+        )
+    return "none" if quiet else progress_mode
 
 
 def progress_option(func: F) -> F:
@@ -224,20 +242,48 @@ class OneLineErrorsGroup(click.Group):
         with _one_line_errors():
             return super().invoke(ctx)
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The Commands section of --help, each command's whole one-line summary wrapped, never cut."""
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=MAX_LINE_CHARS)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+DEBUG_HELP = "Show full tracebacks instead of one-line errors."
+
+
+def _remember_debug(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    """Note --debug where every command sees it: ``ctx.meta`` is shared by the group and its command."""
+    if value:
+        ctx.meta["npz2mmap.debug"] = True
+    return value
+
+
+def debug_option(func: F) -> F:
+    """``--debug`` after the command too (``npz2mmap convert ... --debug``), as before it."""
+    return click.option(
+        "--debug", is_flag=True, expose_value=False, callback=_remember_debug, help=DEBUG_HELP
+    )(func)
+
 
 def friendly_errors(func: F) -> F:
-    """Show the project's errors as one line (exit 1); --debug shows the traceback."""
+    """Show the project's errors as one line (exit 1); the command gets --debug to show the traceback."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
         except Npz2mmapError as exc:
-            if click.get_current_context().find_root().params.get("debug"):
+            if click.get_current_context().meta.get("npz2mmap.debug"):
                 raise
             raise click.ClickException(str(exc)) from None
 
-    return wrapper  # type: ignore[return-value]
+    return debug_option(wrapper)  # type: ignore[return-value]
 
 
 def _parse_keys(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
@@ -293,8 +339,8 @@ def _check_align(ctx: click.Context, param: click.Parameter, value: int) -> int:
 
 @click.group(cls=OneLineErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="npz2mmap")
-@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
-def cli(debug: bool) -> None:
+@debug_option
+def cli() -> None:
     """Convert many .npz files into one memory-mapped dataset for PyTorch."""
 
 
@@ -374,7 +420,7 @@ def convert(
     """
     if part is not None:
         out_dir = part_directory(out_dir, part)
-    with showing_progress("none" if quiet else progress_mode) as progress:
+    with showing_progress(quiet_progress(quiet, progress_mode)) as progress:
         result = convert_files(
             list(inputs),
             out_dir,
@@ -392,7 +438,7 @@ def convert(
         first_reason = result.skipped[0][1]
         click.echo(
             one_line(
-                f"Warning: skipped {len(result.skipped):,} bad file(s), listed in "
+                f"Warning: skipped {plural(len(result.skipped), 'bad file')}, listed in "
                 f"{os.path.join(out_dir, SKIPPED_NAME)}; the first: {first_reason}"
             ),
             err=True,
@@ -401,10 +447,31 @@ def convert(
         index = result.index
         click.echo(
             one_line(
-                f"Converted {index.num_samples:,} samples, {len(index.fields)} fields, "
+                f"Converted {plural(index.num_samples, 'sample')}, {plural(len(index.fields), 'field')}, "
                 f"{human_bytes(result.data_nbytes)} into {out_dir} in {result.seconds:.1f} s"
             )
         )
+        growth = _growth_note(result.data_nbytes, result.sources_nbytes)
+        if growth:
+            click.echo(growth)
+
+
+MUCH_LARGER_FACTOR = 4
+
+
+def _growth_note(data_nbytes: int, sources_nbytes: int) -> str | None:
+    """A line for arrays much larger than their source files, which only compression explains.
+
+    Users converting compressed NPZ files do not expect the dataset to be many
+    times their size; --cast widens at most 4x, and zip headers add to the sources.
+    """
+    if not sources_nbytes or data_nbytes <= MUCH_LARGER_FACTOR * sources_nbytes:
+        return None
+    return (
+        f"Note: the dataset's {human_bytes(data_nbytes)} of arrays are {data_nbytes / sources_nbytes:,.0f} "
+        f"times the size of their compressed sources, {human_bytes(sources_nbytes)}: the dataset stores "
+        "them uncompressed, so that they can be memory-mapped"
+    )
 
 
 @cli.command()
@@ -419,6 +486,10 @@ def convert(
 @friendly_errors
 def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> None:
     """Show a dataset's format, samples, size and fields."""
+    if sample is not None and stats:
+        raise click.UsageError(
+            "--stats cannot be used with --sample, which shows the sample's min, max and mean"
+        )
     if sample is not None:
         try:
             info = describe_sample(dataset, sample)
@@ -441,15 +512,15 @@ def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> Non
 @friendly_errors
 def verify(dataset: str, sources: bool, progress_mode: str, quiet: bool) -> None:
     """Check a dataset's checksums and tables; exit 0 only if all is well."""
-    with showing_progress("none" if quiet else progress_mode) as progress:
+    with showing_progress(quiet_progress(quiet, progress_mode)) as progress:
         report = verify_dataset(dataset, sources=sources, progress=progress)
     for problem in report.problems:
         click.echo(one_line(problem), err=True)
     if not report.ok:
-        raise click.ClickException(f"{dataset}: {len(report.problems)} problem(s) found")
+        raise click.ClickException(f"{dataset}: {plural(len(report.problems), 'problem')} found")
     if not quiet:
         checked = "checksums, tables, padding" + (" and sources" if report.sources_checked else "")
-        click.echo(one_line(f"OK: {dataset}: {report.num_samples:,} samples verified ({checked})"))
+        click.echo(one_line(f"OK: {dataset}: {plural(report.num_samples, 'sample')} verified ({checked})"))
 
 
 @cli.command()
@@ -471,11 +542,12 @@ def merge(
     copied, and MmapDataset(OUT) reads them as one. With --copy, writes a
     single dataset at OUT.
     """
-    with showing_progress("none" if quiet else progress_mode) as progress:
+    with showing_progress(quiet_progress(quiet, progress_mode)) as progress:
         result = merge_parts(list(parts), out_dir, copy=copy, overwrite=overwrite, progress=progress)
     if not quiet:
-        what = "one dataset" if result.copied else os.path.join(out_dir, "manifest.json")
-        click.echo(one_line(f"Merged {result.num_parts} parts, {result.num_samples:,} samples, into {what}"))
+        what = f"one dataset at {out_dir}" if result.copied else os.path.join(out_dir, "manifest.json")
+        counts = f"{plural(result.num_parts, 'part')}, {plural(result.num_samples, 'sample')}"
+        click.echo(one_line(f"Merged {counts}, into {what}"))
 
 
 @cli.command()
@@ -486,7 +558,7 @@ def merge(
 def warm(dataset: str, progress_mode: str, quiet: bool) -> None:
     """Load a dataset into this node's page cache and report how much is resident."""
     try:
-        with showing_progress("none" if quiet else progress_mode) as progress:
+        with showing_progress(quiet_progress(quiet, progress_mode)) as progress:
             result = warm_dataset(dataset, progress=progress)
     except OSError as exc:
         raise click.ClickException(f"{dataset}: cannot read the blob ({exc.strerror or exc})") from None

@@ -6,6 +6,7 @@ order, so the output is byte-identical whatever the number of workers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -23,7 +24,8 @@ from .npzfile import MemberHeader, read_headers
 from .parallel import Mapper, worker_map
 from .plan import Plan, build_plan, drop_files
 from .progress import Progress, SilentProgress
-from .spec import BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
+from .render import human_bytes
+from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class ConvertResult:
     data_nbytes: int
     seconds: float
     skipped: tuple[tuple[str, str], ...] = ()  # (path, reason) of each file --skip-bad left out
+    sources_nbytes: int = 0  # the converted files' sizes on disk, compressed or not
 
 
 def convert(
@@ -80,6 +83,8 @@ def convert(
         plan = _scan(
             sources, scan_one, _parse_casts(casts), align, imap, progress, skipped, rows, space, part
         )
+        _check_free_space(out, BLOB_HEADER_NBYTES + plan.payload_nbytes, space)
+        sources_nbytes = _total_file_nbytes(plan.sources)
         staging = _make_staging_dir(out)
         try:
             plan, index = _copy(plan, sources, staging, imap, progress, skip_bad, skipped, part)
@@ -88,7 +93,8 @@ def convert(
             raise OutputError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from exc
         finally:
             publish.remove_staging(staging)
-    return ConvertResult(out, index, plan.data_nbytes, time.perf_counter() - started, tuple(skipped))
+    seconds = time.perf_counter() - started
+    return ConvertResult(out, index, plan.data_nbytes, seconds, tuple(skipped), sources_nbytes)
 
 
 def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
@@ -136,6 +142,24 @@ def _free_nbytes(out: str) -> int | None:
         return shutil.disk_usage(os.path.dirname(os.path.abspath(out))).free
     except OSError:
         return None
+
+
+def _check_free_space(out: str, blob_nbytes: int, free_nbytes: int | None) -> None:
+    """Refuse, before anything is written, a blob larger than the space free for it."""
+    if free_nbytes is not None and blob_nbytes > free_nbytes:
+        raise OutputError(
+            f"{out}: the dataset needs {blob_nbytes:,} bytes ({human_bytes(blob_nbytes)}), "
+            f"{free_nbytes:,} bytes ({human_bytes(free_nbytes)}) free on its file system"
+        )
+
+
+def _total_file_nbytes(paths: Sequence[str]) -> int:
+    """The files' sizes together; one that cannot be read now counts 0 (the copy will name it)."""
+    total = 0
+    for path in paths:
+        with contextlib.suppress(OSError):
+            total += os.stat(path).st_size
+    return total
 
 
 def _make_staging_dir(out: str) -> str:

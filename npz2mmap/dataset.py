@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 from torch.utils.data import Dataset, default_collate
+from torch.utils.data._utils.collate import collate as torch_collate
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from .parts import Parts, PartsReader
@@ -111,7 +112,8 @@ class MmapDataset(Dataset[Any]):
         """
         if self.transform is not None:
             single = self.fields[0] if self.single else None
-            return SampleList([self[i] for i in indices], self.ragged_fields, single)
+            samples = [mark_transformed(self[i], self.ragged_fields, single) for i in indices]
+            return SampleList(samples, self.ragged_fields, single)
         reader = self.reader
         arrays = {name: reader.gather(name, indices) for name in self.fields}
         single = self.fields[0] if self.single else None
@@ -197,6 +199,74 @@ def _collate_ragged_samples(batch: Sequence[np.ndarray], *, collate_fn_map: Any 
 default_collate_fn_map[RaggedSample] = _collate_ragged_samples
 
 
+class TransformedSample(dict[str, Any]):
+    """A transform's dict sample in a batch, with the names of the dataset's ragged fields."""
+
+    ragged: frozenset[str] = frozenset()
+
+
+class TransformedRaggedArray(np.ndarray):
+    """A transform's bare array sample of a ragged field (``fields`` a single name), in a batch."""
+
+    field_name = ""
+
+
+def mark_transformed(sample: Any, ragged: frozenset[str], single: str | None) -> Any:
+    """A transformed sample as torch's default collate should see it: knowing its ragged fields.
+
+    Only dicts and bare numpy arrays are marked; other samples are the transform's to collate.
+    """
+    if isinstance(sample, dict) and ragged.intersection(sample):
+        marked = TransformedSample(sample)
+        marked.ragged = ragged
+        return marked
+    if single in ragged and isinstance(sample, np.ndarray):
+        array = sample.view(TransformedRaggedArray)
+        array.field_name = single
+        return array
+    return sample
+
+
+def _collate_transformed_samples(batch: Sequence[TransformedSample], *, collate_fn_map: Any = None) -> Any:
+    """torch's default collate of transformed dict samples, refusing to stack ragged shapes it cannot."""
+    ragged = batch[0].ragged
+    out = {}
+    for name in batch[0]:
+        values = [sample[name] for sample in batch]
+        if name in ragged:
+            _check_stackable(name, values)
+        out[name] = torch_collate(values, collate_fn_map=collate_fn_map)
+    return out
+
+
+def _collate_transformed_arrays(
+    batch: Sequence[TransformedRaggedArray], *, collate_fn_map: Any = None
+) -> Any:
+    arrays = [np.asarray(sample) for sample in batch]
+    _check_stackable(batch[0].field_name, arrays)
+    return torch_collate(arrays, collate_fn_map=collate_fn_map)
+
+
+def _check_stackable(name: str, values: Sequence[Any]) -> None:
+    """A ragged field the transform left in different shapes: say which collate to use instead.
+
+    Raises ValueError; torch's own error (stack expects each tensor to be equal
+    size) names neither the field nor a way out.
+    """
+    shapes = sorted({tuple(value.shape) for value in values if isinstance(value, (np.ndarray, torch.Tensor))})
+    if len(shapes) > 1:
+        raise ValueError(
+            f"field {name!r} is ragged and the transform left it in shapes {shapes[0]} and {shapes[-1]} "
+            "in one batch, which torch's default collate cannot stack: pass collate_fn=npz2mmap.collate "
+            "(ragged fields as lists of tensors) or collate_fn=npz2mmap.PaddedCollate() (padded) "
+            "to the DataLoader, or have the transform return one shape"
+        )
+
+
+default_collate_fn_map[TransformedSample] = _collate_transformed_samples
+default_collate_fn_map[TransformedRaggedArray] = _collate_transformed_arrays
+
+
 class SampleList(list[Any]):
     """Transformed samples of a batch, with the names of the dataset's ragged fields.
 
@@ -213,13 +283,35 @@ def collate(batch: Any) -> Any:
     """Collate for MmapDataset: a GatheredBatch becomes tensors sharing its memory.
 
     Fixed fields become one tensor each (no copy); ragged fields stay lists of
-    tensors; dtypes torch lacks (strings, records, datetimes) stay numpy
-    arrays. Anything else goes to torch's default collate.
+    tensors, also when a transform made the batch; dtypes torch lacks (strings,
+    records, datetimes) stay numpy arrays. Anything else goes to torch's
+    default collate.
     """
+    if isinstance(batch, SampleList):
+        return _collate_listing_ragged(batch)
     if not isinstance(batch, GatheredBatch):
         return default_collate(batch)
     tensors = {name: as_tensors(array) for name, array in batch.arrays.items()}
     return tensors[batch.single] if batch.single is not None else tensors
+
+
+def _collate_listing_ragged(samples: SampleList) -> Any:
+    """Transformed samples: each ragged field as a list of tensors, the rest by torch's default collate."""
+    if samples.single is not None and samples.single in samples.ragged:
+        return [_as_tensor(sample) for sample in samples]
+    if not samples or not isinstance(samples[0], dict):
+        return default_collate(list(samples))
+    return {
+        name: [_as_tensor(sample[name]) for sample in samples]
+        if name in samples.ragged
+        else default_collate([sample[name] for sample in samples])
+        for name in samples[0]
+    }
+
+
+def _as_tensor(value: Any) -> Any:
+    """A transform's array as a tensor sharing its memory (a plain ndarray, not a marked view)."""
+    return as_tensors(np.asarray(value)) if isinstance(value, np.ndarray) else value
 
 
 def as_tensors(array: np.ndarray | list[np.ndarray]) -> Any:

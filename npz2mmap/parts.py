@@ -279,7 +279,14 @@ class PartsReader:
 
 
 def describe_parts(parts: Parts) -> list[dict[str, Any]]:
+    """Each part's path, samples, first sample and blob (its own data.npy), for ``inspect``."""
     return [
-        {"path": path, "num_samples": index.num_samples, "start": int(start)}
+        {
+            "path": path,
+            "num_samples": index.num_samples,
+            "start": int(start),
+            "blob": os.path.join(path, BLOB_NAME),
+            "blob_nbytes": index.blob_nbytes,
+        }
         for path, index, start in zip(parts.paths, parts.indexes, parts.starts[:-1], strict=True)
     ]

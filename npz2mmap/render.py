@@ -16,20 +16,27 @@ def human_bytes(nbytes: int) -> str:
     raise AssertionError("unreachable")
 
 
+def plural(count: int, noun: str) -> str:
+    """1 -> '1 sample', 1000 -> '1,000 samples': a count with its noun in the right number."""
+    return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
+
+
 def render_summary(summary: dict[str, Any]) -> str:
     """What `npz2mmap inspect` prints for a dataset: header lines, parts, fields, lengths, stats."""
     lines = [
         f"dataset  {summary['path']}",
         f"format   {summary['format']} v{summary['version']} (written by npz2mmap {summary['tool_version']})",
         f"samples  {summary['num_samples']:,}",
-        f"blob     {summary['blob']}, {human_bytes(summary['blob_nbytes'])}, "
-        f"regions aligned to {summary['align']} B",
+        _blob_line(summary),
         "",
     ]
     if summary["parts"]:
         lines[2:2] = [f"parts    {len(summary['parts'])}, read in order as one dataset"]
-        part_rows = [("part", "samples", "first sample")]
-        part_rows += [(p["path"], f"{p['num_samples']:,}", f"{p['start']:,}") for p in summary["parts"]]
+        part_rows = [("part", "samples", "first sample", "blob", "blob bytes")]
+        part_rows += [
+            (p["path"], f"{p['num_samples']:,}", f"{p['start']:,}", p["blob"], human_bytes(p["blob_nbytes"]))
+            for p in summary["parts"]
+        ]
         lines += [*_table(part_rows), ""]
     rows = [("field", "kind", "dtype", "shape", "bytes")]
     for f in summary["fields"]:
@@ -45,6 +52,14 @@ def render_summary(summary: dict[str, Any]) -> str:
         if f.get("lengths"):
             lines += ["", *_render_lengths(f["name"], f["lengths"])]
     return "\n".join(lines)
+
+
+def _blob_line(summary: dict[str, Any]) -> str:
+    """The blob's path, or for a dataset of parts how many blobs there are (each is in the parts table)."""
+    blobs = summary["blobs"]
+    where = f"blob     {blobs[0]}" if len(blobs) == 1 else f"blobs    {len(blobs)}, one per part"
+    total = human_bytes(summary["blob_nbytes"]) + ("" if len(blobs) == 1 else " in all")
+    return f"{where}, {total}, regions aligned to {summary['align']} B"
 
 
 def _render_lengths(name: str, stats: dict[str, Any]) -> list[str]:

@@ -15,7 +15,7 @@ from .spec import BLOB_NAME, FORMAT_NAME, FORMAT_VERSION
 
 
 def describe_dataset(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Format, counts, sizes, parts and one entry per field. Raises FormatError."""
+    """Format, counts, sizes, blobs (one per part), parts and one entry per field. Raises FormatError."""
     parts = Parts(path)
     readers = [DatasetReader(p, index) for p, index in zip(parts.paths, parts.indexes, strict=True)]
     first = parts.indexes[0]
@@ -25,9 +25,9 @@ def describe_dataset(path: str | os.PathLike[str]) -> dict[str, Any]:
         "version": FORMAT_VERSION,
         "tool_version": first.tool_version,
         "num_samples": parts.num_samples,
-        "blob": BLOB_NAME,
+        "blobs": [os.path.join(p, BLOB_NAME) for p in parts.paths],
         "blob_nbytes": sum(index.blob_nbytes for index in parts.indexes),
-        "align": first.align,
+        "align": min(index.align for index in parts.indexes),  # parts may differ; every region has this
         "parts": describe_parts(parts) if len(parts.paths) > 1 else [],
         "fields": [_describe_field(parts.field(name), readers) for name in parts.field_names],
     }

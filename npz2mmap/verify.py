@@ -24,6 +24,7 @@ from .parts import Parts, resolve_parts
 from .plan import can_cast
 from .progress import Progress, SilentProgress
 from .reader import DatasetReader, identity_problem
+from .render import plural
 from .spec import BLOB_HEADER_NBYTES, IDENTITY_NBYTES, Field, Index, load_index, storage_dtype
 
 MAX_SAMPLES_NAMED = 10
@@ -126,7 +127,8 @@ def _report_bad_checksums(report: VerifyReport, name: str, bad: list[int]) -> No
     report.bad_samples[name] = bad
     more = " ..." if len(bad) > MAX_SAMPLES_NAMED else ""
     shown = ", ".join(str(i) for i in bad[:MAX_SAMPLES_NAMED]) + more
-    report.problems.append(f"field {name!r}: {len(bad)} sample(s) do not match their checksums: {shown}")
+    verb = "does not match its checksum" if len(bad) == 1 else "do not match their checksums"
+    report.problems.append(f"field {name!r}: {plural(len(bad), 'sample')} {verb}: {shown}")
 
 
 def _check_padding(reader: DatasetReader, index: Index, report: VerifyReport) -> None:
@@ -250,7 +252,8 @@ def _shape_problems(
     rows_mode = reader.index.mode == "rows"
     if rows_mode and (not header.shape or rows != list(range(header.shape[0]))):
         found = header.shape[0] if header.shape else 0
-        problem = f"field {name!r}: the source holds {found} row(s), not the {len(rows)} sources.jsonl names"
+        held = plural(found, "row")
+        problem = f"field {name!r}: the source holds {held}, not the {len(rows)} sources.jsonl names"
         yield from _for_every_sample(rows, problem)
         return
     expected = header.shape[1:] if rows_mode else header.shape

@@ -143,11 +143,14 @@ def test_a_really_full_filesystem(tmp_path, good_sources) -> None:
         pytest.skip("cannot mount a tmpfs here")
     try:
         write_samples(tmp_path / "big", [{"x": np.zeros(100_000)} for _ in range(2)])
+        convert([tmp_path / "big"], tmp_path / "ref")
+        blob_nbytes = (tmp_path / "ref" / "data.npy").stat().st_size
         result = CliRunner().invoke(cli, ["convert", str(tmp_path / "big"), "-o", str(mount / "out")])
         assert result.exit_code == 1
         assert result.output.startswith(
-            f"Error: {mount / 'out'}: cannot write the dataset (No space left on device)"
+            f"Error: {mount / 'out'}: the dataset needs {blob_nbytes:,} bytes (1.6 MB), "
         )
+        assert result.output.endswith(" kB) free on its file system\n")
         assert os.listdir(mount) == []
     finally:
         os.system(f"umount {mount}")
@@ -166,7 +169,7 @@ def test_skip_bad_converts_the_good_files_and_records_the_bad(tmp_path, good_sou
         ["convert", str(good_sources), "-o", str(tmp_path / "out"), "--skip-bad", "--workers", str(workers)],
     )
     assert result.exit_code == 0, result.output
-    assert f"Warning: skipped 2 bad file(s), listed in {tmp_path / 'out' / 'skipped.jsonl'}" in result.output
+    assert f"Warning: skipped 2 bad files, listed in {tmp_path / 'out' / 'skipped.jsonl'}" in result.output
     reader = DatasetReader(tmp_path / "out")
     assert len(reader) == 2 and reader.index.num_skipped == 2
     assert [int(reader.view("x", i)[0]) for i in range(2)] == [0, 2]

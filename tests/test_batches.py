@@ -211,3 +211,56 @@ def test_advice_is_checked_and_applied(small_dataset) -> None:
         MmapDataset(out, advice="fast")
     ds = MmapDataset(out, advice="random")
     assert ds[0]["label"] == 0
+
+
+def add_one(sample):
+    """A transform that keeps every shape, ragged ones included."""
+    if isinstance(sample, dict):
+        return {name: array + 1 for name, array in sample.items()}
+    return sample + 1
+
+
+TRANSFORMED_RAGGED = (
+    r"field 'tokens' is ragged and the transform left it in shapes \(1,\) and \(4,\) in one batch, "
+    r"which torch's default collate cannot stack: pass collate_fn=npz2mmap\.collate \(ragged fields as "
+    r"lists of tensors\) or collate_fn=npz2mmap\.PaddedCollate\(\) \(padded\) to the DataLoader, or have "
+    r"the transform return one shape"
+)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("fields", [None, "tokens"])
+def test_default_collate_of_transformed_ragged_samples_says_what_to_write(
+    small_dataset, workers, fields
+) -> None:
+    out, _ = small_dataset
+    loader = DataLoader(MmapDataset(out, fields=fields, transform=add_one), batch_size=4, num_workers=workers)
+    with pytest.raises(ValueError, match=TRANSFORMED_RAGGED):
+        next(iter(loader))
+
+
+def test_transformed_ragged_samples_come_as_lists_with_npz2mmap_collate(small_dataset) -> None:
+    out, sources = small_dataset
+    expected = sources_by_label(sources)
+    ds = MmapDataset(out, transform=add_one)
+    for loader in (DataLoader(ds, batch_size=4, collate_fn=collate), MmapLoader(ds, 4)):
+        batch = next(iter(loader))
+        assert [t.tolist() for t in batch["tokens"]] == [
+            (expected[i]["tokens"] + 1).tolist() for i in range(4)
+        ]
+        assert batch["label"].tolist() == [1, 2, 3, 4]
+        assert torch.equal(
+            batch["input"], torch.from_numpy(np.stack([expected[i]["input"] + 1 for i in range(4)]))
+        )
+    single = next(
+        iter(DataLoader(MmapDataset(out, fields="tokens", transform=add_one), 4, collate_fn=collate))
+    )
+    assert [t.tolist() for t in single] == [(expected[i]["tokens"] + 1).tolist() for i in range(4)]
+
+
+def test_a_transform_that_makes_a_ragged_field_fixed_still_stacks_by_default(small_dataset) -> None:
+    out, sources = small_dataset
+    expected = sources_by_label(sources)
+    ds = MmapDataset(out, transform=lambda sample: {"tokens": np.resize(sample["tokens"], 3)})
+    batch = next(iter(DataLoader(ds, batch_size=4)))
+    assert batch["tokens"].tolist() == [np.resize(expected[i]["tokens"], 3).tolist() for i in range(4)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,8 +129,8 @@ def test_verify_failure_lists_problems_and_exits_1(tmp_path, sources) -> None:
     (out / "data.npy").write_bytes(bytes(blob))
     result = run("verify", out)
     assert result.exit_code == 1
-    assert "field 'input': 1 sample(s) do not match their checksums: 0" in result.output
-    assert f"Error: {out}: 1 problem(s) found" in result.output
+    assert "field 'input': 1 sample does not match its checksum: 0" in result.output
+    assert f"Error: {out}: 1 problem found" in result.output
 
 
 def test_real_console_script_errors_without_traceback_unless_debug(tmp_path) -> None:
@@ -243,7 +244,7 @@ def test_errors_are_one_line_whatever_a_path_holds(tmp_path, sources, name, show
     result = run_script("convert", sources, "-o", tmp_path / "out", "--skip-bad", "-q")
     assert result.returncode == 0
     assert result.stderr == (
-        f"Warning: skipped 1 bad file(s), listed in {tmp_path / 'out' / 'skipped.jsonl'}; the first: "
+        f"Warning: skipped 1 bad file, listed in {tmp_path / 'out' / 'skipped.jsonl'}; the first: "
         f"{sources}/{shown}: not a valid zip/npz file (File is not a zip file)\n"
     )
     result = run_script("inspect", sources / name)  # click's own usage error quotes the path too
@@ -288,7 +289,7 @@ def test_verify_problems_naming_a_source_with_a_newline_are_one_line_each(tmp_pa
     assert result.returncode == 1
     problem, error = result.stderr.splitlines()
     assert problem.startswith(f"sample 0 ({tmp_path}/two\\nlines.npz): field 'x': ")
-    assert error == f"Error: {tmp_path / 'out'}: 1 problem(s) found"
+    assert error == f"Error: {tmp_path / 'out'}: 1 problem found"
 
 
 def test_inspect_sample_prints_integers_exactly(tmp_path) -> None:
@@ -334,3 +335,165 @@ def test_closed_stderr_and_a_full_stdout_are_one_line_errors_or_silence(tmp_path
         )
     assert result.returncode == 1
     assert result.stderr == "Error: cannot write the output (No space left on device)\n"
+
+
+def test_counts_of_one_read_in_the_singular(tmp_path) -> None:
+    write_samples(tmp_path / "src", [{"x": np.arange(3, dtype=np.int64)}])
+    (tmp_path / "src" / "zbad.npz").write_bytes(b"not a zip")
+    result = run_script("convert", tmp_path / "src", "-o", tmp_path / "ds", "--skip-bad")
+    assert result.returncode == 0
+    assert result.stderr.startswith(
+        f"Warning: skipped 1 bad file, listed in {tmp_path / 'ds' / 'skipped.jsonl'}"
+    )
+    assert result.stdout.startswith(f"Converted 1 sample, 1 field, 24 B into {tmp_path / 'ds'} in ")
+    result = run_script("verify", tmp_path / "ds")
+    assert result.stdout == f"OK: {tmp_path / 'ds'}: 1 sample verified (checksums, tables, padding)\n"
+    result = run_script("merge", tmp_path / "ds", "-o", tmp_path / "merged")
+    assert result.stdout == f"Merged 1 part, 1 sample, into {tmp_path / 'merged' / 'manifest.json'}\n"
+    blob = bytearray((tmp_path / "ds" / "data.npy").read_bytes())
+    blob[128 + 64] ^= 0xFF  # the first byte of sample 0, after the header and the blob identity
+    (tmp_path / "ds" / "data.npy").write_bytes(bytes(blob))
+    result = run_script("verify", tmp_path / "ds", "-q")
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"field 'x': 1 sample does not match its checksum: 0\nError: {tmp_path / 'ds'}: 1 problem found\n"
+    )
+
+
+def test_progress_lines_name_a_single_item_in_the_singular() -> None:
+    from npz2mmap.commands import LogProgress
+
+    ticks = iter([0.0, 5.0])
+    progress = LogProgress(clock=lambda: next(ticks))
+    progress.stage("copy", 1, 0, unit="files")
+    progress.advance(1, 0)
+    assert progress.line(12.0, finished=True) == "copy: 1/1 file (100%), 0.1 files/s, done in 0:00:12"
+
+
+def test_debug_after_the_command_shows_the_traceback(tmp_path, sources) -> None:
+    missing = tmp_path / "missing"
+    result = run_script("inspect", missing, "--debug")
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr
+    assert result.stderr.splitlines()[-1] == f"npz2mmap.errors.FormatError: {missing}: no such dataset"
+    result = run_script("convert", sources, "-o", tmp_path / "out", "--keys", "nope", "--debug")
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("npz2mmap.errors.SourceError: ")
+    assert not (tmp_path / "out").exists()
+    for command in ("convert", "inspect", "verify", "merge", "warm"):
+        assert "--debug" in run(command, "--help").output
+
+
+def test_main_help_shows_every_command_summary_whole() -> None:
+    result = run("--help")
+    assert result.exit_code == 0
+    commands = " ".join(result.output.split("Commands:\n", 1)[1].split())
+    assert commands == (
+        "convert Convert INPUT... into the dataset directory OUT. "
+        "inspect Show a dataset's format, samples, size and fields. "
+        "merge Join datasets into one at OUT: a manifest naming them, or with --copy one blob. "
+        "verify Check a dataset's checksums and tables; exit 0 only if all is well. "
+        "warm Load a dataset into this node's page cache and report how much is resident."
+    )
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (
+            ("inspect", "{ds}", "--sample", "0", "--stats"),
+            "--stats cannot be used with --sample, which shows the sample's min, max and mean",
+        ),
+        (
+            ("inspect", "{ds}", "--sample", "0", "--stats", "--json"),
+            "--stats cannot be used with --sample, which shows the sample's min, max and mean",
+        ),
+        (
+            ("convert", "{src}", "-o", "{tmp}/out", "-q", "--progress", "bar"),
+            "-q/--quiet shows no progress; it cannot be used with --progress bar",
+        ),
+        (
+            ("verify", "{ds}", "--progress", "log", "-q"),
+            "-q/--quiet shows no progress; it cannot be used with --progress log",
+        ),
+        (
+            ("merge", "{ds}", "-o", "{tmp}/out", "-q", "--progress", "auto"),
+            "-q/--quiet shows no progress; it cannot be used with --progress auto",
+        ),
+        (
+            ("warm", "{ds}", "-q", "--progress", "bar"),
+            "-q/--quiet shows no progress; it cannot be used with --progress bar",
+        ),
+    ],
+)
+def test_options_that_contradict_each_other_are_usage_errors(tmp_path, sources, command, message) -> None:
+    assert run("convert", sources, "-o", tmp_path / "ds", "-q").exit_code == 0
+    paths = {"ds": tmp_path / "ds", "src": sources, "tmp": tmp_path}
+    result = run(*(part.format(**paths) for part in command))
+    assert result.exit_code == 2
+    assert result.output.splitlines()[-1] == f"Error: {message}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_quiet_with_progress_none_is_no_contradiction(tmp_path, sources) -> None:
+    result = run("convert", sources, "-o", tmp_path / "ds", "-q", "--progress", "none")
+    assert (result.exit_code, result.output) == (0, "")
+    result = run("verify", tmp_path / "ds", "--progress", "none", "-q")
+    assert (result.exit_code, result.output) == (0, "")
+
+
+def test_merge_names_what_it_wrote(tmp_path, sources) -> None:
+    parts = [tmp_path / "ds" / f"part-0000{i}" for i in range(2)]
+    for i in range(2):
+        assert run("convert", sources, "-o", tmp_path / "ds", "--part", f"{i}/2", "-q").exit_code == 0
+    result = run("merge", *parts, "-o", tmp_path / "copied", "--copy")
+    assert result.exit_code == 0
+    assert result.output == f"Merged 2 parts, 4 samples, into one dataset at {tmp_path / 'copied'}\n"
+    assert sorted(os.listdir(tmp_path / "copied")) == [
+        "data.npy",
+        "index.json",
+        "skipped.jsonl",
+        "sources.jsonl",
+    ]
+    result = run("merge", *parts, "-o", tmp_path / "ds")
+    assert result.exit_code == 0
+    assert result.output == f"Merged 2 parts, 4 samples, into {tmp_path / 'ds' / 'manifest.json'}\n"
+    assert json.loads((tmp_path / "ds" / "manifest.json").read_text())["parts"] == [
+        "part-00000",
+        "part-00001",
+    ]
+
+
+def test_convert_notes_arrays_much_larger_than_their_compressed_sources(tmp_path) -> None:
+    write_samples(tmp_path / "zipped", [{"x": np.zeros((1000, 1000), dtype=np.float32)}], compressed=True)
+    sources_nbytes = (tmp_path / "zipped" / "s00000.npz").stat().st_size
+    result = run("convert", tmp_path / "zipped", "-o", tmp_path / "ds")
+    assert result.exit_code == 0
+    assert result.output.splitlines()[1] == (
+        f"Note: the dataset's 4.0 MB of arrays are {4_000_000 / sources_nbytes:,.0f} times the size of "
+        f"their compressed sources, {sources_nbytes / 1000:.1f} kB: the dataset stores them uncompressed, "
+        "so that they can be memory-mapped"
+    )
+    write_samples(tmp_path / "plain", [{"x": np.zeros((1000, 1000), dtype=np.float32)}])
+    result = run("convert", tmp_path / "plain", "-o", tmp_path / "ds2")
+    assert result.exit_code == 0 and len(result.output.splitlines()) == 1
+
+
+def test_convert_refuses_a_dataset_larger_than_the_free_space_before_writing(tmp_path, monkeypatch) -> None:
+    write_samples(tmp_path / "src", [{"x": np.zeros(100_000)} for _ in range(2)], compressed=True)
+    assert run("convert", tmp_path / "src", "-o", tmp_path / "ref", "-q").exit_code == 0
+    blob_nbytes = (tmp_path / "ref" / "data.npy").stat().st_size
+    real_disk_usage = shutil.disk_usage
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda path: real_disk_usage(path)._replace(free=blob_nbytes - 1)
+    )
+    result = run("convert", tmp_path / "src", "-o", tmp_path / "out")
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {tmp_path / 'out'}: the dataset needs {blob_nbytes:,} bytes ({blob_nbytes / 1e6:.1f} MB), "
+        f"{blob_nbytes - 1:,} bytes ({(blob_nbytes - 1) / 1e6:.1f} MB) free on its file system\n"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["ref", "src"]  # nothing written, no staging directory
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_disk_usage(path)._replace(free=blob_nbytes))
+    assert run("convert", tmp_path / "src", "-o", tmp_path / "out", "-q").exit_code == 0

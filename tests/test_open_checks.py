@@ -161,7 +161,8 @@ def test_a_dataset_file_that_is_not_a_file_is_refused_by_every_reader(tmp_path, 
         assert result["unexpected"] is None and result["exit_code"] == 1, (expected, result)
         if command == "verify":
             *problems, summary = result["output"].splitlines()
-            assert summary == f"Error: {target}: {len(problems)} problem(s) found"
+            counted = "1 problem" if len(problems) == 1 else f"{len(problems)} problems"
+            assert summary == f"Error: {target}: {counted} found"
             assert any(problem.endswith(expected) for problem in problems), (expected, problems)
         else:
             assert result["output"] == f"Error: {expected}\n"
@@ -213,7 +214,7 @@ def test_provenance_files_are_read_no_further_than_the_index_allows(tmp_path, da
     ]
     for (case, path), message, result in zip(cases, expected, results, strict=True):
         assert result["exit_code"] == 1 and result["unexpected"] is None
-        assert result["output"] == f"{path}: {message}\nError: {case}: 1 problem(s) found\n"
+        assert result["output"] == f"{path}: {message}\nError: {case}: 1 problem found\n"
 
 
 def _truncate(blob: Path) -> None:

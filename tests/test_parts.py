@@ -113,7 +113,7 @@ def test_inspect_verify_and_warm_understand_parts(tmp_path, sources) -> None:
     report = verify(tmp_path / "ds")
     assert report.bad_samples == {"id": [11]}
     assert report.problems == [
-        f"part {tmp_path / 'ds' / 'part-1'}: field 'id': 1 sample(s) do not match their checksums: 0"
+        f"part {tmp_path / 'ds' / 'part-1'}: field 'id': 1 sample does not match its checksum: 0"
     ]
 
 
@@ -265,3 +265,29 @@ def test_torchrun_with_fewer_files_than_ranks_makes_an_empty_part(tmp_path) -> N
     assert run("merge", *parts, "-o", tmp_path / "merged", "--copy", "-q").exit_code == 0
     convert([src], tmp_path / "single", workers=1)
     assert_same_files(tmp_path / "merged", tmp_path / "single")
+
+
+def test_inspect_names_the_blob_of_every_part(tmp_path, sources) -> None:
+    from npz2mmap.render import human_bytes
+
+    ds = tmp_path / "ds"
+    for i in range(2):
+        convert([sources], ds / f"part-{i}", part=(i, 2), workers=1)
+    merge([ds / "part-0", ds / "part-1"], ds)
+    blobs = [ds / f"part-{i}" / "data.npy" for i in range(2)]
+    sizes = [blob.stat().st_size for blob in blobs]
+    lines = run("inspect", ds).output.splitlines()
+    assert lines[4] == f"blobs    2, one per part, {human_bytes(sum(sizes))} in all, regions aligned to 64 B"
+    assert lines[6].split() == ["part", "samples", "first", "sample", "blob", "blob", "bytes"]
+    assert [line.split()[3:] for line in lines[7:9]] == [
+        [str(blobs[0]), *human_bytes(sizes[0]).split()],
+        [str(blobs[1]), *human_bytes(sizes[1]).split()],
+    ]
+    assert "data.npy," not in "\n".join(lines)  # no single blob named for the whole
+    summary = json.loads(run("inspect", ds, "--json").output)
+    assert summary["blobs"] == [str(blob) for blob in blobs] and summary["blob_nbytes"] == sum(sizes)
+    assert [(p["blob"], p["blob_nbytes"]) for p in summary["parts"]] == [
+        (str(b), n) for b, n in zip(blobs, sizes, strict=True)
+    ]
+    single = run("inspect", ds / "part-0").output.splitlines()
+    assert single[3] == f"blob     {blobs[0]}, {human_bytes(sizes[0])}, regions aligned to 64 B"

@@ -175,7 +175,7 @@ def test_warm_logs_bytes(ticking_logs: None, sources: Path) -> None:
     blob_nbytes = (sources.parent / "out" / "data.npy").stat().st_size
     output = run("warm", str(sources.parent / "out"))
     assert output.splitlines()[-2] == (
-        f"warm: 1/1 parts (100%), {blob_nbytes} B/{blob_nbytes} B, {blob_nbytes // 30} B/s, done in 0:00:30"
+        f"warm: 1/1 part (100%), {blob_nbytes} B/{blob_nbytes} B, {blob_nbytes // 30} B/s, done in 0:00:30"
     )
 
 

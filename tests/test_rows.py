@@ -165,4 +165,4 @@ def test_verify_sources_reports_a_shard_of_zero_rows_that_gained_rows(tmp_path) 
     assert verify(tmp_path / "out", sources=True).ok
     write_npz(path, x=np.zeros((2, 2), np.float32))
     report = verify(tmp_path / "out", sources=True)
-    assert report.problems == [f"{path}: field 'x': the source holds 2 row(s), not the 0 sources.jsonl names"]
+    assert report.problems == [f"{path}: field 'x': the source holds 2 rows, not the 0 sources.jsonl names"]

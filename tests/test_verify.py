@@ -44,7 +44,7 @@ def test_a_flipped_sample_byte_names_the_field_and_sample(small_dataset) -> None
     flip_byte(out / "data.npy", data_file_offset(out, "tokens", 2))
     report = verify(out)
     assert report.bad_samples == {"input": [4], "tokens": [2]}
-    assert "field 'input': 1 sample(s) do not match their checksums: 4" in report.problems
+    assert "field 'input': 1 sample does not match its checksum: 4" in report.problems
 
 
 def test_every_single_flipped_byte_of_the_blob_is_detected(tmp_path) -> None:

@@ -79,7 +79,7 @@ def test_verify_sources_of_a_plain_npy_file_is_one_line_per_sample_and_exit_1(co
     assert result.output.splitlines() == [
         f"sample {i} {w}: {source}: not a valid zip/npz file (File is not a zip file)"
         for i, w in zip(samples, where, strict=True)
-    ] + [f"Error: {dataset}: {len(samples)} problem(s) found"]
+    ] + [f"Error: {dataset}: {'1 problem' if len(samples) == 1 else '3 problems'} found"]
 
 
 def test_verify_sources_of_a_shard_that_shrank_names_its_rows(tmp_path) -> None:
@@ -91,7 +91,7 @@ def test_verify_sources_of_a_shard_that_shrank_names_its_rows(tmp_path) -> None:
     source = tmp_path / "src" / "a.npz"
     assert report.bad_samples == {"sources": [0, 1, 2] * 2}
     assert report.problems == [
-        f"sample {row} ({source} row {row}): field '{key}': the source holds 1 row(s), not the 3 sources.jsonl names"
+        f"sample {row} ({source} row {row}): field '{key}': the source holds 1 row, not the 3 sources.jsonl names"
         for key in ("t", "x")
         for row in range(3)
     ]
