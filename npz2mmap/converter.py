@@ -17,12 +17,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import publish, writer
-from .errors import OutputError, SourceError
+from .errors import MismatchError, OutputError, SourceError
 from .inputs import discover_sources
-from .npzfile import MemberHeader, read_headers
+from .npzfile import MemberHeader
 from .parallel import Mapper, worker_map
 from .plan import Plan, build_plan, drop_files
 from .progress import Progress, SilentProgress
+from .sources import is_npy_path, read_headers
 from .spec import BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
 
 
@@ -44,12 +45,17 @@ def convert(
     skip_bad: bool = False,
     part: tuple[int, int] | None = None,
     rows: bool = False,
+    sample_dirs: bool = False,
     workers: int | None = None,
     align: int = MIN_ALIGN,
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> ConvertResult:
-    """Convert NPZ files (one sample each) into a dataset directory at ``out_dir``.
+    """Convert NPZ and .npy files (one sample each) into a dataset directory at ``out_dir``.
+
+    A ``.npy`` file is one sample with one field, ``arr_0``; with
+    ``sample_dirs``, each directory that directly holds ``.npy`` files is one
+    sample instead, each ``NAME.npy`` in it the field NAME.
 
     ``casts`` maps keys to the dtype to store them as, for sources that differ
     (numpy's 'same_kind' casts only); otherwise every file must agree exactly.
@@ -67,7 +73,7 @@ def convert(
     out = os.fspath(out_dir)
     _check_align(align)
     publish.check_output(out, overwrite)
-    sources = select_part(discover_sources(inputs), part)
+    sources = select_part(discover_sources(inputs, sample_dirs), part)
     progress = progress or SilentProgress()
     _refuse_output_inside_inputs(out, inputs)
     skipped: list[tuple[str, str]] = []
@@ -77,9 +83,15 @@ def convert(
     ):
         scan_one = functools.partial(_scan_source, keys=tuple(keys) if keys else None, skip_bad=skip_bad)
         space = _free_nbytes(out)
-        plan = _scan(
-            sources, scan_one, _parse_casts(casts), align, imap, progress, skipped, rows, space, part
-        )
+        try:
+            plan = _scan(
+                sources, scan_one, _parse_casts(casts), align, imap, progress, skipped, rows, space, part
+            )
+        except MismatchError as exc:
+            if sample_dirs or not any(is_npy_path(path) for path in sources):
+                raise
+            # .npy files that disagree are often the fields of one sample.
+            raise MismatchError(f"{exc} (each directory one sample? use --sample-dirs)") from exc
         staging = _make_staging_dir(out)
         try:
             plan, index = _copy(plan, sources, staging, imap, progress, skip_bad, skipped, part)
