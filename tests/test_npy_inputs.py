@@ -206,12 +206,13 @@ def put_in_place(path: Path, kind: str) -> None:
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes and /dev/zero")
 @pytest.mark.parametrize("kind", NOT_REGULAR)
-def test_a_pipe_device_or_broken_link_in_a_sample_dir_is_refused_not_read(tmp_path, kind) -> None:
+@pytest.mark.parametrize("mode", [[], ["--sample-dirs"]])
+def test_a_pipe_device_or_broken_link_in_place_of_a_npy_is_refused_not_read(tmp_path, kind, mode) -> None:
     save_npy(tmp_path / "src" / "s0" / "x.npy", np.arange(3.0))
     target = tmp_path / "src" / "s1" / "x.npy"
     target.parent.mkdir()
     put_in_place(target, kind)
-    code, output = convert_cli(str(tmp_path / "src"), "--sample-dirs", "-o", str(tmp_path / "out"))
+    code, output = convert_cli(str(tmp_path / "src"), *mode, "-o", str(tmp_path / "out"))
     assert (code, output) == (1, f"Error: {target}: {NOT_REGULAR[kind]}\n")
     assert_nothing_written(tmp_path / "out")
 
