@@ -375,6 +375,11 @@ def output_option(help_text: str) -> Callable[[F], F]:
     help="Each file holds many samples along axis 0 (all its arrays share that dimension).",
 )
 @click.option(
+    "--sample-dirs",
+    is_flag=True,
+    help="Each directory holding .npy files is one sample, each NAME.npy in it the field NAME.",
+)
+@click.option(
     "--part",
     callback=_parse_part,
     metavar="I/N|auto",
@@ -405,6 +410,7 @@ def convert(
     casts: dict[str, np.dtype],
     skip_bad: bool,
     rows: bool,
+    sample_dirs: bool,
     part: tuple[int, int] | None,
     workers: int | None,
     align: int,
@@ -414,9 +420,11 @@ def convert(
 ) -> None:
     """Convert INPUT... into the dataset directory OUT.
 
-    Each INPUT is an .npz file, a directory (searched recursively for *.npz,
-    in sorted order) or @LIST, a text file naming one path per line. Each NPZ
-    file becomes one sample, in that order (with --rows, each row of it).
+    Each INPUT is an .npz or .npy file, a directory (searched recursively for
+    *.npz and *.npy, in sorted order) or @LIST, a text file naming one path per
+    line. Each file becomes one sample, in that order (with --rows, each row of
+    it); a .npy file holds the one field arr_0 (with --sample-dirs, each
+    directory holding .npy files is one sample instead).
     """
     if part is not None:
         out_dir = part_directory(out_dir, part)
@@ -429,6 +437,7 @@ def convert(
             skip_bad=skip_bad,
             part=part,
             rows=rows,
+            sample_dirs=sample_dirs,
             workers=workers,
             align=align,
             overwrite=overwrite,

@@ -18,13 +18,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import publish, writer
-from .errors import OutputError, SourceError
+from .errors import MismatchError, OutputError, SourceError
 from .inputs import discover_sources
-from .npzfile import MemberHeader, read_headers
+from .npzfile import MemberHeader
 from .parallel import Mapper, worker_map
 from .plan import Plan, build_plan, drop_files
 from .progress import Progress, SilentProgress
 from .render import human_bytes
+from .sources import is_npy_path, read_headers
 from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
 
 
@@ -47,12 +48,17 @@ def convert(
     skip_bad: bool = False,
     part: tuple[int, int] | None = None,
     rows: bool = False,
+    sample_dirs: bool = False,
     workers: int | None = None,
     align: int = MIN_ALIGN,
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> ConvertResult:
-    """Convert NPZ files (one sample each) into a dataset directory at ``out_dir``.
+    """Convert NPZ and .npy files (one sample each) into a dataset directory at ``out_dir``.
+
+    A ``.npy`` file is one sample with one field, ``arr_0``; with
+    ``sample_dirs``, each directory that directly holds ``.npy`` files is one
+    sample instead, each ``NAME.npy`` in it the field NAME.
 
     ``casts`` maps keys to the dtype to store them as, for sources that differ
     (numpy's 'same_kind' casts only); otherwise every file must agree exactly.
@@ -70,7 +76,7 @@ def convert(
     out = os.fspath(out_dir)
     _check_align(align)
     publish.check_output(out, overwrite)
-    sources = select_part(discover_sources(inputs), part)
+    sources = select_part(discover_sources(inputs, sample_dirs), part)
     progress = progress or SilentProgress()
     _refuse_output_inside_inputs(out, inputs)
     skipped: list[tuple[str, str]] = []
@@ -80,9 +86,15 @@ def convert(
     ):
         scan_one = functools.partial(_scan_source, keys=tuple(keys) if keys else None, skip_bad=skip_bad)
         space = _free_nbytes(out)
-        plan = _scan(
-            sources, scan_one, _parse_casts(casts), align, imap, progress, skipped, rows, space, part
-        )
+        try:
+            plan = _scan(
+                sources, scan_one, _parse_casts(casts), align, imap, progress, skipped, rows, space, part
+            )
+        except MismatchError as exc:
+            if sample_dirs or not any(is_npy_path(path) for path in sources):
+                raise
+            # .npy files that disagree are often the fields of one sample.
+            raise MismatchError(f"{exc} (each directory one sample? use --sample-dirs)") from exc
         _check_free_space(out, BLOB_HEADER_NBYTES + plan.payload_nbytes, space)
         sources_nbytes = _total_file_nbytes(plan.sources)
         staging = _make_staging_dir(out)
@@ -154,12 +166,20 @@ def _check_free_space(out: str, blob_nbytes: int, free_nbytes: int | None) -> No
 
 
 def _total_file_nbytes(paths: Sequence[str]) -> int:
-    """The files' sizes together; one that cannot be read now counts 0 (the copy will name it)."""
+    """The sources' sizes together (a sample directory's .npy files); one that cannot be read now
+    counts 0 (the copy will name it)."""
     total = 0
     for path in paths:
         with contextlib.suppress(OSError):
-            total += os.stat(path).st_size
+            total += _source_nbytes(path)
     return total
+
+
+def _source_nbytes(path: str) -> int:
+    if not os.path.isdir(path):
+        return os.stat(path).st_size
+    with os.scandir(path) as entries:
+        return sum(e.stat().st_size for e in entries if is_npy_path(e.name) and e.is_file())
 
 
 def _make_staging_dir(out: str) -> str:

@@ -9,6 +9,10 @@ class SourceError(Npz2mmapError):
     """An input NPZ file is unusable; the message names the file and member."""
 
 
+class MismatchError(SourceError):
+    """Sources disagree on keys, dtype or number of dimensions; the message names the one that differs."""
+
+
 class FormatError(Npz2mmapError):
     """A converted dataset is missing, malformed or from an unsupported version."""
 

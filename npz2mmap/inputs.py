@@ -1,4 +1,8 @@
-"""Turning the command line's INPUT arguments into the ordered list of NPZ files."""
+"""Turning the command line's INPUT arguments into the ordered list of sources.
+
+A source is an NPZ file, a ``.npy`` file or, with ``sample_dirs``, a directory
+that directly holds ``.npy`` files (one sample, one field per file).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from . import fsutil
 from .errors import SourceError
+from .npzfile import NPY_SUFFIX
+from .sources import holds_npy_files, is_npy_path
 
 NPZ_SUFFIX = ".npz"
 LIST_PREFIX = "@"
@@ -14,28 +20,30 @@ LIST_PREFIX = "@"
 MAX_LIST_CHARS = 256 << 20
 
 
-def discover_sources(inputs: Sequence[str | os.PathLike[str]]) -> list[str]:
-    """Expand files, directories and ``@list.txt`` files into absolute NPZ paths.
+def discover_sources(inputs: Sequence[str | os.PathLike[str]], sample_dirs: bool = False) -> list[str]:
+    """Expand files, directories and ``@list.txt`` files into absolute source paths.
 
     Directories are searched recursively (symlinks followed, loops skipped)
-    and their files sorted by path; otherwise the order is the order given.
+    for ``*.npz`` and ``*.npy`` files, or with ``sample_dirs`` for ``*.npz``
+    files and directories holding ``*.npy`` files, all sorted by path;
+    otherwise the order is the order given.
     Raises SourceError for missing paths, duplicates, or when nothing is found.
     """
     found: list[str] = []
     for item in inputs:
         text = os.fspath(item)
         if text.startswith(LIST_PREFIX):
-            found.extend(_expand_list_file(text[len(LIST_PREFIX) :]))
+            found.extend(_expand_list_file(text[len(LIST_PREFIX) :], sample_dirs))
         else:
-            found.extend(_expand_path(text))
+            found.extend(_expand_path(text, sample_dirs))
     if not found:
         shown = " ".join(os.fspath(i) for i in inputs)
-        raise SourceError(f"no {NPZ_SUFFIX} files found in: {shown}")
+        raise SourceError(f"no {NPZ_SUFFIX} or {NPY_SUFFIX} files found in: {shown}")
     _refuse_duplicates(found)
     return found
 
 
-def _expand_list_file(list_path: str) -> Iterable[str]:
+def _expand_list_file(list_path: str, sample_dirs: bool) -> Iterable[str]:
     """Each line is a path, relative to the list file's directory; blank lines and
     lines starting with ``#`` are skipped. The list is opened like a source (a pipe
     in its place is refused, never waited on)."""
@@ -55,12 +63,12 @@ def _expand_list_file(list_path: str) -> Iterable[str]:
     for line in lines:
         entry = line.strip()
         if entry and not entry.startswith("#"):
-            yield from _expand_path(os.path.join(base, entry))
+            yield from _expand_path(os.path.join(base, entry), sample_dirs)
 
 
-def _expand_path(path: str) -> list[str]:
+def _expand_path(path: str, sample_dirs: bool) -> list[str]:
     if os.path.isdir(path):
-        return _walk_npz(path)
+        return _walk(path, sample_dirs)
     if os.path.isfile(path):
         return [os.path.abspath(path)]
     if os.path.lexists(path):
@@ -68,8 +76,8 @@ def _expand_path(path: str) -> list[str]:
     raise SourceError(f"{path}: no such file or directory")
 
 
-def _walk_npz(top: str) -> list[str]:
-    """Every ``*.npz`` below ``top``, following directory links but never a loop twice."""
+def _walk(top: str, sample_dirs: bool) -> list[str]:
+    """Every source below ``top``, following directory links but never a loop twice."""
     found: list[str] = []
     seen_dirs: set[tuple[int, int]] = set()
     pending = [top]
@@ -83,10 +91,12 @@ def _walk_npz(top: str) -> list[str]:
         if (stat.st_dev, stat.st_ino) in seen_dirs:
             continue
         seen_dirs.add((stat.st_dev, stat.st_ino))
+        if sample_dirs and holds_npy_files(entries):
+            found.append(os.path.abspath(directory))
         for entry in entries:
             if _is(entry.is_dir):
                 pending.append(entry.path)
-            elif entry.name.lower().endswith(NPZ_SUFFIX):
+            elif entry.name.lower().endswith(NPZ_SUFFIX) or (is_npy_path(entry.name) and not sample_dirs):
                 if not _is(entry.is_file):
                     raise SourceError(f"{entry.path}: {fsutil.describe_kind(entry.path)}, not a regular file")
                 found.append(os.path.abspath(entry.path))

@@ -20,7 +20,7 @@ import tokenize
 import warnings
 import zipfile
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any, BinaryIO
 
@@ -143,19 +143,6 @@ def members(zf: zipfile.ZipFile, path: str) -> dict[str, zipfile.ZipInfo]:
             raise SourceError(f"{path}: key {key!r} appears twice in the archive")
         found[key] = info
     return found
-
-
-def read_headers(path: str, keys: Sequence[str] | None = None) -> dict[str, MemberHeader]:
-    """Read the headers of ``keys`` (all members if None) without reading any array data."""
-    headers: dict[str, MemberHeader] = {}
-    with open_npz(path) as zf:
-        entries = members(zf, path)
-        wanted = sorted(entries) if keys is None else list(keys)
-        for key in wanted:
-            if key not in entries:
-                raise SourceError(f"{path}: no key {key!r} (has: {', '.join(sorted(entries)) or 'none'})")
-            headers[key] = read_member_header(zf, entries[key], path)
-    return headers
 
 
 def read_member_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) -> MemberHeader:
@@ -341,7 +328,7 @@ def _check_subarray(descr: Any, element: np.dtype, subshape: tuple[int, ...], co
 def read_exactly(stream: IO[bytes], nbytes: int, where: str) -> bytes:
     data = stream.read(nbytes)
     if len(data) != nbytes:
-        raise SourceError(f"{where}: member ends early ({len(data)} of {nbytes} bytes)")
+        raise SourceError(f"{where}: ends early ({len(data)} of {nbytes} bytes)")
     return data
 
 

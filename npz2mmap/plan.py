@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from .errors import SourceError
+from .errors import MismatchError, SourceError
 from .npzfile import MemberHeader
 from .spec import (
     BLOB_HEADER_NBYTES,
@@ -114,14 +114,14 @@ class _FieldCollector:
                     f"{where}: dtype {header.dtype} cannot be cast to {self.dtype} without changing kind"
                 )
         elif storage_dtype(header.dtype) != self.dtype:
-            raise SourceError(
+            raise MismatchError(
                 f"{where}: dtype {header.dtype} differs from {self.dtype} in {self.first_path}; "
                 f"use --cast {header.key}=DTYPE to store one dtype"
             )
         sample_shape = header.shape[1:] if self.rows else header.shape
         if len(sample_shape) != self.ndim:
             what = "rows" if self.rows else "arrays"
-            raise SourceError(
+            raise MismatchError(
                 f"{where}: {len(header.shape)}-d array {header.shape} differs from the "
                 f"{self.ndim + self.rows}-d {what} in {self.first_path}"
             )
@@ -174,7 +174,7 @@ def build_plan(
             if unknown:
                 raise SourceError(f"{path}: --cast names key(s) {', '.join(unknown)} that are not converted")
         elif members.keys() != collectors.keys():
-            raise SourceError(_describe_key_mismatch(path, sorted(members), sorted(collectors), sources[0]))
+            raise MismatchError(_describe_key_mismatch(path, sorted(members), sorted(collectors), sources[0]))
         for key, collector in collectors.items():
             collector.add(members[key], path)
         sources.append(path)

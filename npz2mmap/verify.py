@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import zipfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,12 +18,13 @@ import numpy as np
 from . import provenance
 from .elements import ByteReader, Piece, stored_pieces
 from .errors import FormatError, SourceError
-from .npzfile import CHUNK_NBYTES, MemberHeader, iter_data_chunks, members, open_npz, read_member_header
+from .npzfile import CHUNK_NBYTES, MemberHeader
 from .parts import Parts, resolve_parts
 from .plan import can_cast
 from .progress import Progress, SilentProgress
 from .reader import DatasetReader, identity_problem
 from .render import plural
+from .sources import Source, open_source
 from .spec import BLOB_HEADER_NBYTES, IDENTITY_NBYTES, Field, Index, load_index, storage_dtype
 
 MAX_SAMPLES_NAMED = 10
@@ -49,7 +49,7 @@ def verify(
 ) -> VerifyReport:
     """Check a dataset (or every part of a multi-part one) and report every problem found.
 
-    With ``sources``, also compare every sample with its original NPZ file.
+    With ``sources``, also compare every sample with its source (NPZ, .npy or sample directory).
     Raises nothing for a damaged dataset: problems go into the report.
     Sample numbers in a multi-part report are global, problems name the part.
     """
@@ -191,14 +191,14 @@ def _compare_file(
     bytes, record padding included. Memory stays bounded whatever the size.
     """
     try:
-        with open_npz(path) as zf:
-            entries = members(zf, path)
+        with open_source(path) as source:
+            keys = source.keys()
             for name in reader.field_names:
-                if name not in entries:
+                if name not in keys:
                     missing = f"key {name!r} is missing from the source"
                     yield from _for_every_sample(rows, missing)
                     continue
-                yield from _compare_member(reader, zf, entries[name], path, first, rows)
+                yield from _compare_member(reader, source, name, path, first, rows)
     except (SourceError, FormatError) as exc:
         yield from _for_every_sample(rows, str(exc))
 
@@ -212,15 +212,14 @@ def _for_every_sample(rows: list[int | None], problem: str) -> Iterator[tuple[in
 
 def _compare_member(
     reader: DatasetReader,
-    zf: zipfile.ZipFile,
-    info: zipfile.ZipInfo,
+    source: Source,
+    name: str,
     path: str,
     first: int,
     rows: list[int | None],
 ) -> Iterator[tuple[int, str]]:
     """Compare one member with its samples: dtype, shapes, then every byte in file order."""
-    header = read_member_header(zf, info, path)
-    name = header.key
+    header = source.header(name)
     field = reader.index.field(name)
     dtype_ok = (
         can_cast(header.dtype, field.dtype) if field.cast else storage_dtype(header.dtype) == field.dtype
@@ -236,7 +235,7 @@ def _compare_member(
     rows_mode = reader.index.mode == "rows"
     stored = reader.view_consecutive(name, first, len(rows)) if rows_mode else reader.view(name, first)
     where = f"{path}[{name}]"
-    expected = stored_pieces(iter_data_chunks(zf, info, header, where), header, field.dtype, where)
+    expected = stored_pieces(source.data_chunks(name, header), header, field.dtype, where)
     found = _file_order_pieces(stored, header.fortran_order)
     bad_rows: set[int] = set()
     for elements in _changed_elements(expected, found, stored.nbytes, field.dtype.itemsize):

@@ -19,8 +19,9 @@ import numpy as np
 from . import __version__, fsutil, provenance
 from .elements import ByteReader, stored_pieces
 from .errors import SourceError
-from .npzfile import CHUNK_NBYTES, MemberHeader, iter_data_chunks, members, open_npz, read_member_header
+from .npzfile import CHUNK_NBYTES, MemberHeader
 from .plan import FieldPlan, Plan, can_cast
+from .sources import open_source
 from .spec import (
     BLOB_HEADER_NBYTES,
     BLOB_NAME,
@@ -51,7 +52,7 @@ class MemberTask(NamedTuple):
 
 
 class SampleTask(NamedTuple):
-    """Copy every selected member of one source file to its place in the blob."""
+    """Copy every selected member of one source (file or sample directory) to its place in the blob."""
 
     file: int
     path: str
@@ -99,16 +100,16 @@ def write_sample(blob_path: str, task: SampleTask) -> SampleResult:
 def _copy_members(task: SampleTask, fd: int, blob_path: str) -> SampleResult:
     crcs = []
     nbytes = 0
-    with open_npz(task.path) as zf:
-        entries = members(zf, task.path)
+    with open_source(task.path) as source:
+        keys = source.keys()
         for member in task.members:
             where = f"{task.path}[{member.key}]"
-            if member.key not in entries:
+            if member.key not in keys:
                 raise SourceError(f"{where}: key vanished since the file was scanned")
-            header = read_member_header(zf, entries[member.key], task.path)
+            header = source.header(member.key)
             if not _matches_plan(header, member):
                 raise SourceError(f"{where}: changed since it was scanned")
-            chunks = iter_data_chunks(zf, entries[member.key], header, where)
+            chunks = source.data_chunks(member.key, header)
             if header.fortran_order and len([d for d in header.shape if d != 1]) > 1:
                 crcs.append(_copy_fortran(chunks, header, member, blob_path, where))
             else:

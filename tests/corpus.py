@@ -1,13 +1,15 @@
-"""Random NPZ corpora and conversion options for the oracle test, and the oracle itself.
+"""Random NPZ and .npy corpora and conversion options for the oracle test, and the oracle itself.
 
-A corpus is a few files holding the same fields: any dtype family (records
+A corpus is a few sources holding the same fields, laid out as NPZ files, as
+``.npy`` files (one field, ``arr_0``) or as sample directories of ``NAME.npy``
+files: any dtype family (records
 with padding in both byte orders included), 0-d to 3-d, fixed or ragged, C or
 Fortran order, stored or compressed, and bad files placed so that some are
 found while scanning and others only while copying. Array bytes are drawn raw,
 so padding bytes, NaN payloads and odd booleans all occur.
 
 The oracle knows nothing of npz2mmap: it reads each source member with
-``zipfile`` and numpy's own header reader (``np.load`` itself drops record
+``zipfile`` (or ``open`` for a ``.npy`` file) and numpy's own header reader (``np.load`` itself drops record
 padding) and computes the bytes a sample must have (C order, every primitive
 little-endian, padding kept) with its own byte permutation.
 """
@@ -27,6 +29,8 @@ LEAF_CODES += ["M8[s]", "m8[ms]", "S3", "U2", "V3"]
 # Casts every value survives (numpy's same-kind rule, and exact): source code -> stored dtype.
 LOSSLESS_CASTS = {"i1": "i4", "u1": "u2", "i2": "i8", "u2": "u4", "f2": "f4", "f4": "f8", "i4": "i8"}
 COPY_BAD_NBYTES = 64 << 10  # a member this large is read to its end (and CRC-checked) only when copied
+LAYOUTS = ("npz", "npy-files", "sample-dirs")
+NPY_FILE_KEY = "arr_0"  # the key np.savez gives a lone array, and npz2mmap a .npy file
 
 
 @st.composite
@@ -82,15 +86,17 @@ class Corpus:
     scan_bad: list[int] = field(default_factory=list)  # positions of zero-byte files
     copy_bad: list[int] = field(default_factory=list)  # positions of files corrupt past their header
     seed: int = 0
+    layout: str = "npz"  # or "npy-files" (one field, arr_0), "sample-dirs" (one NAME.npy per field)
 
 
 @st.composite
 def corpora(draw: st.DrawFn) -> Corpus:
     rows = draw(st.booleans())
+    layout = draw(st.sampled_from(LAYOUTS))
     num_files = draw(st.integers(1, 5))
     row_counts = [draw(st.integers(0, 3)) for _ in range(num_files)]
     fields = []
-    for k in range(draw(st.integers(1, 3))):
+    for k in range(1 if layout == "npy-files" else draw(st.integers(1, 3))):
         ndim = draw(st.integers(0, 2))
         ragged = ndim > 0 and draw(st.booleans())
         fixed = tuple(draw(st.lists(st.integers(0, 3), min_size=ndim, max_size=ndim)))
@@ -101,12 +107,14 @@ def corpora(draw: st.DrawFn) -> Corpus:
             )
             shapes.append((row_counts[n], *shape) if rows else shape)
         fortran = [draw(st.booleans()) for _ in range(num_files)]
-        fields.append(FieldSpec(f"k{k}", draw(any_dtypes()), shapes, fortran))
+        name = NPY_FILE_KEY if layout == "npy-files" else f"k{k}"
+        fields.append(FieldSpec(name, draw(any_dtypes()), shapes, fortran))
     compressed = [draw(st.booleans()) for _ in range(num_files)]
-    corpus = Corpus(fields, compressed, rows, num_files, seed=draw(st.integers(0, 2**32 - 1)))
+    corpus = Corpus(fields, compressed, rows, num_files, seed=draw(st.integers(0, 2**32 - 1)), layout=layout)
     if draw(st.booleans()):
         corpus.scan_bad = sorted(draw(st.sets(st.integers(0, num_files), max_size=2)))
-        if any(f.sample_shapes[0] for f in fields) or rows:
+        # A .npy file has no checksum: what is wrong with it is found by the scan.
+        if layout == "npz" and (any(f.sample_shapes[0] for f in fields) or rows):
             corpus.copy_bad = sorted(draw(st.sets(st.integers(0, num_files), max_size=2)))
     return corpus
 
@@ -156,26 +164,52 @@ class Written:
 
 
 def write_corpus(corpus: Corpus, src: Path) -> Written:
-    """Write every file; names sort in corpus order."""
+    """Write every source; names sort in corpus order."""
     rng = np.random.default_rng(corpus.seed)
     src.mkdir(parents=True)
     files: list[tuple[Path, frozenset[str] | None]] = []
     for n in range(corpus.num_files + 1):
         if n in corpus.scan_bad:
-            path = src / f"{len(files):03d}-scan-bad.npz"
-            path.write_bytes(b"")
+            path = source_path(corpus, src / f"{len(files):03d}-scan-bad")
+            write_arrays(corpus, path, {f.name: b"" for f in corpus.fields}, False)
             files.append((path, None))
         if n in corpus.copy_bad:
             path = src / f"{len(files):03d}-copy-bad.npz"
             files.append((path, write_copy_bad(corpus, path, rng)))
         if n < corpus.num_files:
-            path = src / f"{len(files):03d}.npz"
+            path = source_path(corpus, src / f"{len(files):03d}")
             arrays = {
                 f.name: raw_array(f.dtype, f.sample_shapes[n], f.fortran[n], rng) for f in corpus.fields
             }
-            (np.savez_compressed if corpus.compressed[n] else np.savez)(path, **arrays)
+            write_arrays(corpus, path, arrays, corpus.compressed[n])
             files.append((path, frozenset()))
     return Written(files)
+
+
+def source_path(corpus: Corpus, stem: Path) -> Path:
+    return (
+        stem
+        if corpus.layout == "sample-dirs"
+        else stem.with_suffix(".npy" if corpus.layout == "npy-files" else ".npz")
+    )
+
+
+def write_arrays(corpus: Corpus, path: Path, arrays: dict[str, Any], compressed: bool) -> None:
+    """One source holding ``arrays`` (bytes: a file of exactly those bytes), as the layout says."""
+    if corpus.layout == "npz":
+        if any(isinstance(a, bytes) for a in arrays.values()):
+            path.write_bytes(b"")
+        else:
+            (np.savez_compressed if compressed else np.savez)(path, **arrays)
+        return
+    if corpus.layout == "sample-dirs":
+        path.mkdir()
+    for name, array in arrays.items():
+        target = path / f"{name}.npy" if corpus.layout == "sample-dirs" else path
+        if isinstance(array, bytes):
+            target.write_bytes(array)
+        else:
+            np.save(target, array)
 
 
 def raw_array(dtype: np.dtype, shape: tuple[int, ...], fortran: bool, rng: np.random.Generator) -> np.ndarray:
@@ -234,9 +268,19 @@ def load_raw(path: Path, name: str) -> np.ndarray:
 
     np.load copies a zip member's records field by field into a new array,
     which leaves their padding undefined; numpy's own header reader and
-    ``frombuffer`` keep every byte of the file.
+    ``frombuffer`` keep every byte of the file. A ``.npy`` file is read the
+    same way, and a sample directory's field from its ``name.npy``.
     """
-    with zipfile.ZipFile(path) as zf, zf.open(f"{name}.npy") as fp:
+    if path.is_dir():
+        return read_npy(open(path / f"{name}.npy", "rb"))
+    if path.suffix == ".npy":
+        return read_npy(open(path, "rb"))
+    with zipfile.ZipFile(path) as zf:
+        return read_npy(zf.open(f"{name}.npy"))
+
+
+def read_npy(stream: Any) -> np.ndarray:
+    with stream as fp:
         version = np.lib.format.read_magic(fp)
         read_header = {(1, 0): np.lib.format.read_array_header_1_0}.get(
             version, np.lib.format.read_array_header_2_0

@@ -139,7 +139,7 @@ def test_object_arrays_are_refused_and_their_pickle_never_runs(tmp_path) -> None
 
 def test_nothing_found_missing_paths_and_duplicates_are_refused(tmp_path) -> None:
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SourceError, match="no .npz files found in: .*empty"):
+    with pytest.raises(SourceError, match="no .npz or .npy files found in: .*empty"):
         convert([tmp_path / "empty"], tmp_path / "out")
     with pytest.raises(SourceError, match="nope.npz: no such file or directory"):
         convert([tmp_path / "nope.npz"], tmp_path / "out")

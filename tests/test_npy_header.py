@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 
 from npz2mmap.cli import cli
 from npz2mmap.errors import SourceError
-from npz2mmap.npzfile import MemberHeader, read_headers
+from npz2mmap.npzfile import MemberHeader
 from npz2mmap.reader import DatasetReader
+from npz2mmap.sources import read_headers
 
 SUPPLY_MAX_NBYTES = 1 << 20
 DATA_SIZE_REFUSAL = "header declares"

@@ -1,4 +1,5 @@
-"""The independent oracle: random corpora and options, checked against np.load of the sources.
+"""The independent oracle: random corpora (NPZ, .npy files, sample directories) and options,
+checked against np.load of the sources.
 
 Every sample's raw bytes are compared with what the oracle (tests/corpus.py)
 computes from ``np.load`` alone; the output must be byte-identical for any
@@ -51,6 +52,7 @@ def test_converted_bytes_match_numpy_for_any_corpus_and_options(tmp_path_factory
     keys = options.keys or [f.name for f in corpus.fields]
     good = written.good(keys)
     kwargs = dict(keys=options.keys, casts=options.casts, skip_bad=written.any_bad(keys), rows=corpus.rows)
+    kwargs["sample_dirs"] = corpus.layout == "sample-dirs"
     kwargs["align"] = options.align
     out = root / "out"
     convert([root / "src"], out, workers=options.workers, **kwargs)
@@ -66,6 +68,7 @@ def test_converted_bytes_match_numpy_for_any_corpus_and_options(tmp_path_factory
 def record_coverage(corpus: Corpus, options: Options) -> None:
     """What each case exercises, shown by pytest --hypothesis-show-statistics."""
     event(f"workers={options.workers}, parts={options.parts}")
+    event(f"layout={corpus.layout}")
     features = {
         "rows": corpus.rows,
         "scan-bad": bool(corpus.scan_bad),

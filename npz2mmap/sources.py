@@ -1,0 +1,242 @@
+"""What a source holds: the arrays of an NPZ file, a ``.npy`` file or a sample directory.
+
+The scan, the copy and ``verify --sources`` read every kind through one
+interface (``open_source``): the source's keys, each key's checked ``.npy``
+header, and its data in bounded chunks. A ``.npy`` file is one array under
+the key ``arr_0``, the name ``np.savez(f, array)`` gives it, so it converts
+exactly as that NPZ would; a sample directory holds one array per
+``NAME.npy`` file directly inside it, under the key NAME. Other files in a
+sample directory are ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import zipfile
+from collections.abc import Iterator, Sequence
+from typing import BinaryIO, Protocol
+
+from . import fsutil
+from .errors import SourceError
+from .npzfile import (
+    CHUNK_NBYTES,
+    NPY_SUFFIX,
+    MemberHeader,
+    iter_data_chunks,
+    members,
+    open_npz,
+    parse_npy_header,
+    read_member_header,
+)
+
+NPY_FILE_KEY = "arr_0"
+
+
+class Source(Protocol):
+    """The arrays of one source, by key."""
+
+    def keys(self) -> list[str]:
+        """Every key, sorted."""
+
+    def header(self, key: str) -> MemberHeader:
+        """The checked header of ``key``; SourceError naming the file (and key)."""
+
+    def data_chunks(self, key: str, header: MemberHeader) -> Iterator[bytes]:
+        """The array bytes of ``key`` in file order, at most CHUNK_NBYTES at a time."""
+
+
+def is_npy_path(path: str) -> bool:
+    return path.lower().endswith(NPY_SUFFIX)
+
+
+@contextlib.contextmanager
+def open_source(path: str) -> Iterator[Source]:
+    """Open a source by what it is: a directory is a sample directory, a ``*.npy`` file one
+    array, anything else an NPZ file. Raises SourceError naming the path."""
+    if os.path.isdir(path):
+        with _SampleDir(path) as sample_dir:
+            yield sample_dir
+    elif is_npy_path(path):
+        with _NpyFile(path) as npy:
+            yield _OneArray(npy)
+    else:
+        with open_npz(path) as zf:
+            yield _Npz(zf, path)
+
+
+def read_headers(path: str, keys: Sequence[str] | None = None) -> dict[str, MemberHeader]:
+    """The headers of ``keys`` (all if None) of one source, without reading any array data."""
+    with open_source(path) as source:
+        available = source.keys()
+        headers = {}
+        for key in available if keys is None else keys:
+            if key not in available:
+                raise SourceError(f"{path}: no key {key!r} (has: {', '.join(available) or 'none'})")
+            headers[key] = source.header(key)
+    return headers
+
+
+class _Npz:
+    def __init__(self, zf: zipfile.ZipFile, path: str) -> None:
+        self.path = path
+        self.zf = zf
+        self.entries = members(zf, path)
+
+    def keys(self) -> list[str]:
+        return sorted(self.entries)
+
+    def header(self, key: str) -> MemberHeader:
+        return read_member_header(self.zf, self.entries[key], self.path)
+
+    def data_chunks(self, key: str, header: MemberHeader) -> Iterator[bytes]:
+        return iter_data_chunks(self.zf, self.entries[key], header, f"{self.path}[{key}]")
+
+
+class _NpyFile:
+    """One open ``.npy`` file, which must be exactly its header and its data.
+
+    np.load ignores bytes after the data; they are refused here, as in an NPZ
+    member, so that a ``.npy`` file converts exactly as the NPZ holding it would.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fp = _open_npy(path)
+
+    def __enter__(self) -> _NpyFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.fp.close()
+
+    def header(self, key: str) -> MemberHeader:
+        file_nbytes = os.fstat(self.fp.fileno()).st_size
+        if file_nbytes == 0:
+            raise SourceError(f"{self.path}: empty file (0 bytes), not a .npy array")
+        with _read_errors(self.path):
+            self.fp.seek(0)
+            header = parse_npy_header(self.fp, key, self.path)
+        declared = header.header_nbytes + header.nbytes
+        if declared > file_nbytes:
+            raise SourceError(
+                f"{self.path}: header declares {header.nbytes} data bytes but the file holds "
+                f"{file_nbytes - header.header_nbytes}"
+            )
+        if declared < file_nbytes:
+            raise SourceError(
+                f"{self.path}: {file_nbytes - declared} bytes follow the {header.nbytes} data bytes its "
+                f"header declares; np.load would ignore them, npz2mmap does not: truncate the file to "
+                f"{declared} bytes or save the array again"
+            )
+        return header
+
+    def data_chunks(self, header: MemberHeader) -> Iterator[bytes]:
+        with _read_errors(self.path):
+            self.fp.seek(header.header_nbytes)
+            remaining = header.nbytes
+            while remaining:
+                chunk = self.fp.read(min(CHUNK_NBYTES, remaining))
+                if not chunk:
+                    raise SourceError(f"{self.path}: ends {remaining} bytes early (changed since scanned?)")
+                remaining -= len(chunk)
+                yield chunk
+            if self.fp.read(1):
+                raise SourceError(f"{self.path}: holds more bytes than its header declares")
+
+
+class _OneArray:
+    """A ``.npy`` file as a source: one key, ``arr_0``."""
+
+    def __init__(self, npy: _NpyFile) -> None:
+        self.npy = npy
+
+    def keys(self) -> list[str]:
+        return [NPY_FILE_KEY]
+
+    def header(self, key: str) -> MemberHeader:
+        return self.npy.header(key)
+
+    def data_chunks(self, key: str, header: MemberHeader) -> Iterator[bytes]:
+        return self.npy.data_chunks(header)
+
+
+class _SampleDir:
+    """A directory whose ``NAME.npy`` files are the fields of one sample, opened on first use."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.files = sample_dir_files(path)
+        self.opened: dict[str, _NpyFile] = {}
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> _SampleDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
+
+    def keys(self) -> list[str]:
+        return sorted(self.files)
+
+    def header(self, key: str) -> MemberHeader:
+        return self._file(key).header(key)
+
+    def data_chunks(self, key: str, header: MemberHeader) -> Iterator[bytes]:
+        return self._file(key).data_chunks(header)
+
+    def _file(self, key: str) -> _NpyFile:
+        if key not in self.opened:
+            self.opened[key] = self.stack.enter_context(_NpyFile(self.files[key]))
+        return self.opened[key]
+
+
+def sample_dir_files(path: str) -> dict[str, str]:
+    """Field name -> path of each ``*.npy`` entry directly in ``path``; SourceError if none."""
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot list directory ({exc.strerror})") from None
+    files: dict[str, str] = {}
+    for entry in entries:
+        if is_npy_path(entry.name) and not _is_dir(entry):
+            key = entry.name[: -len(NPY_SUFFIX)]
+            if key in files:
+                raise SourceError(f"{path}: field {key!r} appears twice ({entry.name})")
+            files[key] = entry.path
+    if not files:
+        raise SourceError(f"{path}: holds no .npy files; not a sample directory")
+    return files
+
+
+def holds_npy_files(entries: Sequence[os.DirEntry[str]]) -> bool:
+    """Whether a directory with these entries is a sample directory."""
+    return any(is_npy_path(e.name) and not _is_dir(e) for e in entries)
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def _open_npy(path: str) -> BinaryIO:
+    """Open without blocking; a pipe, device, directory or broken link in its place is refused."""
+    try:
+        return os.fdopen(fsutil.open_regular(path), "rb")
+    except fsutil.NotRegularFile as exc:
+        raise SourceError(f"{path}: {exc}") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ELOOP) and os.path.lexists(path):
+            raise SourceError(f"{path}: {fsutil.describe_kind(path)}, not a regular file") from None
+        raise SourceError(f"{path}: cannot open ({exc.strerror or exc})") from None
+
+
+@contextlib.contextmanager
+def _read_errors(path: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot read ({exc.strerror or exc})") from None
