@@ -346,3 +346,15 @@ def test_verify_sources_finds_an_edited_npy(tmp_path, sample_dirs) -> None:
     field = "x" if sample_dirs else "arr_0"
     assert report.problems == [f"sample 1 ({source}): field {field!r}: values differ from the source"]
     assert report.bad_samples == {"sources": [1]}
+
+
+def test_sample_directories_count_their_npy_files_as_the_sources_size(tmp_path) -> None:
+    """The 'much larger than its sources' note compares with the .npy files, not the directory entries."""
+    for k in range(2):
+        save_npy(tmp_path / "src" / f"s{k}" / "x.npy", np.zeros((100, 100)))
+        (tmp_path / "src" / f"s{k}" / "notes.txt").write_text("ignored\n" * 10)
+    result = convert(
+        [tmp_path / "src"], tmp_path / "out", sample_dirs=True, workers=1, progress=SilentProgress()
+    )
+    expected = sum((tmp_path / "src" / f"s{k}" / "x.npy").stat().st_size for k in range(2))
+    assert result.sources_nbytes == expected
