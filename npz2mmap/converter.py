@@ -65,7 +65,7 @@ def convert(
     """
     started = time.perf_counter()
     out = os.fspath(out_dir)
-    _check_align(align)
+    check_align(align)
     publish.check_output(out, overwrite)
     sources = select_part(discover_sources(inputs), part)
     progress = progress or SilentProgress()
@@ -76,11 +76,11 @@ def convert(
         worker_map(workers or os.cpu_count() or 1, len(sources), close_in_workers=(lock_fd,)) as imap,
     ):
         scan_one = functools.partial(_scan_source, keys=tuple(keys) if keys else None, skip_bad=skip_bad)
-        space = _free_nbytes(out)
+        space = free_nbytes(out)
         plan = _scan(
-            sources, scan_one, _parse_casts(casts), align, imap, progress, skipped, rows, space, part
+            sources, scan_one, parse_casts(casts), align, imap, progress, skipped, rows, space, part
         )
-        staging = _make_staging_dir(out)
+        staging = make_staging_dir(out)
         try:
             plan, index = _copy(plan, sources, staging, imap, progress, skip_bad, skipped, part)
             publish.publish(staging, out, overwrite)
@@ -95,10 +95,16 @@ def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
     """The i-th of n contiguous slices of the sources; empty when there are fewer sources than parts."""
     if part is None:
         return sources
+    i, n = check_part(part)
+    return sources[len(sources) * i // n : len(sources) * (i + 1) // n]
+
+
+def check_part(part: tuple[int, int]) -> tuple[int, int]:
+    """``part`` itself; ValueError unless it is (i, n) with 0 <= i < n."""
     i, n = part
     if not 0 <= i < n:
         raise ValueError(f"part {i}/{n} does not exist: i must be from 0 to {n - 1}")
-    return sources[len(sources) * i // n : len(sources) * (i + 1) // n]
+    return part
 
 
 def part_from_environment(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
@@ -120,6 +126,12 @@ def part_from_environment(environ: Mapping[str, str] | None = None) -> tuple[int
     )
 
 
+def part_directory(out_dir: str, part: tuple[int, int]) -> str:
+    """Where part I goes: OUT with {part} replaced, else OUT/part-IIIII."""
+    label = f"{part[0]:05d}"
+    return out_dir.replace("{part}", label) if "{part}" in out_dir else os.path.join(out_dir, f"part-{label}")
+
+
 def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[str]]) -> None:
     """OUT inside an input directory would be walked by the next conversion of it."""
     real_out = os.path.realpath(out)
@@ -130,7 +142,7 @@ def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[st
             raise OutputError(f"{out}: is inside the input directory {path}; write the dataset elsewhere")
 
 
-def _free_nbytes(out: str) -> int | None:
+def free_nbytes(out: str) -> int | None:
     """Bytes free on the file system that will hold OUT, or None where unknown."""
     try:
         return shutil.disk_usage(os.path.dirname(os.path.abspath(out))).free
@@ -138,19 +150,22 @@ def _free_nbytes(out: str) -> int | None:
         return None
 
 
-def _make_staging_dir(out: str) -> str:
+def make_staging_dir(out: str) -> str:
+    """A hidden directory beside OUT (see publish.make_staging_dir); OutputError if it cannot be made."""
     try:
         return publish.make_staging_dir(out)
     except OSError as exc:
         raise OutputError(f"{out}: cannot create the output beside it ({exc.strerror or exc})") from exc
 
 
-def _check_align(align: int) -> None:
+def check_align(align: int) -> None:
+    """ValueError unless ``align`` is a power of two from MIN_ALIGN to MAX_ALIGN."""
     if not MIN_ALIGN <= align <= MAX_ALIGN or align & (align - 1):
         raise ValueError(f"align must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, got {align}")
 
 
-def _parse_casts(casts: Mapping[str, np.dtype | str] | None) -> dict[str, np.dtype]:
+def parse_casts(casts: Mapping[str, np.dtype | str] | None) -> dict[str, np.dtype]:
+    """``casts`` with every value a dtype (see cast_dtype)."""
     return {key: cast_dtype(value) for key, value in (casts or {}).items()}
 
 
