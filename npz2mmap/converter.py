@@ -77,9 +77,7 @@ def convert(
     ):
         scan_one = functools.partial(_scan_source, keys=tuple(keys) if keys else None, skip_bad=skip_bad)
         space = free_nbytes(out)
-        plan = _scan(
-            sources, scan_one, parse_casts(casts), align, imap, progress, skipped, rows, space, part
-        )
+        plan = _scan(sources, scan_one, parse_casts(casts), align, imap, progress, skipped, rows, space, part)
         staging = make_staging_dir(out)
         try:
             plan, index = _copy(plan, sources, staging, imap, progress, skip_bad, skipped, part)
