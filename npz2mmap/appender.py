@@ -67,7 +67,9 @@ class Writer:
     exception in the ``with`` block, or ``abort()``, removes everything
     written. Memory stays bounded (a few compact numbers per sample); disk
     needs about twice the dataset's size while closing (the spooled fields
-    and the blob they are copied into). Not thread-safe.
+    and the blob they are copied into). A writer never closed is discarded
+    like ``abort()`` when it is collected or the interpreter exits (not in a
+    forked child). Not thread-safe.
 
     Raises OutputError when OUT exists (without ``overwrite``), is being
     written by another process, or cannot be written; ValueError for a bad
@@ -91,7 +93,7 @@ class Writer:
         self._overwrite = overwrite
         publish.check_output(self.out_dir, overwrite)
         self._stack = contextlib.ExitStack()
-        self._finalizer = weakref.finalize(self, self._stack.close)
+        self._finalizer = weakref.finalize(self, _discard_in_owner, self._stack, os.getpid())
         try:
             self._stack.enter_context(publish.output_lock(self.out_dir))
             self._spool_dir = make_staging_dir(self.out_dir)
@@ -217,6 +219,12 @@ class Writer:
                 os.unlink(spool.path)
         finally:
             os.close(fd)
+
+
+def _discard_in_owner(stack: contextlib.ExitStack, owner_pid: int) -> None:
+    """Remove the spools and release the lock, unless this is a forked copy of the writer's process."""
+    if os.getpid() == owner_pid:
+        stack.close()
 
 
 def _resolve_part(part: tuple[int, int] | Literal["auto"] | None) -> tuple[int, int] | None:

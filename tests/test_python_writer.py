@@ -10,6 +10,7 @@ parts.
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import signal
@@ -280,6 +281,25 @@ def test_nothing_is_at_out_before_close_and_abort_removes_everything(tmp_path) -
     assert os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match="the Writer is closed"):
         w.append({"x": np.arange(3)})
+
+
+def test_a_writer_dropped_unclosed_is_discarded_but_not_by_a_forked_child(tmp_path) -> None:
+    w = npz2mmap.Writer(tmp_path / "forked")
+    w.append({"x": np.arange(3)})
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker, say, that lets its copy of the writer go
+        del w
+        gc.collect()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    w.append({"x": np.arange(3)})
+    w.close()
+    assert len(DatasetReader(tmp_path / "forked")) == 2
+    dropped = npz2mmap.Writer(tmp_path / "dropped")
+    dropped.append({"x": np.arange(3)})
+    del dropped
+    gc.collect()
+    assert sorted(os.listdir(tmp_path)) == ["forked"]
 
 
 def test_overwrite_replaces_only_at_close_and_existing_out_needs_it(tmp_path) -> None:
