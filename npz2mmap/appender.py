@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import os
+import warnings
 import weakref
 import zlib
 from array import array
@@ -129,7 +130,9 @@ class Writer:
             raise TypeError(f"source must be a str or a path, not {type(source).__name__}")
         line = self._names.line(name, f"sample {self.num_samples}")
         label = f"sample {self.num_samples}" + (f" ({name})" if name else "")
-        arrays = {_field_name(key): _as_array(value, f"{label}[{key}]") for key, value in sample.items()}
+        arrays = {
+            _field_name(key, label): _as_array(value, f"{label}[{key}]") for key, value in sample.items()
+        }
         pending = self._builder.check(label, {key: _header(key, a) for key, a in arrays.items()})
         spools = [self._spool(key) for key in pending.collectors]
         marks = [spool.nbytes for spool in (*spools, self._names.spool)]
@@ -235,9 +238,15 @@ def _resolve_part(part: tuple[int, int] | Literal["auto"] | None) -> tuple[int, 
     return check_part((int(part[0]), int(part[1])))
 
 
-def _field_name(key: object) -> str:
+def _field_name(key: object, label: str) -> str:
     if not isinstance(key, str):
         raise TypeError(f"field names are str, not {type(key).__name__} ({key!r})")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SourceError(
+            f"{label}: field name {key!r} is not valid text (it holds a lone surrogate)"
+        ) from None
     return key
 
 
@@ -254,7 +263,17 @@ def _as_array(value: object, where: str) -> np.ndarray:
         )
     if result.dtype.itemsize == 0:
         raise SourceError(f"{where}: dtype {result.dtype} has no size")
-    return result
+    return result.view(_saved_dtype(result.dtype, where))
+
+
+def _saved_dtype(dtype: np.dtype, where: str) -> np.dtype:
+    """The dtype np.load gives back for ``dtype`` after np.save (metadata dropped), as convert sees it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # np.save's warning that it drops metadata
+            return np.lib.format.descr_to_dtype(np.lib.format.dtype_to_descr(dtype))
+    except (TypeError, ValueError, KeyError) as exc:
+        raise SourceError(f"{where}: dtype {dtype} cannot be saved as .npy ({exc})") from None
 
 
 def _header(key: str, value: np.ndarray) -> MemberHeader:

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -125,6 +126,28 @@ def test_record_padding_is_stored_as_it_is_in_memory(tmp_path) -> None:
     assert stored == [swapped[0] + swapped[1], swapped[1] + swapped[0]]
 
 
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        np.dtype("f4", metadata={"unit": "m"}),  # np.save drops metadata, with a warning
+        np.dtype([(("a title", "a"), "<i4"), ("b", ">f8")]),
+        np.dtype([("a", "u1"), ("b", "<i8")], align=True),
+        np.dtype([("a", "<i2", (2, 3)), ("b", [("x", ">u2"), ("y", ">c8")])]),
+    ],
+)
+def test_dtypes_np_save_rewrites_are_stored_as_convert_stores_them(tmp_path, dtype) -> None:
+    value = np.frombuffer(np.random.default_rng(1).bytes(3 * dtype.itemsize), dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = write_npz(tmp_path / "a.npz", x=value)
+    convert([path], tmp_path / "converted", workers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the writer says nothing
+        with npz2mmap.Writer(tmp_path / "written") as w:
+            w.append({"x": value}, source=str(path))
+    assert dataset_files(tmp_path / "written") == dataset_files(tmp_path / "converted")
+
+
 def test_python_scalars_and_lists_go_through_np_asarray(tmp_path) -> None:
     with npz2mmap.Writer(tmp_path / "out") as w:
         w.append({"x": [1.5, 2.5], "n": 3, "s": "ab"})
@@ -200,6 +223,13 @@ def test_what_is_not_a_sample_is_a_type_error(opened) -> None:
         opened.append({1: np.zeros(3)})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match="^source must be a str or a path, not bytes$"):
         opened.append({"x": np.zeros(3, np.float32), "y": 1.0}, source=b"a")  # type: ignore[arg-type]
+
+
+def test_a_field_name_that_is_not_text_is_refused(opened) -> None:
+    with pytest.raises(
+        SourceError, match=r"^sample 1: field name '\\udc80' is not valid text \(it holds a lone surrogate\)$"
+    ):
+        opened.append({"\udc80": 1})
 
 
 def test_a_source_name_too_long_for_sources_jsonl_is_refused(opened) -> None:
