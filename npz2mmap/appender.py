@@ -101,6 +101,9 @@ class Writer:
             self._stack.callback(publish.remove_staging, self._spool_dir)
             self._names = _SourceNames(os.path.join(self._spool_dir, "sources"))
             self._stack.callback(self._names.spool.close)
+        except OSError as exc:
+            self._finalizer()
+            raise self._spool_error(exc) from exc
         except BaseException:
             self._finalizer()
             raise
@@ -134,7 +137,10 @@ class Writer:
             _field_name(key, label): _as_array(value, f"{label}[{key}]") for key, value in sample.items()
         }
         pending = self._builder.check(label, {key: _header(key, a) for key, a in arrays.items()})
-        spools = [self._spool(key) for key in pending.collectors]
+        try:
+            spools = [self._spool(key) for key in pending.collectors]
+        except OSError as exc:
+            raise self._spool_error(exc) from exc
         marks = [spool.nbytes for spool in (*spools, self._names.spool)]
         try:
             crc32s = [
@@ -142,9 +148,11 @@ class Writer:
                 for key, spool in zip(pending.collectors, spools, strict=True)
             ]
             self._names.spool.write(line)
-        except BaseException:
+        except BaseException as exc:
             for spool, mark in zip((*spools, self._names.spool), marks, strict=True):
                 spool.truncate(mark)
+            if isinstance(exc, OSError):
+                raise self._spool_error(exc) from exc
             raise
         self._builder.record(pending)
         self._names.record(self._names.spool.nbytes)
@@ -182,6 +190,9 @@ class Writer:
             self.close()
         else:
             self.abort()
+
+    def _spool_error(self, exc: OSError) -> OutputError:
+        return OutputError(f"{self.out_dir}: cannot write the samples beside it ({exc.strerror or exc})")
 
     def _check_open(self) -> None:
         if self._closed:

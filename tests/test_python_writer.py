@@ -257,6 +257,29 @@ def test_a_sample_refused_halfway_leaves_the_writer_as_it_was(tmp_path) -> None:
     assert dataset_files(tmp_path / "written") == dataset_files(tmp_path / "converted")
 
 
+def test_a_full_disk_while_appending_is_an_output_error_and_the_writer_stays_usable(
+    tmp_path, monkeypatch
+) -> None:
+    real_write_all_at = fsutil.write_all_at
+
+    def full_disk(fd: int, data: object, offset: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with npz2mmap.Writer(tmp_path / "out") as w:
+        w.append({"x": np.arange(3)})
+        monkeypatch.setattr(fsutil, "write_all_at", full_disk)
+        with pytest.raises(
+            OutputError, match=r": cannot write the samples beside it \(No space left on device\)$"
+        ):
+            w.append({"x": np.arange(1 << 20)})  # more than a spool buffer: written at once
+        monkeypatch.setattr(fsutil, "write_all_at", real_write_all_at)
+        w.append({"x": np.arange(4)})
+    assert [DatasetReader(tmp_path / "out").view("x", i).tolist() for i in range(2)] == [
+        [0, 1, 2],
+        [0, 1, 2, 3],
+    ]
+
+
 def test_an_empty_writer_writes_nothing_and_says_so(tmp_path) -> None:
     out = tmp_path / "out"
     w = npz2mmap.Writer(out)
