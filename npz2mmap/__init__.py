@@ -19,6 +19,7 @@ __all__ = [
     "MmapLoader",
     "Npz2mmapError",
     "PaddedCollate",
+    "Writer",
     "collate",
     "convert",
     "__version__",
@@ -32,11 +33,13 @@ _LAZY = {
     "MmapLoader": "loader",
     "Npz2mmapError": "errors",
     "PaddedCollate": "padding",
+    "Writer": "appender",
     "collate": "dataset",
     "convert": "converter",
 }
 
 if TYPE_CHECKING:
+    from .appender import Writer
     from .converter import convert
     from .dataset import MmapDataset, collate
     from .errors import Npz2mmapError

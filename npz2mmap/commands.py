@@ -24,7 +24,7 @@ from click.core import ParameterSource
 
 from . import __version__
 from .cache import warm as warm_dataset
-from .converter import cast_dtype, part_from_environment
+from .converter import cast_dtype, part_directory, part_from_environment
 from .converter import convert as convert_files
 from .errors import Npz2mmapError
 from .merge import merge as merge_parts
@@ -323,12 +323,6 @@ def _parse_part(ctx: click.Context, param: click.Parameter, value: str | None) -
         return part
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
-
-
-def part_directory(out_dir: str, part: tuple[int, int]) -> str:
-    """Where part I goes: OUT with {part} replaced, else OUT/part-IIIII."""
-    label = f"{part[0]:05d}"
-    return out_dir.replace("{part}", label) if "{part}" in out_dir else os.path.join(out_dir, f"part-{label}")
 
 
 def _check_align(ctx: click.Context, param: click.Parameter, value: int) -> int:

@@ -74,7 +74,7 @@ def convert(
     """
     started = time.perf_counter()
     out = os.fspath(out_dir)
-    _check_align(align)
+    check_align(align)
     publish.check_output(out, overwrite)
     sources = select_part(discover_sources(inputs, sample_dirs), part)
     progress = progress or SilentProgress()
@@ -85,19 +85,19 @@ def convert(
         worker_map(workers or os.cpu_count() or 1, len(sources), close_in_workers=(lock_fd,)) as imap,
     ):
         scan_one = functools.partial(_scan_source, keys=tuple(keys) if keys else None, skip_bad=skip_bad)
-        space = _free_nbytes(out)
+        space = free_nbytes(out)
         try:
             plan = _scan(
-                sources, scan_one, _parse_casts(casts), align, imap, progress, skipped, rows, space, part
+                sources, scan_one, parse_casts(casts), align, imap, progress, skipped, rows, space, part
             )
         except MismatchError as exc:
             if sample_dirs or not any(is_npy_path(path) for path in sources):
                 raise
             # .npy files that disagree are often the fields of one sample.
             raise MismatchError(f"{exc} (each directory one sample? use --sample-dirs)") from exc
-        _check_free_space(out, BLOB_HEADER_NBYTES + plan.payload_nbytes, space)
+        check_free_space(out, BLOB_HEADER_NBYTES + plan.payload_nbytes, space)
         sources_nbytes = _total_file_nbytes(plan.sources)
-        staging = _make_staging_dir(out)
+        staging = make_staging_dir(out)
         try:
             plan, index = _copy(plan, sources, staging, imap, progress, skip_bad, skipped, part)
             publish.publish(staging, out, overwrite)
@@ -113,10 +113,16 @@ def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
     """The i-th of n contiguous slices of the sources; empty when there are fewer sources than parts."""
     if part is None:
         return sources
+    i, n = check_part(part)
+    return sources[len(sources) * i // n : len(sources) * (i + 1) // n]
+
+
+def check_part(part: tuple[int, int]) -> tuple[int, int]:
+    """``part`` itself; ValueError unless it is (i, n) with 0 <= i < n."""
     i, n = part
     if not 0 <= i < n:
         raise ValueError(f"part {i}/{n} does not exist: i must be from 0 to {n - 1}")
-    return sources[len(sources) * i // n : len(sources) * (i + 1) // n]
+    return part
 
 
 def part_from_environment(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
@@ -138,6 +144,12 @@ def part_from_environment(environ: Mapping[str, str] | None = None) -> tuple[int
     )
 
 
+def part_directory(out_dir: str, part: tuple[int, int]) -> str:
+    """Where part I goes: OUT with {part} replaced, else OUT/part-IIIII."""
+    label = f"{part[0]:05d}"
+    return out_dir.replace("{part}", label) if "{part}" in out_dir else os.path.join(out_dir, f"part-{label}")
+
+
 def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[str]]) -> None:
     """OUT inside an input directory would be walked by the next conversion of it."""
     real_out = os.path.realpath(out)
@@ -148,7 +160,7 @@ def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[st
             raise OutputError(f"{out}: is inside the input directory {path}; write the dataset elsewhere")
 
 
-def _free_nbytes(out: str) -> int | None:
+def free_nbytes(out: str) -> int | None:
     """Bytes free on the file system that will hold OUT, or None where unknown."""
     try:
         return shutil.disk_usage(os.path.dirname(os.path.abspath(out))).free
@@ -156,7 +168,7 @@ def _free_nbytes(out: str) -> int | None:
         return None
 
 
-def _check_free_space(out: str, blob_nbytes: int, free_nbytes: int | None) -> None:
+def check_free_space(out: str, blob_nbytes: int, free_nbytes: int | None) -> None:
     """Refuse, before anything is written, a blob larger than the space free for it."""
     if free_nbytes is not None and blob_nbytes > free_nbytes:
         raise OutputError(
@@ -182,19 +194,22 @@ def _source_nbytes(path: str) -> int:
         return sum(e.stat().st_size for e in entries if is_npy_path(e.name) and e.is_file())
 
 
-def _make_staging_dir(out: str) -> str:
+def make_staging_dir(out: str) -> str:
+    """A hidden directory beside OUT (see publish.make_staging_dir); OutputError if it cannot be made."""
     try:
         return publish.make_staging_dir(out)
     except OSError as exc:
         raise OutputError(f"{out}: cannot create the output beside it ({exc.strerror or exc})") from exc
 
 
-def _check_align(align: int) -> None:
+def check_align(align: int) -> None:
+    """ValueError unless ``align`` is a power of two from MIN_ALIGN to MAX_ALIGN."""
     if not MIN_ALIGN <= align <= MAX_ALIGN or align & (align - 1):
         raise ValueError(f"align must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, got {align}")
 
 
-def _parse_casts(casts: Mapping[str, np.dtype | str] | None) -> dict[str, np.dtype]:
+def parse_casts(casts: Mapping[str, np.dtype | str] | None) -> dict[str, np.dtype]:
+    """``casts`` with every value a dtype (see cast_dtype)."""
     return {key: cast_dtype(value) for key, value in (casts or {}).items()}
 
 

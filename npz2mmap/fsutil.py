@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 # For tests only: comma-separated facilities to behave as if missing (fcntl,
-# pread, pwrite, posix_fadvise, fallocate, renameat2), read at import so that
+# pread, pwrite, posix_fadvise, fallocate, renameat2, copy_file_range), read at import so that
 # spawned workers, which import afresh, inherit the choice with the environment.
 WITHOUT_ENV = "NPZ2MMAP_WITHOUT"
 _WITHOUT = frozenset(os.environ.get(WITHOUT_ENV, "").split(","))
@@ -46,6 +46,7 @@ msvcrt = _import("msvcrt")  # only on Windows
 pread = _os_function("pread")  # not on Windows
 pwrite = _os_function("pwrite")  # not on Windows
 posix_fadvise = _os_function("posix_fadvise")  # not on macOS or Windows
+copy_file_range = _os_function("copy_file_range")  # Linux only
 
 _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 # Opening a FIFO blocks until a writer comes; O_NONBLOCK returns at once, and
@@ -177,6 +178,42 @@ def reserve(fd: int, nbytes: int) -> None:
         if code not in _UNSUPPORTED:
             raise OSError(code, os.strerror(code))
     _write_zeros(fd, nbytes)
+
+
+COPY_CHUNK_NBYTES = 8 << 20
+
+
+def copy_range(src_fd: int, dst_fd: int, nbytes: int, src_offset: int, dst_offset: int) -> None:
+    """Copy ``nbytes`` from ``src_offset`` of one file to ``dst_offset`` of another.
+
+    copy_file_range(2) keeps the bytes in the kernel (or shares extents, on
+    file systems that can); where there is none (macOS, Windows) or the file
+    system refuses it, reads and writes in chunks of COPY_CHUNK_NBYTES.
+    Raises OSError, also when the source ends early.
+    """
+    done = 0
+    if copy_file_range is not None:
+        try:
+            while done < nbytes:
+                count = copy_file_range(
+                    src_fd,
+                    dst_fd,
+                    min(COPY_CHUNK_NBYTES, nbytes - done),
+                    src_offset + done,
+                    dst_offset + done,
+                )
+                if count == 0:
+                    break
+                done += count
+        except OSError as exc:
+            if exc.errno not in _UNSUPPORTED | {errno.EXDEV}:
+                raise
+    while done < nbytes:
+        chunk = read_at(src_fd, min(COPY_CHUNK_NBYTES, nbytes - done), src_offset + done)
+        if not chunk:
+            raise OSError(errno.EIO, f"file ends {nbytes - done} bytes early")
+        write_all_at(dst_fd, chunk, dst_offset + done)
+        done += len(chunk)
 
 
 ZEROS_CHUNK_NBYTES = 8 << 20

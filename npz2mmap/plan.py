@@ -12,8 +12,9 @@ import bisect
 import dataclasses
 import functools
 from array import array
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -64,7 +65,7 @@ class FieldPlan:
 class Plan:
     """The layout; ``sources`` are files, file k holding samples file_starts[k] to file_starts[k+1]."""
 
-    sources: list[str]
+    sources: Sequence[str]
     fields: tuple[FieldPlan, ...]
     align: int
     payload_nbytes: int
@@ -106,7 +107,8 @@ class _FieldCollector:
                 "more than a dataset may hold"
             )
 
-    def add(self, header: MemberHeader, path: str) -> None:
+    def check(self, header: MemberHeader, path: str) -> array[int]:
+        """The dims this member adds (one sample's shape per row); SourceError if it disagrees."""
         where = f"{path}[{header.key}]"
         if self.cast is not None:
             if not can_cast(header.dtype, self.dtype):
@@ -125,7 +127,7 @@ class _FieldCollector:
                 f"{where}: {len(header.shape)}-d array {header.shape} differs from the "
                 f"{self.ndim + self.rows}-d {what} in {self.first_path}"
             )
-        self.dims.extend(array("q", sample_shape) * (header.shape[0] if self.rows else 1))
+        return array("q", sample_shape) * (header.shape[0] if self.rows else 1)
 
     def shapes(self, num_samples: int) -> NDArray[np.int64]:
         return np.frombuffer(self.dims, dtype=np.int64).reshape(num_samples, self.ndim)
@@ -147,46 +149,123 @@ def build_plan(
     """Check that the sources agree and lay out the payload.
 
     ``scanned`` yields, for each source in order, its path and its members'
-    headers (the selected keys only); ``casts`` maps keys to the dtype they are
-    stored as. With ``rows``, every array of a file shares its first dimension,
-    which indexes samples. Raises SourceError naming the first file that
-    differs, or the file whose rows would need more per-sample tables than
-    ``max_payload_nbytes`` (the space free for the output) can hold. With no
+    headers (the selected keys only); see PlanBuilder for the rest. With no
     usable source at all, plans an empty dataset if ``allow_empty``, else raises.
     """
-    casts = dict(casts or {})
-    collectors: dict[str, _FieldCollector] = {}
+    builder = PlanBuilder(align, casts, rows, max_payload_nbytes)
     sources: list[str] = []
-    counts: array[int] = array("q")
-    num_samples = 0
     for path, members in scanned:
-        count = _count_rows(path, members) if rows else 1
-        num_samples += count
-        if num_samples > MAX_NUM_SAMPLES:
-            raise SourceError(f"{path}: brings the dataset past {MAX_NUM_SAMPLES} samples")
-        _check_table_space(path, count, num_samples, len(members), max_payload_nbytes)
-        counts.append(count)
-        if not sources:
-            collectors = {
-                key: _FieldCollector(members[key], path, casts.get(key), rows) for key in sorted(members)
-            }
-            unknown = sorted(set(casts) - set(collectors))
-            if unknown:
-                raise SourceError(f"{path}: --cast names key(s) {', '.join(unknown)} that are not converted")
-        elif members.keys() != collectors.keys():
-            raise MismatchError(_describe_key_mismatch(path, sorted(members), sorted(collectors), sources[0]))
-        for key, collector in collectors.items():
-            collector.add(members[key], path)
+        builder.add(path, members)
         sources.append(path)
-    if not sources:
-        return _nothing_usable(align, "rows" if rows else "files", allow_empty)
-    if not collectors:
-        raise SourceError(f"{sources[0]}: holds no arrays")
-    starts = np.concatenate([[0], np.cumsum(np.frombuffer(counts, dtype=np.int64))]).astype(np.int64)
-    fields = [
-        (name, c.dtype, c.shapes(int(starts[-1])), c.cast is not None) for name, c in collectors.items()
-    ]
-    return lay_out(sources, fields, align, starts, "rows" if rows else "files")
+    return builder.finish(sources, allow_empty)
+
+
+class PendingSource(NamedTuple):
+    """A source checked against those before it, not yet recorded."""
+
+    source: str
+    collectors: dict[str, _FieldCollector]
+    dims: tuple[array[int], ...]  # per field, in the collectors' order
+    num_rows: int  # samples the source holds
+
+    def stored_dtype(self, key: str) -> np.dtype:
+        return self.collectors[key].dtype
+
+
+class PlanBuilder:
+    """Checks sources one at a time, in sample order, and plans the layout at the end.
+
+    The one home of the agreement rules (the same keys, dtypes and ndim in
+    every source; casts; sample and size limits) for the converter, which
+    adds scanned headers, and the Python Writer, which adds appended arrays.
+    ``casts`` maps keys to the dtype they are stored as. With ``rows``, every
+    array of a source shares its first dimension, which indexes samples.
+    ``max_payload_nbytes`` (the space free for the output) bounds the
+    per-sample tables. Only compact per-sample arrays are kept, no names.
+    """
+
+    def __init__(
+        self,
+        align: int,
+        casts: Mapping[str, np.dtype] | None = None,
+        rows: bool = False,
+        max_payload_nbytes: int | None = None,
+    ) -> None:
+        self.align = align
+        self.casts = dict(casts or {})
+        self.rows = rows
+        self.max_payload_nbytes = max_payload_nbytes
+        self.collectors: dict[str, _FieldCollector] = {}
+        self.counts: array[int] = array("q")
+        self.num_samples = 0
+        self.first_source = ""
+
+    @property
+    def num_sources(self) -> int:
+        return len(self.counts)
+
+    def add(self, source: str, members: Mapping[str, MemberHeader]) -> None:
+        """Check one source (``source`` names it in messages) and record it."""
+        self.record(self.check(source, members))
+
+    def check(self, source: str, members: Mapping[str, MemberHeader]) -> PendingSource:
+        """Check one source against those before it without recording it.
+
+        Raises SourceError naming ``source`` (and the key) when it differs
+        from the first source, or would take the dataset past its limits.
+        """
+        count = _count_rows(source, members) if self.rows else 1
+        num_samples = self.num_samples + count
+        if num_samples > MAX_NUM_SAMPLES:
+            raise SourceError(f"{source}: brings the dataset past {MAX_NUM_SAMPLES} samples")
+        _check_table_space(source, count, num_samples, len(members), self.max_payload_nbytes)
+        if not self.counts and not members:
+            raise SourceError(f"{source}: holds no arrays")
+        collectors = self.collectors if self.counts else self._first_collectors(source, members)
+        if members.keys() != collectors.keys():
+            raise MismatchError(
+                _describe_key_mismatch(source, sorted(members), sorted(collectors), self.first_source)
+            )
+        dims = tuple(collector.check(members[key], source) for key, collector in collectors.items())
+        return PendingSource(source, collectors, dims, count)
+
+    def _first_collectors(
+        self, source: str, members: Mapping[str, MemberHeader]
+    ) -> dict[str, _FieldCollector]:
+        collectors = {
+            key: _FieldCollector(members[key], source, self.casts.get(key), self.rows)
+            for key in sorted(members)
+        }
+        unknown = sorted(set(self.casts) - set(collectors))
+        if unknown:
+            raise SourceError(f"{source}: --cast names key(s) {', '.join(unknown)} that are not converted")
+        return collectors
+
+    def record(self, pending: PendingSource) -> None:
+        """Record a source ``check`` accepted; nothing here can fail."""
+        if not self.counts:
+            self.collectors = pending.collectors
+            self.first_source = pending.source
+        for collector, dims in zip(self.collectors.values(), pending.dims, strict=True):
+            collector.dims.extend(dims)
+        self.counts.append(pending.num_rows)
+        self.num_samples += pending.num_rows
+
+    def finish(self, sources: Sequence[str], allow_empty: bool = False) -> Plan:
+        """Lay out the sources recorded, named in ``sources`` (what sources.jsonl lists).
+
+        With none recorded, plans an empty dataset if ``allow_empty``, else raises SourceError.
+        """
+        mode = "rows" if self.rows else "files"
+        if not self.counts:
+            return _nothing_usable(self.align, mode, allow_empty)
+        starts = np.zeros(len(self.counts) + 1, dtype=np.int64)
+        np.cumsum(np.frombuffer(self.counts, dtype=np.int64), out=starts[1:])
+        fields = [
+            (name, c.dtype, c.shapes(self.num_samples), c.cast is not None)
+            for name, c in self.collectors.items()
+        ]
+        return lay_out(sources, fields, self.align, starts, mode)
 
 
 def _check_table_space(
@@ -256,7 +335,7 @@ FieldShapes = tuple[str, np.dtype, NDArray[np.int64], bool]  # name, stored dtyp
 
 
 def lay_out(
-    sources: list[str],
+    sources: Sequence[str],
     fields: list[FieldShapes],
     align: int,
     file_starts: NDArray[np.int64] | None = None,
@@ -280,7 +359,7 @@ def lay_out(
     return Plan(sources, tuple(placed), align, allocate.cursor, file_starts, mode)
 
 
-def _file_of_sample(sources: list[str], file_starts: NDArray[np.int64], sample: int) -> str:
+def _file_of_sample(sources: Sequence[str], file_starts: NDArray[np.int64], sample: int) -> str:
     return sources[int(np.searchsorted(file_starts, sample, side="right")) - 1]
 
 

@@ -1,0 +1,407 @@
+"""Writing a dataset straight from Python: samples appended one by one, stored as convert stores them.
+
+Each ``append`` is checked at once by the converter's PlanBuilder (same keys,
+dtypes and ndim as the first sample; casts; limits), and each field's stored
+bytes (C order, every value little-endian, record padding as in memory, a
+cast checked value by value: ``elements.stored_pieces``) stream to a spool
+file of that field beside OUT, so memory holds only compact per-sample tables.
+``close`` lays the payload out with the converter's planner, copies each spool
+into its field's region of a blob made by the converter's writer, writes the
+tables, provenance and index the same way and publishes atomically: the
+directory is byte-identical to ``convert`` of NPZ files holding the same arrays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import warnings
+import weakref
+import zlib
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Literal, overload
+
+import numpy as np
+
+from . import fsutil, publish, writer
+from .converter import (
+    check_align,
+    check_free_space,
+    check_part,
+    free_nbytes,
+    make_staging_dir,
+    parse_casts,
+    part_directory,
+    part_from_environment,
+)
+from .elements import Piece, stored_pieces
+from .errors import OutputError, SourceError
+from .npzfile import CHUNK_NBYTES, MemberHeader
+from .plan import Plan, PlanBuilder
+from .provenance import MAX_LINE_NBYTES
+from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN
+
+SPOOL_BUFFER_NBYTES = 1 << 20
+
+
+class Writer:
+    """Write a dataset at ``out_dir`` from samples appended in Python, like ``convert`` of NPZ files.
+
+    ::
+
+        with npz2mmap.Writer("data.mmap") as w:
+            for x, y in items:
+                w.append({"x": x, "y": y})
+
+    Each sample is a dict of field name to array (numpy arrays and scalars;
+    anything else goes through ``np.asarray``). ``casts``, ``align`` and
+    ``overwrite`` are ``convert``'s. With ``part=(i, n)``, or ``"auto"`` (from
+    torchrun's or Slurm's environment), the dataset is part i of n and goes to
+    OUT/part-IIIII (or OUT with ``{part}`` replaced), as ``convert --part``
+    does; a part may hold no samples, and ``npz2mmap merge`` joins the parts.
+
+    Nothing appears at OUT before ``close`` succeeds; until then the output
+    lock is held, so no other writer or conversion to OUT can run. An
+    exception in the ``with`` block, or ``abort()``, removes everything
+    written. Memory stays bounded (a few compact numbers per sample); disk
+    needs about twice the dataset's size while closing (the spooled fields
+    and the blob they are copied into). A writer never closed is discarded
+    like ``abort()`` when it is collected or the interpreter exits (not in a
+    forked child). Not thread-safe.
+
+    Raises OutputError when OUT exists (without ``overwrite``), is being
+    written by another process, or cannot be written; ValueError for a bad
+    ``align``, ``casts`` or ``part``.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike[str],
+        *,
+        casts: Mapping[str, np.dtype | str] | None = None,
+        align: int = MIN_ALIGN,
+        overwrite: bool = False,
+        part: tuple[int, int] | Literal["auto"] | None = None,
+    ) -> None:
+        check_align(align)
+        parsed_casts = parse_casts(casts)
+        self.part = _resolve_part(part)
+        out = os.fspath(out_dir)
+        self.out_dir = out if self.part is None else part_directory(out, self.part)
+        self._overwrite = overwrite
+        publish.check_output(self.out_dir, overwrite)
+        self._stack = contextlib.ExitStack()
+        self._finalizer = weakref.finalize(self, _discard_in_owner, self._stack, os.getpid())
+        try:
+            self._stack.enter_context(publish.output_lock(self.out_dir))
+            self._spool_dir = make_staging_dir(self.out_dir)
+            self._stack.callback(publish.remove_staging, self._spool_dir)
+            self._names = _SourceNames(os.path.join(self._spool_dir, "sources"))
+            self._stack.callback(self._names.spool.close)
+        except OSError as exc:
+            self._finalizer()
+            raise self._spool_error(exc) from exc
+        except BaseException:
+            self._finalizer()
+            raise
+        self._builder = PlanBuilder(align, parsed_casts, max_payload_nbytes=free_nbytes(self.out_dir))
+        self._spools: dict[str, _Spool] = {}
+        self._crc32s: list[array[int]] = []  # per field, one CRC-32 per sample
+        self._closed = False
+
+    @property
+    def num_samples(self) -> int:
+        """Samples appended so far."""
+        return self._builder.num_samples
+
+    def append(self, sample: Mapping[str, Any], source: str | os.PathLike[str] | None = None) -> None:
+        """Add one sample; ``source`` names where it came from in sources.jsonl (empty when None).
+
+        Raises SourceError naming the sample (and its source) when it differs
+        from the first sample in keys, dtype or ndim, holds objects, or a cast
+        would change a value; TypeError for a sample that is not a dict. A
+        refused sample leaves the writer as it was, usable.
+        """
+        self._check_open()
+        if not isinstance(sample, Mapping):
+            raise TypeError(f"a sample is a dict of field name to array, not {type(sample).__name__}")
+        name = "" if source is None else os.fspath(source)
+        if not isinstance(name, str):
+            raise TypeError(f"source must be a str or a path, not {type(source).__name__}")
+        line = self._names.line(name, f"sample {self.num_samples}")
+        label = f"sample {self.num_samples}" + (f" ({name})" if name else "")
+        arrays = {
+            _field_name(key, label): _as_array(value, f"{label}[{key}]") for key, value in sample.items()
+        }
+        pending = self._builder.check(label, {key: _header(key, a) for key, a in arrays.items()})
+        try:
+            spools = [self._spool(key) for key in pending.collectors]
+        except OSError as exc:
+            raise self._spool_error(exc) from exc
+        marks = [spool.nbytes for spool in (*spools, self._names.spool)]
+        try:
+            crc32s = [
+                spool.write_stored(arrays[key], pending.stored_dtype(key), f"{label}[{key}]")
+                for key, spool in zip(pending.collectors, spools, strict=True)
+            ]
+            self._names.spool.write(line)
+        except BaseException as exc:
+            for spool, mark in zip((*spools, self._names.spool), marks, strict=True):
+                spool.truncate(mark)
+            if isinstance(exc, OSError):
+                raise self._spool_error(exc) from exc
+            raise
+        self._builder.record(pending)
+        self._names.record(self._names.spool.nbytes)
+        self._crc32s = self._crc32s or [array("I") for _ in crc32s]
+        for table, crc in zip(self._crc32s, crc32s, strict=True):
+            table.append(crc)
+
+    def close(self) -> None:
+        """Write the dataset and publish it at ``out_dir``; nothing is left behind on error.
+
+        Raises SourceError when no sample was appended (except for a part,
+        which may be empty), OutputError when the dataset cannot be written.
+        Closing a closed writer does nothing.
+        """
+        if self._closed:
+            return
+        try:
+            self._write()
+        finally:
+            self._closed = True
+            self._finalizer()
+
+    def abort(self) -> None:
+        """Discard everything appended; OUT stays as it was."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _spool_error(self, exc: OSError) -> OutputError:
+        return OutputError(f"{self.out_dir}: cannot write the samples beside it ({exc.strerror or exc})")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"{self.out_dir}: the Writer is closed")
+
+    def _spool(self, key: str) -> _Spool:
+        if key not in self._spools:
+            path = os.path.join(self._spool_dir, f"field-{len(self._spools)}")
+            self._spools[key] = spool = _Spool(path)
+            self._stack.callback(spool.close)
+        return self._spools[key]
+
+    def _write(self) -> None:
+        if not self._builder.num_sources and self.part is None:
+            raise SourceError(f"{self.out_dir}: no sample was appended; a dataset needs at least one")
+        plan = self._builder.finish(self._names, allow_empty=True)
+        check_free_space(self.out_dir, BLOB_HEADER_NBYTES + plan.payload_nbytes, free_nbytes(self.out_dir))
+        staging = make_staging_dir(self.out_dir)
+        try:
+            writer.create_blob(staging, plan.payload_nbytes)
+            self._copy_spools(plan, os.path.join(staging, BLOB_NAME))
+            crc32s = [np.frombuffer(table, dtype=np.uint32) for table in self._crc32s]
+            writer.finish_dataset(staging, plan, crc32s, (), self.part)
+            publish.publish(staging, self.out_dir, self._overwrite)
+        except OSError as exc:
+            raise OutputError(f"{self.out_dir}: cannot write the dataset ({exc.strerror or exc})") from exc
+        finally:
+            publish.remove_staging(staging)
+
+    def _copy_spools(self, plan: Plan, blob_path: str) -> None:
+        """Each field's spool into its data region; a spool goes as soon as it is copied."""
+        fd = os.open(blob_path, os.O_WRONLY | fsutil.BINARY)
+        try:
+            for field in plan.fields:
+                spool = self._spools[field.name]
+                spool.flush()
+                fsutil.copy_range(spool.fd, fd, spool.nbytes, 0, BLOB_HEADER_NBYTES + field.data.offset)
+                spool.close()
+                os.unlink(spool.path)
+        finally:
+            os.close(fd)
+
+
+def _discard_in_owner(stack: contextlib.ExitStack, owner_pid: int) -> None:
+    """Remove the spools and release the lock, unless this is a forked copy of the writer's process."""
+    if os.getpid() == owner_pid:
+        stack.close()
+
+
+def _resolve_part(part: tuple[int, int] | Literal["auto"] | None) -> tuple[int, int] | None:
+    if part is None:
+        return None
+    if part == "auto":
+        return part_from_environment()
+    return check_part((int(part[0]), int(part[1])))
+
+
+def _field_name(key: object, label: str) -> str:
+    if not isinstance(key, str):
+        raise TypeError(f"field names are str, not {type(key).__name__} ({key!r})")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SourceError(
+            f"{label}: field name {key!r} is not valid text (it holds a lone surrogate)"
+        ) from None
+    return key
+
+
+def _as_array(value: object, where: str) -> np.ndarray:
+    """``value`` as an ndarray; SourceError for what a dataset cannot store (objects, no size)."""
+    try:
+        result = np.asarray(value)
+    except (ValueError, TypeError) as exc:
+        raise SourceError(f"{where}: not an array: {exc}") from None
+    if result.dtype.hasobject:
+        raise SourceError(
+            f"{where}: dtype {result.dtype} holds Python objects, which a dataset cannot store; "
+            "make it a numeric or fixed-width string array"
+        )
+    if result.dtype.itemsize == 0:
+        raise SourceError(f"{where}: dtype {result.dtype} has no size")
+    return result.view(_saved_dtype(result.dtype, where))
+
+
+def _saved_dtype(dtype: np.dtype, where: str) -> np.dtype:
+    """The dtype np.load gives back for ``dtype`` after np.save (metadata dropped), as convert sees it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # np.save's warning that it drops metadata
+            return np.lib.format.descr_to_dtype(np.lib.format.dtype_to_descr(dtype))
+    except (TypeError, ValueError, KeyError) as exc:
+        raise SourceError(f"{where}: dtype {dtype} cannot be saved as .npy ({exc})") from None
+
+
+def _header(key: str, value: np.ndarray) -> MemberHeader:
+    """What the .npy header of ``value`` saved in C order would declare."""
+    return MemberHeader(key, value.dtype, value.shape, False, 0, value.nbytes)
+
+
+def _c_order_bytes(value: np.ndarray) -> Iterator[Piece]:
+    """The raw bytes of ``value`` in C order, padding as in memory, in pieces of about CHUNK_NBYTES.
+
+    Viewed as opaque items of its itemsize, numpy copies records byte for
+    byte (its structured copies leave padding undefined).
+    """
+    raw = value.view(np.dtype((np.void, value.dtype.itemsize)))
+    if raw.flags.c_contiguous:
+        flat = raw.reshape(-1).view(np.uint8)
+        for start in range(0, len(flat), CHUNK_NBYTES):
+            yield flat[start : start + CHUNK_NBYTES].data
+        return
+    row_nbytes = raw.itemsize * math.prod(raw.shape[1:])
+    if raw.ndim > 1 and row_nbytes > CHUNK_NBYTES:
+        for row in raw:
+            yield from _c_order_bytes(row)
+        return
+    rows_per_piece = max(1, CHUNK_NBYTES // max(1, row_nbytes))
+    for start in range(0, len(raw), rows_per_piece):
+        piece = np.ascontiguousarray(raw[start : start + rows_per_piece])
+        yield piece.reshape(-1).view(np.uint8).data
+
+
+class _Spool:
+    """An append-only file written through a small buffer; the last append can be undone."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | fsutil.BINARY, 0o600)
+        self.flushed = 0  # bytes in the file
+        self.buffer = bytearray()
+
+    @property
+    def nbytes(self) -> int:
+        return self.flushed + len(self.buffer)
+
+    def write(self, piece: Piece) -> None:
+        self.buffer += piece
+        if len(self.buffer) >= SPOOL_BUFFER_NBYTES:
+            self.flush()
+
+    def write_stored(self, value: np.ndarray, stored: np.dtype, where: str) -> int:
+        """Append ``value`` as stored with dtype ``stored``; return the CRC-32 of what was written."""
+        crc = 0
+        header = _header("", value)
+        for piece in stored_pieces(_c_order_bytes(value), header, stored, where):
+            self.write(piece)
+            crc = zlib.crc32(piece, crc)
+        return crc
+
+    def flush(self) -> None:
+        fsutil.write_all_at(self.fd, self.buffer, self.flushed)
+        self.flushed += len(self.buffer)
+        self.buffer.clear()
+
+    def truncate(self, nbytes: int) -> None:
+        """Forget everything after the first ``nbytes``."""
+        if nbytes >= self.flushed:
+            del self.buffer[nbytes - self.flushed :]
+        else:
+            self.buffer.clear()
+            os.ftruncate(self.fd, nbytes)
+            self.flushed = nbytes
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _SourceNames(Sequence[str]):
+    """Every sample's source name, kept as sources.jsonl lines in a spool: 8 bytes of memory each."""
+
+    def __init__(self, path: str) -> None:
+        self.spool = _Spool(path)
+        self.ends: array[int] = array("q")  # where each line ends in the spool
+
+    def line(self, name: str, label: str) -> bytes:
+        """The line ``name`` becomes; SourceError if readers would refuse it as too long."""
+        line = (json.dumps(name) + "\n").encode("utf-8")
+        if len(line) > MAX_LINE_NBYTES:
+            raise SourceError(
+                f"{label}: its source name takes {len(line):,} bytes in sources.jsonl, "
+                f"more than the {MAX_LINE_NBYTES:,} a line may hold"
+            )
+        return line
+
+    def record(self, end: int) -> None:
+        self.ends.append(end)
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    @overload
+    def __getitem__(self, k: int) -> str: ...
+    @overload
+    def __getitem__(self, k: slice) -> Sequence[str]: ...
+    def __getitem__(self, k: int | slice) -> str | Sequence[str]:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        end = self.ends[k]
+        start = self.ends[k - 1] if k % len(self) else 0
+        self.spool.flush()
+        return str(json.loads(fsutil.read_at(self.spool.fd, end - start, start)))
+
+    def __iter__(self) -> Iterator[str]:
+        """In order, reading the spool once."""
+        self.spool.flush()
+        with open(self.spool.path, "rb") as fp:
+            for _ in range(len(self)):
+                yield str(json.loads(fp.readline(MAX_LINE_NBYTES)))

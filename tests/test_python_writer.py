@@ -1,0 +1,600 @@
+"""npz2mmap.Writer: a dataset written from Python is byte for byte the dataset convert writes.
+
+The main oracle appends, for each NPZ file of a random corpus, its arrays
+(read raw, so record padding survives; np.load drops it) with ``source`` set
+to the file, and compares every file of the result with ``convert`` of the
+same files. The rest pins refusals, atomicity, the lock, kill -9, memory and
+parts.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import warnings
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import write_npz, write_samples
+from corpus import Corpus, Options, corpora, load_raw, options_for, write_corpus
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import npz2mmap
+from npz2mmap import fsutil
+from npz2mmap.cli import cli
+from npz2mmap.converter import convert
+from npz2mmap.errors import OutputError, SourceError
+from npz2mmap.merge import merge
+from npz2mmap.reader import DatasetReader
+from npz2mmap.verify import verify
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = int(os.environ.get("NPZ2MMAP_ORACLE_EXAMPLES", "150"))
+
+
+def dataset_files(path: Path) -> dict[str, bytes]:
+    return {entry.name: entry.read_bytes() for entry in sorted(path.iterdir())}
+
+
+def keys_of(path: Path) -> list[str]:
+    with zipfile.ZipFile(path) as zf:
+        return sorted(name.removesuffix(".npy") for name in zf.namelist())
+
+
+def write_from_files(out: Path, paths: list[Path], keys: list[str] | None = None, **options) -> Path:
+    """Append every file's arrays, read raw, with the file as its source."""
+    with npz2mmap.Writer(out, **options) as w:
+        for path in paths:
+            w.append({key: load_raw(path, key) for key in keys or keys_of(path)}, source=str(path))
+    return Path(w.out_dir)
+
+
+# --- the oracle: byte-identical to convert -------------------------------------------
+
+
+@st.composite
+def file_cases(draw: st.DrawFn) -> tuple[Corpus, Options]:
+    """Corpora of one sample per file, every file good (the Writer has no --rows or --skip-bad)."""
+    corpus = draw(corpora().filter(lambda c: not c.rows))
+    corpus.scan_bad, corpus.copy_bad = [], []
+    return corpus, draw(options_for(corpus))
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize="NPZ2MMAP_ORACLE_EXAMPLES" not in os.environ,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(case=file_cases())
+def test_writer_writes_the_bytes_convert_writes_for_any_corpus(tmp_path_factory, case) -> None:
+    corpus, options = case
+    root = tmp_path_factory.mktemp("writer-oracle")
+    paths = [path for path, _ in write_corpus(corpus, root / "src").files]
+    convert(paths, root / "converted", keys=options.keys, casts=options.casts, align=options.align, workers=1)
+    written = write_from_files(
+        root / "written", paths, options.keys, casts=options.casts, align=options.align
+    )
+    assert dataset_files(written) == dataset_files(root / "converted")
+
+
+def test_writer_matches_convert_on_every_layout_np_load_reads_back(tmp_path) -> None:
+    """The brief's own oracle, with np.load: big-endian, Fortran order, 0-d, empty, ragged, cast, align."""
+    rng = np.random.default_rng(3)
+    samples = [
+        {
+            "image": np.asfortranarray(rng.random((3, 4)).astype(">f4")),
+            "tokens": np.arange(i % 3 * 2, dtype=">i8"),  # ragged, the first one empty
+            "label": np.int16(i),
+            "name": np.array(f"s{i}", dtype=">U3"),
+            "empty": np.zeros((0, 2), dtype=np.uint8),
+            "wide": np.float64(i / 4),
+        }
+        for i in range(5)
+    ]
+    paths = write_samples(tmp_path / "src", samples, compressed=True)
+    casts = {"label": "int32", "wide": "float32"}
+    convert(paths, tmp_path / "converted", casts=casts, align=4096, workers=1)
+    with npz2mmap.Writer(tmp_path / "written", casts=casts, align=4096) as w:
+        for path in paths:
+            with np.load(path) as npz:
+                w.append({key: npz[key] for key in npz.files}, source=str(path))
+    assert dataset_files(tmp_path / "written") == dataset_files(tmp_path / "converted")
+    assert verify(tmp_path / "written", sources=True).ok
+
+
+def test_record_padding_is_stored_as_it_is_in_memory(tmp_path) -> None:
+    dtype = np.dtype({"names": ["a", "b"], "formats": ["u1", ">i4"], "offsets": [0, 4], "itemsize": 12})
+    records = np.frombuffer(bytes(range(1, 25)), dtype=dtype)
+    with npz2mmap.Writer(tmp_path / "out") as w:
+        w.append({"r": records})
+        w.append({"r": records[::-1]})  # not contiguous: copied item by item
+    reader = DatasetReader(tmp_path / "out")
+    stored = [reader.view("r", i).tobytes() for i in range(2)]
+    swapped = [
+        bytes([*b[:4], b[7], b[6], b[5], b[4], *b[8:]]) for b in (bytes(range(1, 13)), bytes(range(13, 25)))
+    ]
+    assert stored == [swapped[0] + swapped[1], swapped[1] + swapped[0]]
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        np.dtype("f4", metadata={"unit": "m"}),  # np.save drops metadata, with a warning
+        np.dtype([(("a title", "a"), "<i4"), ("b", ">f8")]),
+        np.dtype([("a", "u1"), ("b", "<i8")], align=True),
+        np.dtype([("a", "<i2", (2, 3)), ("b", [("x", ">u2"), ("y", ">c8")])]),
+    ],
+)
+def test_dtypes_np_save_rewrites_are_stored_as_convert_stores_them(tmp_path, dtype) -> None:
+    value = np.frombuffer(np.random.default_rng(1).bytes(3 * dtype.itemsize), dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = write_npz(tmp_path / "a.npz", x=value)
+    convert([path], tmp_path / "converted", workers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the writer says nothing
+        with npz2mmap.Writer(tmp_path / "written") as w:
+            w.append({"x": value}, source=str(path))
+    assert dataset_files(tmp_path / "written") == dataset_files(tmp_path / "converted")
+
+
+def test_python_scalars_and_lists_go_through_np_asarray(tmp_path) -> None:
+    with npz2mmap.Writer(tmp_path / "out") as w:
+        w.append({"x": [1.5, 2.5], "n": 3, "s": "ab"})
+    reader = DatasetReader(tmp_path / "out")
+    for key, value in {"x": [1.5, 2.5], "n": 3, "s": "ab"}.items():
+        expected = np.asarray(value)
+        assert reader.view(key, 0).dtype == expected.dtype.newbyteorder("<")
+        assert reader.view(key, 0).tobytes() == expected.tobytes()
+
+
+# --- refusals: one line, naming the sample, the writer unchanged -------------------
+
+
+@pytest.fixture
+def opened(tmp_path):
+    w = npz2mmap.Writer(tmp_path / "out", casts={"y": "float32"})
+    w.append({"x": np.zeros(3, np.float32), "y": np.float64(1)}, source="a.npz")
+    yield w
+    w.abort()
+
+
+@pytest.mark.parametrize(
+    ("sample", "message"),
+    [
+        (
+            {"x": np.zeros(3), "y": 1.0},
+            "sample 1 (b.npz)[x]: dtype float64 differs from float32 in sample 0 (a.npz); "
+            "use --cast x=DTYPE to store one dtype",
+        ),
+        (
+            {"x": np.zeros((3, 1), np.float32), "y": 1.0},
+            "sample 1 (b.npz)[x]: 2-d array (3, 1) differs from the 1-d arrays in sample 0 (a.npz)",
+        ),
+        (
+            {"x": np.zeros(3, np.float32), "y": 1.0, "z": 1},
+            "sample 1 (b.npz): keys differ from sample 0 (a.npz) (extra z); select common keys with --keys",
+        ),
+        (
+            {"x": np.zeros(3, np.float32), "y": 0.1},
+            "sample 1 (b.npz)[y]: value 0.1 does not survive the cast to float32: it would be stored as "
+            "0.10000000149011612 (--cast keeps only values that float32 represents exactly)",
+        ),
+        (
+            {"x": np.array([1, "a"], dtype=object), "y": 1.0},
+            "sample 1 (b.npz)[x]: dtype object holds Python objects, which a dataset cannot store; "
+            "make it a numeric or fixed-width string array",
+        ),
+        (
+            {"x": np.zeros(3, np.float32), "y": np.zeros(0, "V0")},
+            "sample 1 (b.npz)[y]: dtype |V0 has no size",
+        ),
+    ],
+)
+def test_a_refused_sample_is_named_in_one_line(opened, sample, message) -> None:
+    with pytest.raises(SourceError) as raised:
+        opened.append(sample, source="b.npz")
+    assert str(raised.value) == message
+
+
+def test_a_first_sample_without_arrays_is_refused(tmp_path) -> None:
+    w = npz2mmap.Writer(tmp_path / "out")
+    with pytest.raises(SourceError, match=r"^sample 0: holds no arrays$"):
+        w.append({})
+    w.append({"x": 1})
+    w.close()
+    assert len(DatasetReader(tmp_path / "out")) == 1
+
+
+def test_what_is_not_a_sample_is_a_type_error(opened) -> None:
+    with pytest.raises(TypeError, match="^a sample is a dict of field name to array, not list$"):
+        opened.append([np.zeros(3, np.float32), 1.0])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^field names are str, not int \(1\)$"):
+        opened.append({1: np.zeros(3)})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="^source must be a str or a path, not bytes$"):
+        opened.append({"x": np.zeros(3, np.float32), "y": 1.0}, source=b"a")  # type: ignore[arg-type]
+
+
+def test_a_field_name_that_is_not_text_is_refused(opened) -> None:
+    with pytest.raises(
+        SourceError, match=r"^sample 1: field name '\\udc80' is not valid text \(it holds a lone surrogate\)$"
+    ):
+        opened.append({"\udc80": 1})
+
+
+def test_a_source_name_too_long_for_sources_jsonl_is_refused(opened) -> None:
+    with pytest.raises(
+        SourceError,
+        match=r"^sample 1: its source name takes 70,003 bytes in sources.jsonl, more than the 65,536 a line may hold$",
+    ):
+        opened.append({"x": np.zeros(3, np.float32), "y": 1.0}, source="x" * 70_000)
+
+
+def test_a_sample_refused_halfway_leaves_the_writer_as_it_was(tmp_path) -> None:
+    """Field "a" is spooled before "b" fails its cast: "a"'s bytes must go, nothing else changes."""
+    good = [{"a": np.arange(4, dtype=np.int16) * i, "b": np.float64(i)} for i in range(3)]
+    paths = write_samples(tmp_path / "src", good)
+    with npz2mmap.Writer(tmp_path / "written", casts={"b": "float32"}) as w:
+        w.append(good[0], source=str(paths[0]))
+        big = np.arange(3_000_000, dtype=np.int16)  # more than a spool buffer: part of it reaches the file
+        for bad in ({"a": big, "b": np.float64(0.1)}, {"a": big}, {"a": big.astype(np.int64), "b": 1.0}):
+            with pytest.raises(SourceError):
+                w.append(bad, source="bad.npz")
+        assert w.num_samples == 1
+        for path, sample in zip(paths[1:], good[1:], strict=True):
+            w.append(sample, source=str(path))
+    convert(paths, tmp_path / "converted", casts={"b": "float32"}, workers=1)
+    assert dataset_files(tmp_path / "written") == dataset_files(tmp_path / "converted")
+
+
+def test_a_full_disk_while_appending_is_an_output_error_and_the_writer_stays_usable(
+    tmp_path, monkeypatch
+) -> None:
+    real_write_all_at = fsutil.write_all_at
+
+    def full_disk(fd: int, data: object, offset: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with npz2mmap.Writer(tmp_path / "out") as w:
+        w.append({"x": np.arange(3)})
+        monkeypatch.setattr(fsutil, "write_all_at", full_disk)
+        with pytest.raises(
+            OutputError, match=r": cannot write the samples beside it \(No space left on device\)$"
+        ):
+            w.append({"x": np.arange(1 << 20)})  # more than a spool buffer: written at once
+        monkeypatch.setattr(fsutil, "write_all_at", real_write_all_at)
+        w.append({"x": np.arange(4)})
+    assert [DatasetReader(tmp_path / "out").view("x", i).tolist() for i in range(2)] == [
+        [0, 1, 2],
+        [0, 1, 2, 3],
+    ]
+
+
+def test_an_empty_writer_writes_nothing_and_says_so(tmp_path) -> None:
+    out = tmp_path / "out"
+    w = npz2mmap.Writer(out)
+    with pytest.raises(SourceError, match=f"^{out}: no sample was appended; a dataset needs at least one$"):
+        w.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_append_after_close_raises(tmp_path) -> None:
+    with npz2mmap.Writer(tmp_path / "out") as w:
+        w.append({"x": 1})
+    with pytest.raises(ValueError, match="the Writer is closed"):
+        w.append({"x": 2})
+    w.close()  # closing again does nothing
+    assert len(DatasetReader(tmp_path / "out")) == 1
+
+
+def test_bad_options_are_refused_before_anything_is_made(tmp_path) -> None:
+    with pytest.raises(ValueError, match="align must be a power of two"):
+        npz2mmap.Writer(tmp_path / "out", align=100)
+    with pytest.raises(ValueError, match="part 3/3 does not exist"):
+        npz2mmap.Writer(tmp_path / "out", part=(3, 3))
+    with pytest.raises(ValueError, match="is not a numpy dtype"):
+        npz2mmap.Writer(tmp_path / "out", casts={"x": "nonsense"})
+    with pytest.raises(SourceError, match="--cast names key"):
+        with npz2mmap.Writer(tmp_path / "out", casts={"y": "f4"}) as w:
+            w.append({"x": 1})
+    assert os.listdir(tmp_path) == []
+
+
+# --- atomicity and the lock -------------------------------------------------------------
+
+
+def test_an_exception_in_the_with_block_leaves_the_old_dataset_untouched(tmp_path) -> None:
+    out = tmp_path / "out"
+    with npz2mmap.Writer(out) as w:
+        w.append({"x": np.arange(3)})
+    before = dataset_files(out)
+    with pytest.raises(KeyError), npz2mmap.Writer(out, overwrite=True) as w:
+        w.append({"x": np.arange(5)})
+        raise KeyError("user code fails")
+    assert dataset_files(out) == before
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_nothing_is_at_out_before_close_and_abort_removes_everything(tmp_path) -> None:
+    out = tmp_path / "out"
+    w = npz2mmap.Writer(out)
+    w.append({"x": np.arange(3)})
+    assert not out.exists()
+    w.abort()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="the Writer is closed"):
+        w.append({"x": np.arange(3)})
+
+
+def test_a_writer_dropped_unclosed_is_discarded_but_not_by_a_forked_child(tmp_path) -> None:
+    w = npz2mmap.Writer(tmp_path / "forked")
+    w.append({"x": np.arange(3)})
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker, say, that lets its copy of the writer go
+        del w
+        gc.collect()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    w.append({"x": np.arange(3)})
+    w.close()
+    assert len(DatasetReader(tmp_path / "forked")) == 2
+    dropped = npz2mmap.Writer(tmp_path / "dropped")
+    dropped.append({"x": np.arange(3)})
+    del dropped
+    gc.collect()
+    assert sorted(os.listdir(tmp_path)) == ["forked"]
+
+
+def test_overwrite_replaces_only_at_close_and_existing_out_needs_it(tmp_path) -> None:
+    out = tmp_path / "out"
+    with npz2mmap.Writer(out) as w:
+        w.append({"x": np.arange(3)})
+    with pytest.raises(OutputError, match="already exists; pass --overwrite to replace it"):
+        npz2mmap.Writer(out)
+    with npz2mmap.Writer(out, overwrite=True) as w:
+        w.append({"x": np.arange(4)})
+        assert DatasetReader(out).view("x", 0).tolist() == [0, 1, 2]
+    assert DatasetReader(out).view("x", 0).tolist() == [0, 1, 2, 3]
+
+
+def test_the_lock_keeps_a_conversion_and_a_second_writer_out_until_close(tmp_path) -> None:
+    write_npz(tmp_path / "src" / "a.npz", x=np.arange(3))
+    out = tmp_path / "out"
+    with npz2mmap.Writer(out) as w:
+        w.append({"x": np.arange(3)})
+        with pytest.raises(OutputError, match="another npz2mmap convert is writing it"):
+            convert([tmp_path / "src"], out, workers=1)
+        with pytest.raises(OutputError, match="another npz2mmap convert is writing it"):
+            npz2mmap.Writer(out)
+    convert([tmp_path / "src"], out, workers=1, overwrite=True)
+
+
+KILLED_WRITER = """
+import sys, time
+import numpy as np
+import npz2mmap
+from npz2mmap import fsutil, publish
+
+def pause(name, real):
+    def paused(*args, **kwargs):
+        print(name, flush=True)
+        time.sleep(600)
+        return real(*args, **kwargs)
+    return paused
+
+moment = sys.argv[2]
+if moment == "copying":
+    fsutil.copy_range = pause("copying", fsutil.copy_range)
+if moment == "publishing":
+    publish.publish = pause("publishing", publish.publish)
+with npz2mmap.Writer(sys.argv[1], overwrite=True) as w:
+    for i in range(50):
+        w.append({"x": np.full(10_000, i), "t": np.arange(i)}, source=f"s{i}")
+        if i == 30 and moment == "appending":
+            print("appending", flush=True)
+            time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("moment", ["appending", "copying", "publishing"])
+@pytest.mark.parametrize("existing", [False, True])
+def test_kill_9_leaves_no_dataset_and_the_next_writer_succeeds(tmp_path, moment, existing) -> None:
+    out = tmp_path / "out"
+    if existing:
+        with npz2mmap.Writer(out) as w:
+            w.append({"old": np.arange(2)})
+    before = dataset_files(out) if existing else None
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, str(out), moment], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == f"{moment}\n"
+        assert any(p.name.startswith(".out.npz2mmap-tmp-") for p in tmp_path.iterdir())
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    if existing:
+        assert dataset_files(out) == before
+    else:
+        assert not out.exists()
+    with npz2mmap.Writer(out, overwrite=True) as w:
+        w.append({"x": np.arange(3)})
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+    assert verify(out).ok
+
+
+# --- bounded memory ------------------------------------------------------------------------
+
+MEMORY_PROBE = """
+import resource, sys
+import numpy as np
+import npz2mmap
+
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+sample = np.empty((1024, 1024), dtype=np.float32)  # 4 MiB, refilled for each sample
+with npz2mmap.Writer(sys.argv[1]) as w:
+    for i in range(int(sys.argv[2])):
+        sample.fill(i)
+        w.append({"x": np.asfortranarray(sample) if i % 2 else sample, "n": np.arange(i % 100)})
+print(before * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+@pytest.mark.parametrize("without", ["", "copy_file_range,pwrite,pread"])
+def test_memory_stays_flat_however_much_is_appended(tmp_path, without) -> None:
+    num_samples = 96  # 384 MiB of data
+    env = {**os.environ, "PYTHONPATH": str(ROOT), fsutil.WITHOUT_ENV: without}
+    result = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, str(tmp_path / "out"), str(num_samples)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    before, peak = map(int, result.stdout.split())
+    data_nbytes = num_samples * (4 << 20)
+    assert peak - before < 64 << 20, (
+        f"peak RSS grew by {(peak - before) >> 20} MiB writing {data_nbytes >> 20} MiB"
+    )
+    reader = DatasetReader(tmp_path / "out")
+    assert len(reader) == num_samples
+    assert reader.view("x", 95)[3, 5] == 95 and reader.view("n", 95).tolist() == list(range(95))
+
+
+def test_the_copy_without_copy_file_range_gives_the_same_bytes(tmp_path, monkeypatch) -> None:
+    samples = [{"x": np.arange(i * 1000, dtype=np.float32), "y": np.int8(i)} for i in range(6)]
+
+    def write(out: Path) -> dict[str, bytes]:
+        with npz2mmap.Writer(out) as w:
+            for sample in samples:
+                w.append(sample)
+        return dataset_files(out)
+
+    expected = write(tmp_path / "kernel")
+    monkeypatch.setattr(fsutil, "copy_file_range", None)
+    assert write(tmp_path / "no-copy-file-range") == expected
+
+    def unsupported(*args: object) -> int:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(fsutil, "copy_file_range", unsupported)
+    assert write(tmp_path / "refused") == expected
+
+
+# --- parts -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sample_files(tmp_path) -> list[Path]:
+    rng = np.random.default_rng(9)
+    samples = [
+        {"x": rng.random((2, 3), dtype=np.float32), "tokens": np.arange(i % 5, dtype=np.int16)}
+        for i in range(11)
+    ]
+    return write_samples(tmp_path / "src", samples)
+
+
+def test_parts_go_where_convert_part_puts_them_and_merge_into_one_writer_bytes(
+    tmp_path, sample_files
+) -> None:
+    parts = tmp_path / "parts"
+    for i in range(3):
+        chunk = sample_files[len(sample_files) * i // 3 : len(sample_files) * (i + 1) // 3]
+        written = write_from_files(parts, chunk, part=(i, 3))
+        assert written == parts / f"part-{i:05d}"
+    assert json.loads((parts / "part-00001" / "index.json").read_text())["provenance"]["part"] == [1, 3]
+    convert(sample_files, tmp_path / "part-1-converted", part=(1, 3), workers=1)
+    assert dataset_files(parts / "part-00001") == dataset_files(tmp_path / "part-1-converted")
+    merge(sorted(parts.iterdir()), tmp_path / "merged", copy=True)
+    write_from_files(tmp_path / "single", sample_files)
+    assert dataset_files(tmp_path / "merged") == dataset_files(tmp_path / "single")
+
+
+def test_an_empty_part_is_the_empty_part_convert_writes(tmp_path, sample_files) -> None:
+    npz2mmap.Writer(tmp_path / "parts" / "{part}-of-2", part=(0, 2)).close()
+    convert(sample_files[:1], tmp_path / "converted", part=(0, 2), workers=1)
+    assert dataset_files(tmp_path / "parts" / "00000-of-2") == dataset_files(tmp_path / "converted")
+    assert len(DatasetReader(tmp_path / "parts" / "00000-of-2")) == 0
+
+
+RANK_WRITER = """
+import os, sys
+import numpy as np
+import npz2mmap
+from corpus import load_raw
+
+paths = sys.argv[2:]
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+with npz2mmap.Writer(sys.argv[1], part="auto") as w:
+    for path in paths[len(paths) * rank // world : len(paths) * (rank + 1) // world]:
+        w.append({key: load_raw(path, key) for key in ("tokens", "x")}, source=path)
+"""
+
+
+def test_two_processes_writing_parts_merge_into_the_bytes_of_one_writer(tmp_path, sample_files) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "WORLD_SIZE": "2"}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_WRITER, str(tmp_path / "parts"), *map(str, sample_files)],
+            env={**env, "RANK": str(rank)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for process in processes:
+        _, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0, stderr
+    parts = sorted((tmp_path / "parts").iterdir())
+    assert [p.name for p in parts] == ["part-00000", "part-00001"]
+    result = CliRunner().invoke(
+        cli, ["merge", *map(str, parts), "-o", str(tmp_path / "merged"), "--copy", "-q"]
+    )
+    assert result.exit_code == 0, result.output
+    write_from_files(tmp_path / "single", sample_files)
+    assert dataset_files(tmp_path / "merged") == dataset_files(tmp_path / "single")
+    convert(sample_files, tmp_path / "converted", workers=1)
+    assert dataset_files(tmp_path / "merged") == dataset_files(tmp_path / "converted")
+
+
+def test_part_auto_without_a_launcher_says_what_it_needs(tmp_path, monkeypatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="--part auto needs RANK and WORLD_SIZE"):
+        npz2mmap.Writer(tmp_path / "out", part="auto")
+
+
+# --- the planner it shares with convert ---------------------------------------------------------
+
+
+def test_convert_names_a_first_file_without_arrays(tmp_path) -> None:
+    empty = tmp_path / "src" / "a.npz"
+    empty.parent.mkdir()
+    np.savez(empty)
+    write_npz(tmp_path / "src" / "b.npz", x=np.arange(3))
+    with pytest.raises(SourceError, match=f"^{empty}: holds no arrays$"):
+        convert([tmp_path / "src"], tmp_path / "out", workers=1)
+
+
+def test_the_writer_is_exported_without_importing_torch(tmp_path) -> None:
+    code = "import sys\nsys.modules['torch'] = None\nimport npz2mmap\nprint(npz2mmap.Writer.__module__)"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.stdout == "npz2mmap.appender\n", result.stderr
