@@ -598,3 +598,26 @@ def test_the_writer_is_exported_without_importing_torch(tmp_path) -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.stdout == "npz2mmap.appender\n", result.stderr
+
+
+def test_close_refuses_a_dataset_larger_than_the_free_space_and_writes_nothing(tmp_path, monkeypatch) -> None:
+    import shutil
+
+    sample = {"x": np.zeros(300_000)}  # 2.4 MB, so both sizes print in MB
+    with npz2mmap.Writer(tmp_path / "ref") as w:
+        w.append(sample)
+    blob_nbytes = (tmp_path / "ref" / "data.npy").stat().st_size
+    out = tmp_path / "out"
+    real_disk_usage = shutil.disk_usage
+    with npz2mmap.Writer(out) as w:
+        w.append(sample)
+        monkeypatch.setattr(
+            shutil, "disk_usage", lambda path: real_disk_usage(path)._replace(free=blob_nbytes - 1)
+        )
+        with pytest.raises(OutputError) as raised:
+            w.close()
+    assert str(raised.value) == (
+        f"{out}: the dataset needs {blob_nbytes:,} bytes ({blob_nbytes / 1e6:.1f} MB), "
+        f"{blob_nbytes - 1:,} bytes ({(blob_nbytes - 1) / 1e6:.1f} MB) free on its file system"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["ref"]  # no dataset, no staging or spool directory
