@@ -509,7 +509,7 @@ def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> Non
 
 @cli.command()
 @click.argument("dataset", type=click.Path(file_okay=False))
-@click.option("--sources", is_flag=True, help="Also compare every sample bit for bit with its NPZ file.")
+@click.option("--sources", is_flag=True, help="Also compare every sample bit for bit with its source file.")
 @progress_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress; print only problems (--progress none).")
 @friendly_errors
@@ -522,8 +522,15 @@ def verify(dataset: str, sources: bool, progress_mode: str, quiet: bool) -> None
     if not report.ok:
         raise click.ClickException(f"{dataset}: {plural(len(report.problems), 'problem')} found")
     if not quiet:
-        checked = "checksums, tables, padding" + (" and sources" if report.sources_checked else "")
-        click.echo(one_line(f"OK: {dataset}: {plural(report.num_samples, 'sample')} verified ({checked})"))
+        compared = report.sources_checked and report.unsourced < report.num_samples
+        checked = "checksums, tables, padding" + (" and sources" if compared else "")
+        line = f"OK: {dataset}: {plural(report.num_samples, 'sample')} verified ({checked})"
+        if report.sources_checked and report.unsourced:
+            line += (
+                f"; {plural(report.unsourced, 'sample')} of {report.num_samples:,} name no source "
+                "(appended by npz2mmap.Writer without source=) and were not compared"
+            )
+        click.echo(one_line(line))
 
 
 @cli.command()

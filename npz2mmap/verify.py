@@ -38,6 +38,7 @@ class VerifyReport:
     problems: list[str] = field(default_factory=list)
     bad_samples: dict[str, list[int]] = field(default_factory=dict)
     sources_checked: bool = False
+    unsourced: int = 0  # samples whose source is not named (a Writer's, appended without source=)
 
     @property
     def ok(self) -> bool:
@@ -72,6 +73,7 @@ def verify(
             report.bad_samples.setdefault(name, []).extend(report.num_samples + i for i in samples)
         report.num_samples += one.num_samples
         report.sources_checked &= one.sources_checked
+        report.unsourced += one.unsourced
     return report
 
 
@@ -163,11 +165,18 @@ def _check_provenance_files(report: VerifyReport, index: Index) -> tuple[list[st
 def _compare_sources(
     reader: DatasetReader, sources: tuple[list[str], Any], report: VerifyReport, progress: Progress
 ) -> None:
-    """Compare each sample with its source: a file, or in rows mode a row of a file."""
+    """Compare each sample with its source: a file, or in rows mode a row of a file.
+
+    A sample whose source is not named (empty) is counted, not compared.
+    """
     files, starts = sources
     rows_mode = reader.index.mode == "rows"
     for k, path in enumerate(files):
         first, count = int(starts[k]), int(starts[k + 1] - starts[k])
+        if not path:
+            report.unsourced += count
+            progress.advance(count, 0)
+            continue
         rows: list[int | None] = list(range(count)) if rows_mode else [None]
         for offset, problem in _compare_file(reader, first, path, rows):
             if offset == WHOLE_FILE:

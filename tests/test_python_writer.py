@@ -621,3 +621,23 @@ def test_close_refuses_a_dataset_larger_than_the_free_space_and_writes_nothing(t
         f"{blob_nbytes - 1:,} bytes ({(blob_nbytes - 1) / 1e6:.1f} MB) free on its file system"
     )
     assert sorted(os.listdir(tmp_path)) == ["ref"]  # no dataset, no staging or spool directory
+
+
+def test_verify_sources_compares_named_sources_and_counts_samples_without_one(tmp_path) -> None:
+    npz = write_npz(tmp_path / "a.npz", x=np.arange(3))
+    with npz2mmap.Writer(tmp_path / "out") as w:
+        w.append({"x": np.arange(3)}, source=npz)
+        w.append({"x": np.arange(4)})
+        w.append({"x": np.arange(5)})
+    result = CliRunner().invoke(cli, ["verify", "-q", str(tmp_path / "out"), "--sources"])
+    assert result.exit_code == 0 and result.output == ""
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path / "out"), "--sources"])
+    assert result.exit_code == 0
+    assert result.output == (
+        f"OK: {tmp_path / 'out'}: 3 samples verified (checksums, tables, padding and sources); "
+        "2 samples of 3 name no source (appended by npz2mmap.Writer without source=) and were not compared\n"
+    )
+    write_npz(tmp_path / "a.npz", x=np.arange(3) + 1)  # the named source changed
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path / "out"), "--sources"])
+    assert result.exit_code == 1
+    assert f"sample 0 ({npz}): field 'x': values differ from the source" in result.output
