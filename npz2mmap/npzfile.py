@@ -15,6 +15,7 @@ import contextlib
 import io
 import math
 import os
+import re
 import struct
 import tokenize
 import warnings
@@ -38,6 +39,17 @@ MAX_NPY_HEADER_CHARS = 10_000
 CHUNK_NBYTES = 4 << 20
 PREFETCH_MAX_NBYTES = 4 << 20
 HEADER_KEYS = {"descr", "fortran_order", "shape"}
+# Accepted header texts remembered (see _parsed_header): at most this many, each at most this long.
+HEADER_CACHE_ENTRIES = 4096
+HEADER_CACHE_MAX_CHARS = 1024
+ParsedHeader = tuple[np.dtype, tuple[int, ...], bool, int]  # dtype, shape, fortran order, data nbytes
+_accepted_headers: dict[tuple[str, tuple[int, int]], ParsedHeader] = {}
+# numpy's own header text (format._write_array_header): a simple type string, then spaces and a newline.
+_DIM = r"(?:0|[1-9][0-9]{0,18})"
+_CANONICAL_HEADER = re.compile(
+    r"\{'descr': '([<>|=]?[A-Za-z][A-Za-z0-9\[\]]*)', 'fortran_order': (False|True), "
+    rf"'shape': \((|{_DIM},|{_DIM}(?:, {_DIM})+)\), \}} *\n?"
+)
 
 # Deflate expands at most 1032-fold (a 258-byte match costs at least 2 bits).
 DEFLATE_MAX_RATIO = 1032
@@ -236,9 +248,44 @@ def parse_npy_header(stream: IO[bytes], key: str, where: str) -> MemberHeader:
         raise SourceError(
             f"{where}: .npy header of {len(text)} characters is larger than {MAX_NPY_HEADER_CHARS}"
         )
-    header = _header_literal(text, version, where)
-    dtype, shape, fortran, nbytes = _check_header_dict(header, where)
+    dtype, shape, fortran, nbytes = _parsed_header(text, version, where)
     return MemberHeader(key, dtype, shape, fortran, len(magic) + length_nbytes + text_nbytes, nbytes)
+
+
+def _parsed_header(text: str, version: tuple[int, int], where: str) -> ParsedHeader:
+    """``_check_header_dict`` of the header's literal, remembered by the exact header text.
+
+    Sources mostly repeat a few headers (and each is read by the scan and
+    again by the copy), so a header text already accepted is not parsed
+    again; only short texts are kept, and a full cache is emptied, so its
+    memory stays bounded. Headers that are refused are never kept.
+    """
+    cache_key = (text, version)
+    parsed = _accepted_headers.get(cache_key)
+    if parsed is None:
+        literal = _canonical_header(text)
+        if literal is None:
+            literal = _header_literal(text, version, where)
+        parsed = _check_header_dict(literal, where)
+        if len(text) <= HEADER_CACHE_MAX_CHARS:
+            if len(_accepted_headers) >= HEADER_CACHE_ENTRIES:
+                _accepted_headers.clear()
+            _accepted_headers[cache_key] = parsed
+    return parsed
+
+
+def _canonical_header(text: str) -> dict[str, object] | None:
+    """The literal of a header exactly as numpy writes it, without the Python parser; None for any other.
+
+    Only texts that ast.literal_eval reads as the same dict match: a plain
+    type string, a bool, a tuple of decimal ints without leading zeros.
+    """
+    match = _CANONICAL_HEADER.fullmatch(text)
+    if match is None:
+        return None
+    descr, fortran, dims = match.groups()
+    shape = tuple(int(d) for d in dims.replace(",", " ").split())
+    return {"descr": descr, "fortran_order": fortran == "True", "shape": shape}
 
 
 def _header_literal(text: str, version: tuple[int, int], where: str) -> object:
@@ -266,7 +313,7 @@ def _drop_long_suffixes(text: str) -> str:
     return tokenize.untokenize(tokens)
 
 
-def _check_header_dict(header: object, where: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+def _check_header_dict(header: object, where: str) -> ParsedHeader:
     """The dtype np.load would return, the shape, the order and the data's byte size."""
     if not isinstance(header, dict) or header.keys() != HEADER_KEYS:
         raise SourceError(f"{where}: .npy header must be a dict with keys {sorted(HEADER_KEYS)}")
