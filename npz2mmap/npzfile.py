@@ -263,7 +263,7 @@ def _parsed_header(text: str, version: tuple[int, int], where: str) -> ParsedHea
     cache_key = (text, version)
     parsed = _accepted_headers.get(cache_key)
     if parsed is None:
-        literal = _canonical_header(text)
+        literal: object = _canonical_header(text)
         if literal is None:
             literal = _header_literal(text, version, where)
         parsed = _check_header_dict(literal, where)
