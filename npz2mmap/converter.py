@@ -13,20 +13,23 @@ import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import publish, writer
 from .errors import MismatchError, OutputError, SourceError
 from .inputs import discover_sources
-from .npzfile import MemberHeader
+from .npzfile import MemberHeader, MemberLocation
 from .parallel import Mapper, worker_map
 from .plan import Plan, build_plan, drop_files
 from .progress import Progress, SilentProgress
 from .render import human_bytes
-from .sources import is_npy_path, read_headers
+from .sources import is_npy_path, scan_source
 from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
+
+# The copy pass sends at most this many consecutive files to a worker at once.
+MAX_BATCH_FILES = 256
+FILE_NBYTES = MemberLocation._fields.index("file_nbytes")
 
 
 @dataclass(frozen=True)
@@ -86,9 +89,20 @@ def convert(
     ):
         scan_one = functools.partial(_scan_source, keys=tuple(keys) if keys else None, skip_bad=skip_bad)
         space = free_nbytes(out)
+        found = writer.MemberLocations()
         try:
             plan = _scan(
-                sources, scan_one, parse_casts(casts), align, imap, progress, skipped, rows, space, part
+                sources,
+                scan_one,
+                parse_casts(casts),
+                align,
+                imap,
+                progress,
+                skipped,
+                rows,
+                space,
+                part,
+                found,
             )
         except MismatchError as exc:
             if sample_dirs or not any(is_npy_path(path) for path in sources):
@@ -96,10 +110,12 @@ def convert(
             # .npy files that disagree are often the fields of one sample.
             raise MismatchError(f"{exc} (each directory one sample? use --sample-dirs)") from exc
         check_free_space(out, BLOB_HEADER_NBYTES + plan.payload_nbytes, space)
-        sources_nbytes = _total_file_nbytes(plan.sources)
+        locations = found.table(len(plan.sources), len(plan.fields))
+        sources_nbytes = _total_file_nbytes(plan.sources) if sample_dirs else _scanned_file_nbytes(locations)
         staging = make_staging_dir(out)
         try:
-            plan, index = _copy(plan, sources, staging, imap, progress, skip_bad, skipped, part)
+            copy = _Copy(plan, locations, staging, imap, progress, skip_bad, workers or os.cpu_count() or 1)
+            plan, index = copy.run(sources, skipped, part)
             publish.publish(staging, out, overwrite)
         except OSError as exc:
             raise OutputError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from exc
@@ -187,6 +203,11 @@ def _total_file_nbytes(paths: Sequence[str]) -> int:
     return total
 
 
+def _scanned_file_nbytes(locations: np.ndarray) -> int:
+    """The sources' sizes together, as scanned (the size of the file holding each one's first member)."""
+    return int(locations[:, 0, FILE_NBYTES].sum()) if locations.shape[1] else 0
+
+
 def _source_nbytes(path: str) -> int:
     if not os.path.isdir(path):
         return os.stat(path).st_size
@@ -224,10 +245,13 @@ def cast_dtype(value: np.dtype | str) -> np.dtype:
     return dtype
 
 
-def _scan_source(path: str, keys: tuple[str, ...] | None, skip_bad: bool) -> dict[str, MemberHeader] | str:
-    """A source's member headers, or with ``skip_bad`` the reason it is unusable."""
+Scanned = tuple[dict[str, MemberHeader], dict[str, MemberLocation]]
+
+
+def _scan_source(path: str, keys: tuple[str, ...] | None, skip_bad: bool) -> Scanned | str:
+    """A source's member headers and locations, or with ``skip_bad`` the reason it is unusable."""
     try:
-        return read_headers(path, keys)
+        return scan_source(path, keys)
     except SourceError as exc:
         if not skip_bad:
             raise
@@ -236,17 +260,18 @@ def _scan_source(path: str, keys: tuple[str, ...] | None, skip_bad: bool) -> dic
 
 def _scan(
     sources: list[str],
-    scan_one: Callable[[str], dict[str, MemberHeader] | str],
+    scan_one: Callable[[str], Scanned | str],
     casts: dict[str, np.dtype],
     align: int,
-    imap: Mapper[Any, Any],
+    imap: Mapper,
     progress: Progress,
     skipped: list[tuple[str, str]],
     rows: bool,
     max_payload_nbytes: int | None,
     part: tuple[int, int] | None,
+    found: writer.MemberLocations,
 ) -> Plan:
-    """Pass 1: read every member header and plan the layout.
+    """Pass 1: read every member header and plan the layout; record in ``found`` where members lie.
 
     A part with no usable source (an empty slice of ``--part``, or one whose
     files were all skipped) plans an empty dataset: no samples, no fields.
@@ -254,71 +279,78 @@ def _scan(
     progress.stage("scan", len(sources), 0, unit="files")
 
     def usable() -> Iterator[tuple[str, dict[str, MemberHeader]]]:
-        for path, headers in zip(sources, imap(scan_one, sources), strict=True):
+        for path, scanned in zip(sources, imap(scan_one, sources), strict=True):
             progress.advance(1, 0)
-            if isinstance(headers, str):
-                skipped.append((path, headers))
+            if isinstance(scanned, str):
+                skipped.append((path, scanned))
             else:
-                yield path, headers
+                yield path, scanned[0]
+                found.add(scanned[1])  # only once the plan has taken the file
 
     return build_plan(usable(), align, casts, rows, max_payload_nbytes, allow_empty=part is not None)
 
 
-def _copy(
-    plan: Plan,
-    sources: list[str],
-    staging: str,
-    imap: Mapper[Any, Any],
-    progress: Progress,
-    skip_bad: bool,
-    skipped: list[tuple[str, str]],
-    part: tuple[int, int] | None,
-) -> tuple[Plan, Index]:
+class _Copy:
     """Pass 2: copy every member into the blob, then write tables and index.
 
-    A file found bad only now (a corrupt member) is left out with ``skip_bad``
-    by planning again without it and copying into a fresh blob.
+    Consecutive files travel to the workers in batches, each batch's samples
+    of a field written together. A file found bad only now (a corrupt
+    member) is left out with ``skip_bad`` by planning again without it and
+    copying into a fresh blob.
     """
-    position = {path: k for k, path in enumerate(sources)}
-    while True:
-        crc32s, failed = _copy_samples(plan, staging, imap, progress, skip_bad)
-        if not failed:
-            skipped.sort(key=lambda item: position[item[0]])  # input order, as parts merge them
-            return plan, writer.finish_dataset(staging, plan, crc32s, skipped, part)
-        skipped.extend((plan.sources[k], reason) for k, reason in failed)
-        plan = drop_files(plan, [k for k, _ in failed], allow_empty=part is not None)
-        os.unlink(os.path.join(staging, BLOB_NAME))
+
+    def __init__(
+        self,
+        plan: Plan,
+        locations: np.ndarray,
+        staging: str,
+        imap: Mapper,
+        progress: Progress,
+        skip_bad: bool,
+        workers: int,
+    ) -> None:
+        self.plan = plan
+        self.locations = locations
+        self.staging = staging
+        self.imap = imap
+        self.progress = progress
+        self.skip_bad = skip_bad
+        self.workers = workers
+
+    def run(
+        self, sources: list[str], skipped: list[tuple[str, str]], part: tuple[int, int] | None
+    ) -> tuple[Plan, Index]:
+        position = {path: k for k, path in enumerate(sources)}
+        while True:
+            crc32s, failed = self._copy_samples()
+            if not failed:
+                skipped.sort(key=lambda item: position[item[0]])  # input order, as parts merge them
+                return self.plan, writer.finish_dataset(self.staging, self.plan, crc32s, skipped, part)
+            skipped.extend((self.plan.sources[k], reason) for k, reason in failed)
+            kept = np.ones(len(self.plan.sources), dtype=bool)
+            kept[[k for k, _ in failed]] = False
+            self.plan = drop_files(self.plan, [k for k, _ in failed], allow_empty=part is not None)
+            self.locations = self.locations[kept]
+            os.unlink(os.path.join(self.staging, BLOB_NAME))
+
+    def _copy_samples(self) -> tuple[list[np.ndarray], list[tuple[int, str]]]:
+        plan = self.plan
+        self.progress.stage("copy", len(plan.sources), plan.data_nbytes, unit="files")
+        blob_path = writer.create_blob(self.staging, plan.payload_nbytes)
+        crc32s = [np.zeros(plan.num_samples, dtype=np.uint32) for _ in plan.fields]
+        failed: list[tuple[int, str]] = []
+        copy_batch = functools.partial(_copy_batch, blob_path, self.skip_bad)
+        # Several batches per worker, so the last ones finish together; at most MAX_BATCH_FILES each.
+        files_per_batch = max(1, min(MAX_BATCH_FILES, -(-len(plan.sources) // (self.workers * 4))))
+        tasks = writer.batch_tasks(plan, self.locations, files_per_batch)
+        for result in self.imap(copy_batch, tasks, per_message=1):
+            first = int(plan.file_starts[result.first_file])
+            for table, crcs in zip(crc32s, result.crc32s, strict=True):
+                table[first : first + len(crcs)] = crcs
+            failed.extend(result.failures)
+            self.progress.advance(result.num_files, result.nbytes)
+        return crc32s, failed
 
 
-def _copy_samples(
-    plan: Plan, staging: str, imap: Mapper[Any, Any], progress: Progress, skip_bad: bool
-) -> tuple[list[np.ndarray], list[tuple[int, str]]]:
-    progress.stage("copy", len(plan.sources), plan.data_nbytes, unit="files")
-    blob_path = writer.create_blob(staging, plan.payload_nbytes)
-    crc32s = [np.zeros(plan.num_samples, dtype=np.uint32) for _ in plan.fields]
-    failed = []
-    copy_one = functools.partial(_copy_sample, blob_path, skip_bad)
-    for result in imap(copy_one, writer.sample_tasks(plan)):
-        if isinstance(result, _Failure):
-            failed.append((result.file, result.reason))
-            progress.advance(1, 0)
-            continue
-        first, count = plan.file_rows(result.file)
-        for table, crcs in zip(crc32s, result.crc32s, strict=True):
-            table[first : first + count] = crcs
-        progress.advance(1, result.nbytes)
-    return crc32s, failed
-
-
-class _Failure(NamedTuple):
-    file: int
-    reason: str
-
-
-def _copy_sample(blob_path: str, skip_bad: bool, task: writer.SampleTask) -> writer.SampleResult | _Failure:
-    try:
-        return writer.write_sample(blob_path, task)
-    except SourceError as exc:
-        if not skip_bad:
-            raise
-        return _Failure(task.file, str(exc))
+def _copy_batch(blob_path: str, skip_bad: bool, task: writer.BatchTask) -> writer.BatchResult:
+    return writer.write_batch(blob_path, task, skip_bad)

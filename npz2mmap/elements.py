@@ -54,6 +54,15 @@ class ByteReader:
             self.pending = view[take:]
         return memoryview(out)
 
+    def pieces(self, nbytes: int) -> Iterator[memoryview]:
+        """The next ``nbytes`` in pieces as they arrived, without copying."""
+        while nbytes:
+            if not self.pending:
+                self.pending = self._next_chunk()
+            piece, self.pending = self.pending[:nbytes], self.pending[nbytes:]
+            nbytes -= len(piece)
+            yield piece
+
     def _next_chunk(self) -> memoryview:
         chunk = next(self.chunks, None)
         if chunk is None:

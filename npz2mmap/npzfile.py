@@ -23,7 +23,7 @@ import zipfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO, Any, BinaryIO
+from typing import IO, Any, BinaryIO, NamedTuple, Protocol
 
 import numpy as np
 
@@ -84,6 +84,27 @@ class MemberHeader:
     nbytes: int  # of the array data that follows the header
 
 
+class MemberLocation(NamedTuple):
+    """Where the scan found a member's bytes, so the copy reads them with no zip parsing.
+
+    The copy checks what it reads against every field: the file's size, the
+    member's size and, for a zip member, its CRC-32.
+    """
+
+    file_nbytes: int  # of the file holding the member, when scanned
+    offset: int  # of the member's first stored byte in that file
+    stored_nbytes: int  # bytes it occupies there (deflated or not)
+    nbytes: int  # its .npy header and data, uncompressed
+    crc32: int  # of those bytes, from the zip directory; NO_CRC32 for a .npy file
+    flags: int  # DEFLATED, NAMED_NPY
+
+
+NO_CRC32 = -1
+DEFLATED = 1
+NAMED_NPY = 2  # the zip entry's name is the key with ".npy" (else the key itself)
+LOCATION_FIELDS = len(MemberLocation._fields)
+
+
 def member_key(name: str) -> str:
     """The key numpy gives a member: its name without a ``.npy`` suffix."""
     return name[: -len(NPY_SUFFIX)] if name.endswith(NPY_SUFFIX) else name
@@ -106,19 +127,10 @@ def _describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-@contextlib.contextmanager
-def open_npz(path: str) -> Iterator[zipfile.ZipFile]:
-    """Open an NPZ file; errors while opening are the source's, errors in the body are not."""
-    with source_errors(path):
-        fp = open_regular_file(path)
-        try:
-            _prefetch_small_file(fp)
-            zf = zipfile.ZipFile(fp)
-        except BaseException:
-            fp.close()
-            raise
-    with fp, zf:
-        yield zf
+def open_zip(fp: BinaryIO) -> zipfile.ZipFile:
+    """Parse the zip directory of an open NPZ file; closing the ZipFile leaves ``fp`` open (its owner's)."""
+    _prefetch_small_file(fp)
+    return zipfile.ZipFile(fp)
 
 
 def open_regular_file(path: str) -> BinaryIO:
@@ -157,10 +169,12 @@ def members(zf: zipfile.ZipFile, path: str) -> dict[str, zipfile.ZipInfo]:
     return found
 
 
-def read_member_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) -> MemberHeader:
+def read_member_header(
+    zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str
+) -> tuple[MemberHeader, MemberLocation]:
     """Check a member's zip sizes, then read its .npy header; SourceError naming file and key."""
     where = f"{path}[{member_key(info.filename)}]"
-    check_member_sizes(zf, info, where)
+    location = check_member_sizes(zf, info, where)
     with source_errors(where), zf.open(info) as stream:
         header = parse_npy_header(stream, member_key(info.filename), where)
     declared = header.header_nbytes + header.nbytes
@@ -169,11 +183,11 @@ def read_member_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) ->
             f"{where}: header declares {header.nbytes} data bytes but the member holds "
             f"{info.file_size - header.header_nbytes}"
         )
-    return header
+    return header, location
 
 
-def check_member_sizes(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> None:
-    """Refuse zip sizes that no real member has, before anything is planned by them.
+def check_member_sizes(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> MemberLocation:
+    """Refuse zip sizes that no real member has, before anything is planned by them; say where it lies.
 
     A stored member occupies exactly its size, a deflated one at least
     1/1032 of it, and either lies inside the file. Other compressions (never
@@ -198,10 +212,15 @@ def check_member_sizes(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -
             f"{where}: compression method {info.compress_type} is not supported "
             "(numpy writes stored or deflated members)"
         )
-    _check_member_inside_file(zf, info, where)
+    file_nbytes, offset = _check_member_inside_file(zf, info, where)
+    flags = (DEFLATED if info.compress_type == zipfile.ZIP_DEFLATED else 0) | (
+        NAMED_NPY if info.filename.endswith(NPY_SUFFIX) else 0
+    )
+    return MemberLocation(file_nbytes, offset, info.compress_size, info.file_size, info.CRC, flags)
 
 
-def _check_member_inside_file(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> None:
+def _check_member_inside_file(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> tuple[int, int]:
+    """(the file's size, where the member's stored bytes start)."""
     fp = zf.fp
     if fp is None:
         raise ValueError("the archive is closed")
@@ -214,15 +233,21 @@ def _check_member_inside_file(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where:
     if len(local) != ZIP_LOCAL_HEADER.size or local[:4] != ZIP_LOCAL_SIGNATURE:
         raise SourceError(f"{where}: no zip member header at byte {start}")
     _, name_nbytes, extra_nbytes = ZIP_LOCAL_HEADER.unpack(local)
-    end = start + ZIP_LOCAL_HEADER.size + name_nbytes + extra_nbytes + info.compress_size
+    offset = start + ZIP_LOCAL_HEADER.size + name_nbytes + extra_nbytes
+    end = offset + info.compress_size
     if end > file_nbytes:
         raise SourceError(
             f"{where}: member of {info.compress_size} bytes would end at byte {end}, "
             f"past the end of the {file_nbytes}-byte file"
         )
+    return file_nbytes, offset
 
 
-def parse_npy_header(stream: IO[bytes], key: str, where: str) -> MemberHeader:
+class Readable(Protocol):
+    def read(self, nbytes: int, /) -> bytes: ...
+
+
+def parse_npy_header(stream: Readable, key: str, where: str) -> MemberHeader:
     """Parse a .npy header (versions 1.0, 2.0, 3.0) from the start of ``stream``.
 
     Accepts exactly the headers np.load accepts (numpy/lib/_format_impl.py,
@@ -372,7 +397,7 @@ def _check_subarray(descr: Any, element: np.dtype, subshape: tuple[int, ...], co
         )
 
 
-def read_exactly(stream: IO[bytes], nbytes: int, where: str) -> bytes:
+def read_exactly(stream: Readable, nbytes: int, where: str) -> bytes:
     data = stream.read(nbytes)
     if len(data) != nbytes:
         raise SourceError(f"{where}: ends early ({len(data)} of {nbytes} bytes)")
@@ -398,3 +423,69 @@ def iter_data_chunks(
             yield chunk
         if stream.read(1):
             raise SourceError(f"{where}: member holds more bytes than its header declares")
+
+
+def located_bytes(fd: int, location: MemberLocation, key: str, where: str) -> Iterator[bytes]:
+    """A member's uncompressed bytes (.npy header and data) read where the scan found them.
+
+    In chunks of at most CHUNK_NBYTES. SourceError, naming ``where``, when the
+    file's size is not the one scanned, when the member's bytes are more or
+    fewer than scanned, or when their CRC-32 is not the zip directory's; the
+    checks that need every byte run after the last chunk.
+    """
+    file_nbytes = os.fstat(fd).st_size
+    if file_nbytes != location.file_nbytes:
+        raise SourceError(
+            f"{where}: changed since it was scanned "
+            f"(the file held {location.file_nbytes} bytes, now {file_nbytes})"
+        )
+    stored = _stored_chunks(fd, location.offset, location.stored_nbytes, where)
+    chunks = _inflated(stored, location.nbytes, where) if location.flags & DEFLATED else stored
+    produced = 0
+    crc = 0
+    for chunk in chunks:
+        produced += len(chunk)
+        if produced > location.nbytes:
+            raise SourceError(f"{where}: member holds more bytes than its header declares")
+        if location.crc32 != NO_CRC32:
+            crc = zlib.crc32(chunk, crc)
+        yield chunk
+    if produced != location.nbytes:
+        raise SourceError(f"{where}: ends early ({produced} of {location.nbytes} bytes)")
+    if location.crc32 != NO_CRC32 and crc != location.crc32:
+        name = key + NPY_SUFFIX if location.flags & NAMED_NPY else key
+        raise SourceError(f"{where}: not a valid zip/npz file (Bad CRC-32 for file {name!r})")
+
+
+def _stored_chunks(fd: int, offset: int, nbytes: int, where: str) -> Iterator[bytes]:
+    end = offset + nbytes
+    while offset < end:
+        try:
+            chunk = fsutil.read_at(fd, min(CHUNK_NBYTES, end - offset), offset)
+        except OSError as exc:
+            raise SourceError(f"{where}: cannot read ({exc.strerror or exc})") from None
+        if not chunk:
+            raise SourceError(f"{where}: ends early (changed since it was scanned?)")
+        offset += len(chunk)
+        yield chunk
+
+
+def _inflated(chunks: Iterator[bytes], nbytes: int, where: str) -> Iterator[bytes]:
+    """Raw deflate data inflated in pieces of at most CHUNK_NBYTES, never more than ``nbytes`` + 1 in all."""
+    inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+    produced = 0
+    try:
+        for chunk in chunks:
+            pending = chunk
+            while True:
+                piece = inflater.decompress(pending, CHUNK_NBYTES)
+                pending = inflater.unconsumed_tail
+                produced += len(piece)
+                if piece:
+                    yield piece
+                if produced > nbytes or (not pending and len(piece) < CHUNK_NBYTES):
+                    break
+            if produced > nbytes or inflater.eof:
+                break
+    except zlib.error as exc:
+        raise SourceError(f"{where}: not a valid zip/npz file ({exc})") from None

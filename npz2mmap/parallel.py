@@ -21,13 +21,21 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, TypeVar
+from typing import Protocol, TypeVar
 
 from .errors import Npz2mmapError
 
 T = TypeVar("T")
 R = TypeVar("R")
-Mapper = Callable[[Callable[[T], R], Iterable[T]], Iterator[R]]
+
+
+class Mapper(Protocol):
+    """An ordered map; ``per_message`` tasks travel to a worker together (None: the pool's choice)."""
+
+    def __call__(
+        self, fn: Callable[[T], R], items: Iterable[T], per_message: int | None = None
+    ) -> Iterator[R]: ...
+
 
 # On Linux the workers fork: they start at once and callers need no
 # ``if __name__ == "__main__"`` guard. They only read files and copy bytes.
@@ -37,9 +45,7 @@ MAX_BATCH = 64
 
 
 @contextlib.contextmanager
-def worker_map(
-    workers: int, num_tasks: int, close_in_workers: Sequence[int] = ()
-) -> Iterator[Mapper[Any, Any]]:
+def worker_map(workers: int, num_tasks: int, close_in_workers: Sequence[int] = ()) -> Iterator[Mapper]:
     """Yield an ordered map: the builtin one for one worker, else a process pool's.
 
     ``close_in_workers`` names descriptors of this process that forked workers
@@ -47,7 +53,7 @@ def worker_map(
     held for as long as any worker lives.
     """
     if workers <= 1 or num_tasks <= 1:
-        yield map
+        yield _serial_map
         return
     batch = max(1, min(MAX_BATCH, num_tasks // (workers * 8)))
     executor = ProcessPoolExecutor(
@@ -57,8 +63,8 @@ def worker_map(
         initargs=(START_METHOD == "fork", tuple(close_in_workers)),
     )
     try:
-        yield lambda fn, items: _ordered_map(
-            executor, fn, items, batch, workers * BATCHES_IN_FLIGHT_PER_WORKER
+        yield lambda fn, items, per_message=None: _ordered_map(
+            executor, fn, items, per_message or batch, workers * BATCHES_IN_FLIGHT_PER_WORKER
         )
     except BrokenProcessPool:
         raise Npz2mmapError(
@@ -66,6 +72,10 @@ def worker_map(
         ) from None
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _serial_map(fn: Callable[[T], R], items: Iterable[T], per_message: int | None = None) -> Iterator[R]:
+    return map(fn, items)
 
 
 def _ordered_map(

@@ -22,13 +22,18 @@ from . import fsutil
 from .errors import SourceError
 from .npzfile import (
     CHUNK_NBYTES,
+    NO_CRC32,
     NPY_SUFFIX,
     MemberHeader,
+    MemberLocation,
     iter_data_chunks,
+    located_bytes,
     members,
-    open_npz,
+    open_regular_file,
+    open_zip,
     parse_npy_header,
     read_member_header,
+    source_errors,
 )
 
 NPY_FILE_KEY = "arr_0"
@@ -46,6 +51,13 @@ class Source(Protocol):
     def data_chunks(self, key: str, header: MemberHeader) -> Iterator[bytes]:
         """The array bytes of ``key`` in file order, at most CHUNK_NBYTES at a time."""
 
+    def location(self, key: str) -> MemberLocation:
+        """Where the bytes of ``key``, whose header was read, lie (see npzfile.located_bytes)."""
+
+    def located_bytes(self, key: str, location: MemberLocation) -> Iterator[bytes]:
+        """The .npy header and data of ``key`` read at ``location``, with no zip parsing; checked
+        against it as they are read (npzfile.located_bytes)."""
+
 
 def is_npy_path(path: str) -> bool:
     return path.lower().endswith(NPY_SUFFIX)
@@ -62,12 +74,19 @@ def open_source(path: str) -> Iterator[Source]:
         with _NpyFile(path) as npy:
             yield _OneArray(npy)
     else:
-        with open_npz(path) as zf:
-            yield _Npz(zf, path)
+        with _Npz(path) as npz:
+            yield npz
 
 
 def read_headers(path: str, keys: Sequence[str] | None = None) -> dict[str, MemberHeader]:
     """The headers of ``keys`` (all if None) of one source, without reading any array data."""
+    return scan_source(path, keys)[0]
+
+
+def scan_source(
+    path: str, keys: Sequence[str] | None = None
+) -> tuple[dict[str, MemberHeader], dict[str, MemberLocation]]:
+    """The headers of ``keys`` (all if None) of one source and where each member lies."""
     with open_source(path) as source:
         available = source.keys()
         headers = {}
@@ -75,23 +94,51 @@ def read_headers(path: str, keys: Sequence[str] | None = None) -> dict[str, Memb
             if key not in available:
                 raise SourceError(f"{path}: no key {key!r} (has: {', '.join(available) or 'none'})")
             headers[key] = source.header(key)
-    return headers
+        return headers, {key: source.location(key) for key in headers}
 
 
 class _Npz:
-    def __init__(self, zf: zipfile.ZipFile, path: str) -> None:
+    """An NPZ file, opened at once; its zip directory is parsed only when keys or headers are asked."""
+
+    def __init__(self, path: str) -> None:
         self.path = path
-        self.zf = zf
-        self.entries = members(zf, path)
+        with source_errors(path):
+            self.fp = open_regular_file(path)
+        self.opened: tuple[zipfile.ZipFile, dict[str, zipfile.ZipInfo]] | None = None
+        self.locations: dict[str, MemberLocation] = {}
+
+    def __enter__(self) -> _Npz:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.opened is not None:
+            self.opened[0].close()
+        self.fp.close()
+
+    def _zip(self) -> tuple[zipfile.ZipFile, dict[str, zipfile.ZipInfo]]:
+        if self.opened is None:
+            with source_errors(self.path):
+                zf = open_zip(self.fp)
+            self.opened = zf, members(zf, self.path)
+        return self.opened
 
     def keys(self) -> list[str]:
-        return sorted(self.entries)
+        return sorted(self._zip()[1])
 
     def header(self, key: str) -> MemberHeader:
-        return read_member_header(self.zf, self.entries[key], self.path)
+        zf, entries = self._zip()
+        header, self.locations[key] = read_member_header(zf, entries[key], self.path)
+        return header
 
     def data_chunks(self, key: str, header: MemberHeader) -> Iterator[bytes]:
-        return iter_data_chunks(self.zf, self.entries[key], header, f"{self.path}[{key}]")
+        zf, entries = self._zip()
+        return iter_data_chunks(zf, entries[key], header, f"{self.path}[{key}]")
+
+    def location(self, key: str) -> MemberLocation:
+        return self.locations[key]
+
+    def located_bytes(self, key: str, location: MemberLocation) -> Iterator[bytes]:
+        return located_bytes(self.fp.fileno(), location, key, f"{self.path}[{key}]")
 
 
 class _NpyFile:
@@ -145,6 +192,14 @@ class _NpyFile:
             if self.fp.read(1):
                 raise SourceError(f"{self.path}: holds more bytes than its header declares")
 
+    def location(self) -> MemberLocation:
+        """The whole file: a .npy file is exactly its header and data, with no CRC."""
+        file_nbytes = os.fstat(self.fp.fileno()).st_size
+        return MemberLocation(file_nbytes, 0, file_nbytes, file_nbytes, NO_CRC32, 0)
+
+    def located_bytes(self, key: str, location: MemberLocation) -> Iterator[bytes]:
+        return located_bytes(self.fp.fileno(), location, key, self.path)
+
 
 class _OneArray:
     """A ``.npy`` file as a source: one key, ``arr_0``."""
@@ -160,6 +215,12 @@ class _OneArray:
 
     def data_chunks(self, key: str, header: MemberHeader) -> Iterator[bytes]:
         return self.npy.data_chunks(header)
+
+    def location(self, key: str) -> MemberLocation:
+        return self.npy.location()
+
+    def located_bytes(self, key: str, location: MemberLocation) -> Iterator[bytes]:
+        return self.npy.located_bytes(key, location)
 
 
 class _SampleDir:
@@ -185,6 +246,14 @@ class _SampleDir:
 
     def data_chunks(self, key: str, header: MemberHeader) -> Iterator[bytes]:
         return self._file(key).data_chunks(header)
+
+    def location(self, key: str) -> MemberLocation:
+        return self._file(key).location()
+
+    def located_bytes(self, key: str, location: MemberLocation) -> Iterator[bytes]:
+        if key not in self.files:
+            raise SourceError(f"{self.path}[{key}]: key vanished since the file was scanned")
+        return self._file(key).located_bytes(key, location)
 
     def _file(self, key: str) -> _NpyFile:
         if key not in self.opened:

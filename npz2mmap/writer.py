@@ -11,15 +11,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
+from numpy.typing import NDArray
 
 from . import __version__, fsutil, provenance
-from .elements import ByteReader, stored_pieces
+from .elements import ByteReader, Piece, stored_pieces
 from .errors import SourceError
-from .npzfile import CHUNK_NBYTES, MemberHeader
+from .npzfile import CHUNK_NBYTES, LOCATION_FIELDS, MemberHeader, MemberLocation, parse_npy_header
 from .plan import FieldPlan, Plan, can_cast
 from .sources import open_source
 from .spec import (
@@ -41,6 +43,13 @@ from .spec import (
     storage_dtype,
 )
 
+# A batch of the copy pass holds at most this many source bytes (unless one file alone is larger).
+BATCH_NBYTES = 32 << 20
+STORED_NBYTES = MemberLocation._fields.index("stored_nbytes")
+# Adjacent small writes are gathered into runs of up to RUN_NBYTES, at most MAX_RUNS at once.
+RUN_NBYTES = 1 << 20
+MAX_RUNS = 16
+
 
 class MemberTask(NamedTuple):
     key: str
@@ -51,71 +60,209 @@ class MemberTask(NamedTuple):
     rows: int  # samples this member holds: 1, or its first dimension in rows mode
 
 
-class SampleTask(NamedTuple):
-    """Copy every selected member of one source (file or sample directory) to its place in the blob."""
+class FieldTask(NamedTuple):
+    """One field of a batch of consecutive source files, one entry per file."""
 
-    file: int
-    path: str
-    members: tuple[MemberTask, ...]
+    key: str
+    dtype: np.dtype  # as stored
+    cast: bool
+    file_offsets: NDArray[np.int64]  # where each file's samples of the field start in the blob
+    shapes: NDArray[np.int64]  # (files, ndim): each file's member shape (its rows' in rows mode)
 
 
-class SampleResult(NamedTuple):
-    file: int
-    crc32s: tuple[list[int], ...]  # per field, one CRC-32 per sample of the file
+class BatchTask(NamedTuple):
+    """Copy consecutive source files (or sample directories) to their places in the blob."""
+
+    first_file: int
+    paths: list[str]
+    rows: NDArray[np.int64]  # samples each file holds
+    fields: tuple[FieldTask, ...]
+    locations: NDArray[np.int64]  # (files, fields, LOCATION_FIELDS): MemberLocation rows
+    mode: str
+
+
+class BatchResult(NamedTuple):
+    first_file: int
+    num_files: int
+    crc32s: tuple[NDArray[np.uint32], ...]  # per field, one CRC-32 per sample of the batch
     nbytes: int
+    failures: tuple[tuple[int, str], ...]  # (file, reason): left out with skip_bad
 
 
-def sample_tasks(plan: Plan) -> Iterator[SampleTask]:
-    """One task per source file, in order, built lazily from the plan."""
-    for k, path in enumerate(plan.sources):
-        first, count = plan.file_rows(k)
-        yield SampleTask(k, path, tuple(_member_task(f, first, count, plan.mode) for f in plan.fields))
+class MemberLocations:
+    """Where every selected member of every source lies, as scanned: compact int64 rows.
+
+    Rows come in plan order (sources in order, keys sorted), so the table of
+    N sources is an (N, fields, LOCATION_FIELDS) array with no object per file.
+    """
+
+    def __init__(self) -> None:
+        self.values: array[int] = array("q")
+
+    def add(self, locations: Mapping[str, MemberLocation]) -> None:
+        for key in sorted(locations):
+            self.values.extend(locations[key])
+
+    def table(self, num_files: int, num_fields: int) -> NDArray[np.int64]:
+        return np.frombuffer(self.values, dtype=np.int64).reshape(num_files, num_fields, LOCATION_FIELDS)
 
 
-def _member_task(f: FieldPlan, first: int, count: int, mode: str) -> MemberTask:
-    offset = BLOB_HEADER_NBYTES + f.data.offset + int(f.sample_offsets[first])
-    if mode == "rows":
-        shape = (count, *(int(d) for d in f.shapes[first])) if count else None
-    else:
-        shape = tuple(int(d) for d in f.shapes[first])
-    return MemberTask(f.name, f.dtype, shape, offset, f.cast, count)
+def batch_tasks(
+    plan: Plan, locations: NDArray[np.int64], max_files: int, max_nbytes: int = BATCH_NBYTES
+) -> Iterator[BatchTask]:
+    """Tasks of consecutive files, in order: at most ``max_files`` files, ``max_nbytes`` source bytes
+    (unless one file alone is larger), built lazily from the plan."""
+    ends = np.cumsum(locations[:, :, STORED_NBYTES].sum(axis=1))
+    start = 0
+    while start < len(plan.sources):
+        before = int(ends[start - 1]) if start else 0
+        stop = int(np.searchsorted(ends, before + max_nbytes, side="right"))
+        stop = min(max(stop, start + 1), start + max_files, len(plan.sources))
+        yield _batch_task(plan, locations, start, stop)
+        start = stop
+
+
+def _batch_task(plan: Plan, locations: NDArray[np.int64], start: int, stop: int) -> BatchTask:
+    firsts = plan.file_starts[start:stop]
+    rows = plan.file_starts[start + 1 : stop + 1] - firsts
+    # A file of no rows has no sample to take a shape from; its shape is not used.
+    shaped = np.minimum(firsts, max(plan.num_samples - 1, 0))
+    fields = tuple(
+        FieldTask(
+            f.name,
+            f.dtype,
+            f.cast,
+            BLOB_HEADER_NBYTES + f.data.offset + f.sample_offsets[firsts],
+            f.shapes[shaped] if plan.num_samples else np.zeros((len(firsts), f.ndim), np.int64),
+        )
+        for f in plan.fields
+    )
+    return BatchTask(start, list(plan.sources[start:stop]), rows, fields, locations[start:stop], plan.mode)
 
 
 # --- worker side -------------------------------------------------------------
 
 
-def write_sample(blob_path: str, task: SampleTask) -> SampleResult:
-    """Copy one source file's members into the blob; return their CRC-32s.
+def write_batch(blob_path: str, task: BatchTask, skip_bad: bool) -> BatchResult:
+    """Copy a batch of source files' members into the blob; return their CRC-32s.
 
-    The blob is opened for this task alone: a descriptor kept for later tasks
-    would outlive the file it names (a retry replaces ``data.npy``).
+    A file that turns out bad raises SourceError, or with ``skip_bad`` is
+    listed in the result instead. The blob is opened for this task alone: a
+    descriptor kept for later tasks would outlive the file it names (a retry
+    replaces ``data.npy``).
     """
+    starts = np.zeros(len(task.paths) + 1, dtype=np.int64)
+    np.cumsum(task.rows, out=starts[1:])
+    crcs = tuple(np.zeros(int(starts[-1]), dtype=np.uint32) for _ in task.fields)
+    failures = []
+    nbytes = 0
     fd = os.open(blob_path, os.O_WRONLY | fsutil.BINARY)
     try:
-        return _copy_members(task, fd, blob_path)
+        out = GatheredWrites(fd)
+        for i, path in enumerate(task.paths):
+            try:
+                file_crcs, file_nbytes = _copy_file(task, i, path, out, blob_path)
+            except SourceError as exc:
+                if not skip_bad:
+                    raise
+                failures.append((task.first_file + i, str(exc)))
+                continue
+            for table, values in zip(crcs, file_crcs, strict=True):
+                table[starts[i] : starts[i + 1]] = values
+            nbytes += file_nbytes
+        out.flush()
     finally:
         os.close(fd)
+    return BatchResult(task.first_file, len(task.paths), crcs, nbytes, tuple(failures))
 
 
-def _copy_members(task: SampleTask, fd: int, blob_path: str) -> SampleResult:
+def _copy_file(
+    task: BatchTask, i: int, path: str, out: GatheredWrites, blob_path: str
+) -> tuple[list[list[int]], int]:
+    """Copy file ``i`` of the batch: its members' CRC-32s (one per sample) and stored bytes."""
+    rows = int(task.rows[i])
     crcs = []
     nbytes = 0
-    with open_source(task.path) as source:
-        keys = source.keys()
-        for member in task.members:
-            where = f"{task.path}[{member.key}]"
-            if member.key not in keys:
-                raise SourceError(f"{where}: key vanished since the file was scanned")
-            header = source.header(member.key)
-            if not _matches_plan(header, member):
+    with open_source(path) as source:
+        for f, field in enumerate(task.fields):
+            member = _member_task(field, i, rows, task.mode)
+            where = f"{path}[{member.key}]"
+            location = MemberLocation(*(int(v) for v in task.locations[i, f]))
+            reader = ByteReader(source.located_bytes(member.key, location), where)
+            header = parse_npy_header(_HeaderStream(reader), member.key, where)
+            if header.header_nbytes + header.nbytes != location.nbytes or not _matches_plan(header, member):
                 raise SourceError(f"{where}: changed since it was scanned")
-            chunks = source.data_chunks(member.key, header)
+            chunks = _rest(reader, header.nbytes)
             if header.fortran_order and len([d for d in header.shape if d != 1]) > 1:
                 crcs.append(_copy_fortran(chunks, header, member, blob_path, where))
             else:
-                crcs.append(_copy_c_order(chunks, header, member, fd, where))
+                crcs.append(_copy_c_order(chunks, header, member, out, where))
             nbytes += _stored_nbytes(header, member)
-    return SampleResult(task.file, tuple(crcs), nbytes)
+    return crcs, nbytes
+
+
+def _member_task(field: FieldTask, i: int, rows: int, mode: str) -> MemberTask:
+    shape = tuple(int(d) for d in field.shapes[i])
+    if mode == "rows":
+        return MemberTask(
+            field.key,
+            field.dtype,
+            (rows, *shape) if rows else None,
+            int(field.file_offsets[i]),
+            field.cast,
+            rows,
+        )
+    return MemberTask(field.key, field.dtype, shape, int(field.file_offsets[i]), field.cast, rows)
+
+
+class _HeaderStream:
+    """The start of a member's bytes as the stream parse_npy_header reads."""
+
+    def __init__(self, reader: ByteReader) -> None:
+        self.reader = reader
+
+    def read(self, nbytes: int) -> bytes:
+        return bytes(self.reader.read(nbytes))
+
+
+def _rest(reader: ByteReader, nbytes: int) -> Iterator[Piece]:
+    """The member's data after its header, then to its end, so its size and CRC-32 are checked."""
+    yield from reader.pieces(nbytes)
+    reader.finish()
+
+
+class GatheredWrites:
+    """Writes at given blob offsets, a run of adjacent small ones sent in one pwrite.
+
+    The samples of consecutive files lie back to back in each field, so a
+    batch of small files costs one write per field, not one per member. At
+    most MAX_RUNS runs of under RUN_NBYTES each are held; ``flush`` writes them.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.runs: dict[int, tuple[int, bytearray]] = {}  # end offset -> (start offset, bytes)
+
+    def write(self, data: Piece, offset: int) -> None:
+        run = self.runs.pop(offset, None)
+        if run is None:
+            if len(data) >= RUN_NBYTES:
+                fsutil.write_all_at(self.fd, data, offset)
+                return
+            if len(self.runs) >= MAX_RUNS:
+                self.flush()
+            run = (offset, bytearray())
+        start, gathered = run
+        gathered += data
+        if len(gathered) >= RUN_NBYTES:
+            fsutil.write_all_at(self.fd, gathered, start)
+        else:
+            self.runs[offset + len(data)] = (start, gathered)
+
+    def flush(self) -> None:
+        for start, gathered in self.runs.values():
+            fsutil.write_all_at(self.fd, gathered, start)
+        self.runs.clear()
 
 
 def _matches_plan(header: MemberHeader, member: MemberTask) -> bool:
@@ -130,12 +277,12 @@ def _matches_plan(header: MemberHeader, member: MemberTask) -> bool:
 
 
 def _copy_c_order(
-    chunks: Iterator[bytes], header: MemberHeader, member: MemberTask, fd: int, where: str
+    chunks: Iterator[Piece], header: MemberHeader, member: MemberTask, out: GatheredWrites, where: str
 ) -> list[int]:
     crcs = _RowCrcs(member.rows, _stored_nbytes(header, member))
     position = member.file_offset
     for piece in stored_pieces(chunks, header, member.dtype, where):
-        fsutil.write_all_at(fd, piece, position)
+        out.write(piece, position)
         crcs.feed(piece)
         position += len(piece)
     return crcs.result()
@@ -171,7 +318,7 @@ class _RowCrcs:
 
 
 def _copy_fortran(
-    chunks: Iterator[bytes], header: MemberHeader, member: MemberTask, blob_path: str, where: str
+    chunks: Iterator[Piece], header: MemberHeader, member: MemberTask, blob_path: str, where: str
 ) -> list[int]:
     """Write a Fortran-order member in C order through a mapping of its destination.
 

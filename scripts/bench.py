@@ -36,7 +36,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from npz2mmap import MmapDataset, MmapLoader, collate
-from npz2mmap.converter import convert
 from npz2mmap.reader import DatasetReader
 
 BATCH = 64
@@ -493,43 +492,106 @@ def advice_section(dataset: Path, quick: bool) -> list[Measured]:
 
 @dataclass
 class Conversion:
+    """One workload converted side by side with the floor: reading and copying its files."""
+
     workload: str
     files: int
     source_bytes: int
     dataset_bytes: int
-    workers: int
-    seconds: float
-    naive_pass_seconds: float
+    workers: int  # of the "all workers" runs
+    cat_cold_s: float
+    cat_hot_s: float
+    cp_sync_s: float  # cp -r of the sources, then sync, cold
+    inflate_s: float  # zlib alone over every member's deflated bytes, one process (0: nothing deflated)
+    convert_1_cold_s: float
+    convert_1_hot_s: float
+    convert_cold_s: float
+    convert_hot_s: float
 
 
-def naive_pass(paths: list[str], workers: int) -> float:
+def timed(command: list[str] | str) -> float:
     started = time.perf_counter()
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
-        for _ in pool.imap_unordered(load_npz, paths, chunksize=64):
-            pass
+    subprocess.run(command, check=True, shell=isinstance(command, str), capture_output=True)
     return time.perf_counter() - started
 
 
-def convert_section(
-    work: Workload, src: Path, root: Path, worker_counts: list[int]
-) -> tuple[Path, list[Conversion]]:
-    paths = npz_paths(src)
-    source_bytes = sum(os.path.getsize(p) for p in paths)
-    rows = []
+def cold(*roots: Path) -> list[Path]:
+    """Evict every file under ``roots`` from the page cache (see drop_from_page_cache); return them."""
+    paths = files_under(*roots)
+    drop_from_page_cache(paths)
+    return paths
+
+
+def cat_all(src: Path) -> float:
+    return timed(f"find '{src}' -type f -print0 | xargs -0 cat > /dev/null")
+
+
+def cp_and_sync(src: Path, copy: Path) -> float:
+    shutil.rmtree(copy, ignore_errors=True)
+    cold(src)
+    seconds = timed(f"cp -r '{src}' '{copy}' && sync")
+    cold(copy)
+    shutil.rmtree(copy)
+    return seconds
+
+
+def convert_cold_and_hot(src: Path, dataset: Path, workers: int) -> tuple[float, float]:
+    """`npz2mmap convert` from a cold cache, then again with the sources cached (the output removed first)."""
+    cli = str(Path(sys.executable).parent / "npz2mmap")
+    command = [cli, "convert", str(src), "-o", str(dataset), "--workers", str(workers), "-q"]
+    times = []
+    for drop in (True, False):
+        if dataset.exists():
+            cold(dataset)
+            shutil.rmtree(dataset)
+        if drop:
+            cold(src)
+        times.append(timed(command))
+    return times[0], times[1]
+
+
+def inflate_alone(src: Path) -> float:
+    """Seconds zlib takes to inflate every deflated member, in one process, its input already in memory."""
+    import zipfile
+
+    raw = []
+    for path in sorted(src.rglob("*.npz")):
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                if info.compress_type == zipfile.ZIP_DEFLATED:
+                    with open(path, "rb") as fp:
+                        fp.seek(info.header_offset + 26)
+                        skip = int.from_bytes(fp.read(2), "little") + int.from_bytes(fp.read(2), "little")
+                        fp.seek(skip, os.SEEK_CUR)
+                        raw.append(fp.read(info.compress_size))
+    started = time.perf_counter()
+    for data in raw:
+        zlib.decompressobj(-zlib.MAX_WBITS).decompress(data)
+    return time.perf_counter() - started if raw else 0.0
+
+
+def convert_section(work: Workload, src: Path, root: Path, workers: int) -> tuple[Path, Conversion]:
+    """cat (cold, hot), cp -r + sync and convert (1 and all workers, cold and hot), side by side."""
+    paths = files_under(src)
+    source_bytes = sum(p.stat().st_size for p in paths)
     dataset = root / work.name / "dataset"
-    for workers in worker_counts:
-        drop_from_page_cache(paths)
-        naive = naive_pass(paths, workers)
-        drop_from_page_cache(paths)
-        result = convert([src], dataset, workers=workers, overwrite=True)
-        size = sum(p.stat().st_size for p in files_under(dataset))
-        rows.append(Conversion(work.name, len(paths), source_bytes, size, workers, result.seconds, naive))
-        print(
-            f"  convert {work.name:10s} workers={workers}: {result.seconds:6.1f} s "
-            f"(one naive np.load pass: {naive:6.1f} s)",
-            flush=True,
-        )
-    return dataset, rows
+    cold(src)
+    cat_cold = cat_all(src)
+    cat_hot = cat_all(src)
+    cp_sync = cp_and_sync(src, root / work.name / "cp-copy")
+    one = convert_cold_and_hot(src, dataset, 1)
+    every = convert_cold_and_hot(src, dataset, workers)
+    size = sum(p.stat().st_size for p in files_under(dataset))
+    inflate = inflate_alone(src) if work.compressed else 0.0
+    row = Conversion(
+        work.name, len(paths), source_bytes, size, workers, cat_cold, cat_hot, cp_sync, inflate, *one, *every
+    )
+    print(
+        f"  {work.name:10s} cat {cat_cold:.1f}/{cat_hot:.1f} s, cp -r+sync {cp_sync:.1f} s, convert 1 worker "
+        f"{one[0]:.1f}/{one[1]:.1f} s, {workers} workers {every[0]:.1f}/{every[1]:.1f} s (cold/hot)",
+        flush=True,
+    )
+    return dataset, row
 
 
 def scale_section(root: Path) -> dict[str, Any]:
@@ -603,8 +665,15 @@ def child_convert_1m(root: Path) -> dict[str, Any]:
                 directory.mkdir(parents=True)
             np.savez(directory / f"{i:07d}.npz", x=rng.random(4, dtype=np.float32), y=np.int64(i))
         (root / "small-1m.done").touch()
+    cp_sync = cp_and_sync(src, root / "small-1m-cp")
+    cold(src)
     seconds, peak = convert_with_cli(src, root / "small-1m-dataset")
-    return {"convert_1m_files_s": seconds, "convert_1m_largest_process_peak_rss_mb": peak / 1e6}
+    return {
+        "convert_1m_files_s": seconds,
+        "convert_1m_cp_r_sync_s": cp_sync,
+        "convert_1m_vs_cp_r": seconds / cp_sync,
+        "convert_1m_largest_process_peak_rss_mb": peak / 1e6,
+    }
 
 
 def child_convert_2gib(root: Path) -> dict[str, Any]:
@@ -654,6 +723,7 @@ def current_rss() -> int:
 class Report:
     machine: dict[str, Any]
     cold_cache: str
+    conversion_cache: str = ""
     conversions: list[Conversion] = field(default_factory=list)
     throughput: list[Measured] = field(default_factory=list)
     memory: list[Measured] = field(default_factory=list)
@@ -740,15 +810,20 @@ def markdown(report: Report) -> str:
         ]
         lines += [f"| {r.loader} | {r.cold_per_s:,.0f} | {r.warm_per_s:,.0f} |" for r in report.advice]
     if report.conversions:
-        lines += ["", "Conversion (NPZ files → dataset), page cache dropped before each run:", ""]
+        lines += ["", f"Conversion against copying the same files, {report.conversion_cache}:", ""]
         lines += [
-            "| workload | files | NPZ size (MB) | dataset size (MB) | workers | convert (s) "
-            "| one np.load pass (s) |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| workload | files | NPZ (MB) | dataset (MB) | `cat` cold / hot (s) | `cp -r` + sync, cold (s) "
+            "| convert 1 worker, cold / hot (s) | convert N workers, cold / hot (s) | N | N workers cold "
+            "vs `cp -r` | hot vs hot `cat` | files/s (N, cold) | inflate alone, 1 process (s) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         lines += [
             f"| {c.workload} | {c.files:,} | {c.source_bytes / 1e6:,.0f} | {c.dataset_bytes / 1e6:,.0f} | "
-            f"{c.workers} | {c.seconds:.1f} | {c.naive_pass_seconds:.1f} |"
+            f"{c.cat_cold_s:.2f} / {c.cat_hot_s:.2f} | {c.cp_sync_s:.2f} | "
+            f"{c.convert_1_cold_s:.2f} / {c.convert_1_hot_s:.2f} | "
+            f"{c.convert_cold_s:.2f} / {c.convert_hot_s:.2f} | "
+            f"{c.workers} | {ratio(c.convert_cold_s, c.cp_sync_s)} | {ratio(c.convert_hot_s, c.cat_hot_s)} | "
+            f"{c.files / c.convert_cold_s:,.0f} | {f'{c.inflate_s:.2f}' if c.inflate_s else '-'} |"
             for c in report.conversions
         ]
     if report.scale:
@@ -831,14 +906,19 @@ def main() -> None:
     ]
     cores = os.cpu_count() or 1
     report = Report(machine_facts(), "pages of the files read evicted with posix_fadvise(DONTNEED) before it")
+    report.conversion_cache = (
+        "page cache of every source and output file dropped with posix_fadvise(DONTNEED) "
+        "before each cold step"
+        if hasattr(os, "posix_fadvise")
+        else "page cache NOT dropped (no posix_fadvise here): cold figures are hot"
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     datasets = {}
     print(f"workloads in {workdir}", flush=True)
     for work in workloads:
         src = make_workload(work, workdir)
-        counts = sorted({1, 2, cores}) if work.name == "fixed" and not args.quick else [cores]
-        datasets[work.name], rows = convert_section(work, src, workdir, counts)
-        report.conversions += rows
+        datasets[work.name], row = convert_section(work, src, workdir, cores)
+        report.conversions.append(row)
     for work in workloads:
         report.throughput += throughput_section(
             work, workdir / work.name / "npz", datasets[work.name], workdir, args.quick

@@ -42,3 +42,11 @@ def test_quick_benchmark_writes_table_json_and_chart(tmp_path) -> None:
     assert {row["workload"] for row in report["throughput"]} == {"fixed", "ragged", "compressed"}
     assert all(row["warm_per_s"] > 0 and row["peak_pss_bytes"] > 0 for row in report["throughput"])
     assert (tmp_path / "out" / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Conversion against copying the same files, page cache of every source and output file" in table
+    conversions = {row["workload"]: row for row in report["conversions"]}
+    assert set(conversions) == {"fixed", "ragged", "compressed"}
+    for row in conversions.values():
+        assert row["files"] > 0 and row["cat_cold_s"] > 0 and row["cp_sync_s"] > 0
+        assert row["convert_1_cold_s"] > 0 and row["convert_hot_s"] > 0 and row["dataset_bytes"] > 0
+        assert f"| {row['workload']} | {row['files']:,} |" in table
+    assert conversions["compressed"]["inflate_s"] > 0 and conversions["fixed"]["inflate_s"] == 0

@@ -25,14 +25,16 @@ SCRIPT = str(Path(sys.executable).parent / "npz2mmap")
 MAIN_PID = os.getpid()
 # Kills of the main process per phase; NPZ2MMAP_LONG=1 tries many more moments.
 KILLS_PER_PHASE = 6 if os.environ.get("NPZ2MMAP_LONG") == "1" else 1
-_real_write_sample = writer.write_sample
+_real_write_batch = writer.write_batch
 
 
-def _die_in_worker_on_sample_five(blob_path: str, task: writer.SampleTask) -> writer.SampleResult:
-    """Stands in for writer.write_sample: a worker process is killed as the OOM killer would."""
-    if os.getpid() != MAIN_PID and task.file == 5:
+def _die_in_worker_on_sample_five(
+    blob_path: str, task: writer.BatchTask, skip_bad: bool
+) -> writer.BatchResult:
+    """Stands in for writer.write_batch: a worker process is killed as the OOM killer would."""
+    if os.getpid() != MAIN_PID and task.first_file <= 5 < task.first_file + len(task.paths):
         os.kill(os.getpid(), signal.SIGKILL)
-    return _real_write_sample(blob_path, task)
+    return _real_write_batch(blob_path, task, skip_bad)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +154,7 @@ def test_leftovers_of_a_killed_conversion_are_removed_by_the_next(tmp_path, sour
 
 
 def test_a_worker_killed_mid_conversion_is_an_error_not_a_hang(tmp_path, sources, monkeypatch) -> None:
-    monkeypatch.setattr(writer, "write_sample", _die_in_worker_on_sample_five)
+    monkeypatch.setattr(writer, "write_batch", _die_in_worker_on_sample_five)
     with pytest.raises(Npz2mmapError, match="a worker process died \\(killed, or out of memory\\?\\)"):
         convert([sources], tmp_path / "out", workers=2)
     assert not (tmp_path / "out").exists()

@@ -10,12 +10,22 @@ from __future__ import annotations
 
 import ast
 import io
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
+from conftest import write_samples
 from hypothesis import given
 from hypothesis import strategies as st
 
 from npz2mmap import npzfile
+from npz2mmap.converter import convert
+from npz2mmap.errors import SourceError
+from npz2mmap.progress import SilentProgress
+from npz2mmap.reader import DatasetReader
 
 SHAPES = st.lists(st.integers(0, 10**19 - 1), max_size=4).map(tuple)  # longer numbers: the parser
 DESCRS = st.sampled_from(["<f8", ">i4", "|u1", "|S10", "<U3", "<M8[ns]", "|b1", ">c16", "|V7", "<m8[s]"])
@@ -52,3 +62,122 @@ def test_any_other_text_is_left_to_the_parser(descr, fortran, shape, data) -> No
     fast = npzfile._canonical_header(edited)
     if fast is not None:
         assert fast == ast.literal_eval(edited)
+
+
+# --- the copy reads members where the scan found them, and checks them -------------------------
+
+
+class _EditBeforeCopy(SilentProgress):
+    """Runs ``edit`` once the scan is done, as a user changing a source meanwhile could."""
+
+    def __init__(self, edit: Callable[[], object]) -> None:
+        self.edit = edit
+
+    def stage(self, name: str, total_files: int, total_nbytes: int, unit: str = "files") -> None:
+        if name == "copy":
+            self.edit()
+
+
+def flip_last_byte(path: Path) -> None:
+    """Change the last byte of the file's first member's data: the zip directory stays as it was."""
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as zf:
+        info = zf.infolist()[0]
+    name_and_extra = int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little")
+    name_and_extra += int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little")
+    end = info.header_offset + 30 + name_and_extra + info.compress_size
+    data[end - 1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def converted(tmp_path: Path, sources: Path, edit: Callable[[], object], **options: Any) -> str:
+    """The error of a conversion whose sources are edited between scan and copy; nothing left behind."""
+    with pytest.raises(SourceError) as caught:
+        convert([sources], tmp_path / "out", workers=1, progress=_EditBeforeCopy(edit), **options)
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_member_corrupted_after_the_scan_is_found_by_its_crc(tmp_path, compressed) -> None:
+    paths = write_samples(tmp_path / "src", [{"x": np.arange(1000.0) + i} for i in range(3)], compressed)
+    message = converted(tmp_path, tmp_path / "src", lambda: flip_last_byte(paths[1]))
+    if compressed:  # a changed deflate stream fails to inflate, or inflates to other bytes
+        assert message.startswith(f"{paths[1]}[x]: ") and "\n" not in message
+    else:
+        assert message == f"{paths[1]}[x]: not a valid zip/npz file (Bad CRC-32 for file 'x.npy')"
+
+
+def test_a_source_saved_again_with_another_shape_of_the_same_size_is_refused(tmp_path) -> None:
+    """Same file size, a valid zip: the header the copy reads is not the one planned."""
+    paths = write_samples(tmp_path / "src", [{"x": np.arange(6.0).reshape(2, 3)} for _ in range(2)])
+    same_size = lambda: np.savez(paths[1], x=np.arange(6.0).reshape(3, 2))  # noqa: E731
+    assert converted(tmp_path, tmp_path / "src", same_size) == f"{paths[1]}[x]: changed since it was scanned"
+
+
+def test_a_source_saved_again_with_other_values_is_refused_by_the_crc_the_scan_read(tmp_path) -> None:
+    """Same size, same header, a valid zip with its own right CRC: only the CRC the scan read tells."""
+    paths = write_samples(tmp_path / "src", [{"x": np.arange(6.0)} for _ in range(2)])
+    other_values = lambda: np.savez(paths[1], x=np.arange(6.0) + 1)  # noqa: E731
+    assert converted(tmp_path, tmp_path / "src", other_values) == (
+        f"{paths[1]}[x]: not a valid zip/npz file (Bad CRC-32 for file 'x.npy')"
+    )
+
+
+def test_a_source_that_grew_or_shrank_after_the_scan_is_refused(tmp_path) -> None:
+    paths = write_samples(tmp_path / "src", [{"x": np.arange(10.0)} for _ in range(2)])
+    before = paths[1].stat().st_size
+    longer = lambda: np.savez(paths[1], x=np.arange(11.0))  # noqa: E731
+    after = before + 8
+    assert converted(tmp_path, tmp_path / "src", longer) == (
+        f"{paths[1]}[x]: changed since it was scanned (the file held {before} bytes, now {after})"
+    )
+
+
+@pytest.mark.parametrize("sample_dirs", [False, True])
+def test_a_npy_source_given_another_header_after_the_scan_is_refused(tmp_path, sample_dirs) -> None:
+    """A .npy file has no CRC: the header read by the copy must still be the one planned."""
+    target = tmp_path / "src" / "s1" / "x.npy"
+    for path in (tmp_path / "src" / "s0" / "x.npy", target):
+        path.parent.mkdir(parents=True)
+        np.save(path, np.arange(6.0).reshape(2, 3))
+    message = converted(
+        tmp_path,
+        tmp_path / "src",
+        lambda: np.save(target, np.arange(6.0).reshape(3, 2)),
+        sample_dirs=sample_dirs,
+    )
+    where = f"{target.parent}[x]" if sample_dirs else f"{target}[arr_0]"
+    assert message == f"{where}: changed since it was scanned"
+
+
+def test_a_field_of_a_sample_dir_removed_after_the_scan_is_named(tmp_path) -> None:
+    for i in range(2):
+        (tmp_path / "src" / f"s{i}").mkdir(parents=True)
+        for key in ("x", "y"):
+            np.save(tmp_path / "src" / f"s{i}" / f"{key}.npy", np.arange(3.0))
+    gone = tmp_path / "src" / "s1"
+    message = converted(tmp_path, tmp_path / "src", (gone / "y.npy").unlink, sample_dirs=True)
+    assert message == f"{gone}[y]: key vanished since the file was scanned"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_skip_bad_leaves_out_files_changed_after_the_scan_and_keeps_the_rest_exact(tmp_path, workers) -> None:
+    samples = [{"x": np.arange(300.0) + i, "n": np.arange(i % 7)} for i in range(40)]
+    paths = write_samples(tmp_path / "src", samples)
+
+    def edit() -> None:
+        flip_last_byte(paths[3])
+        np.savez(paths[20], x=np.arange(301.0), n=np.arange(6))
+
+    result = convert(
+        [tmp_path / "src"], tmp_path / "out", workers=workers, skip_bad=True, progress=_EditBeforeCopy(edit)
+    )
+    assert [path for path, _ in result.skipped] == [str(paths[3]), str(paths[20])]
+    reader = DatasetReader(tmp_path / "out")
+    kept = [s for k, s in enumerate(samples) if k not in (3, 20)]
+    assert len(reader) == len(kept)
+    for i, sample in enumerate(kept):
+        for key, array in sample.items():
+            assert reader.view(key, i).tobytes() == array.tobytes()
