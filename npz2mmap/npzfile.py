@@ -54,10 +54,13 @@ _CANONICAL_HEADER = re.compile(
 # Deflate expands at most 1032-fold (a 258-byte match costs at least 2 bits).
 DEFLATE_MAX_RATIO = 1032
 DEFLATE_SLACK_NBYTES = 1024
-# A zip local file header: signature, 22 bytes we do not need, name and extra field lengths.
-ZIP_LOCAL_HEADER = struct.Struct("<4s22xHH")
+# A zip local file header: signature, version, flags, 18 bytes we do not need, name and extra lengths.
+ZIP_LOCAL_HEADER = struct.Struct("<4s2xH18xHH")
 ZIP_LOCAL_SIGNATURE = b"PK\x03\x04"
 ZIP_ENCRYPTED_FLAG = 0x1
+ZIP_PATCHED_FLAG = 0x20
+ZIP_STRONG_ENCRYPTION_FLAG = 0x40
+ZIP_UTF8_FLAG = 0x800
 
 # What a damaged or hostile zip can raise from the standard library.
 _ZIP_ERRORS = (
@@ -127,9 +130,10 @@ def _describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def open_zip(fp: BinaryIO) -> zipfile.ZipFile:
-    """Parse the zip directory of an open NPZ file; closing the ZipFile leaves ``fp`` open (its owner's)."""
-    _prefetch_small_file(fp)
+def open_zip(fp: BinaryIO, file_nbytes: int) -> zipfile.ZipFile:
+    """Parse the zip directory of an open NPZ file of ``file_nbytes``; closing the ZipFile leaves
+    ``fp`` open (its owner's)."""
+    _prefetch_small_file(fp, file_nbytes)
     return zipfile.ZipFile(fp)
 
 
@@ -145,13 +149,12 @@ def open_regular_file(path: str) -> BinaryIO:
         raise SourceError(f"{path}: {exc}") from None
 
 
-def _prefetch_small_file(fp: IO[bytes]) -> None:
+def _prefetch_small_file(fp: IO[bytes], size: int) -> None:
     """Ask for a small file in one read before zipfile hops between its end and its start.
 
     On a cold cache those hops cost a disk read each; the whole file is read
     by the copy pass anyway. Larger files are left to the kernel's readahead.
     """
-    size = os.fstat(fp.fileno()).st_size
     if size <= PREFETCH_MAX_NBYTES:
         fsutil.advise(fp.fileno(), size, "willneed")
 
@@ -170,13 +173,22 @@ def members(zf: zipfile.ZipFile, path: str) -> dict[str, zipfile.ZipInfo]:
 
 
 def read_member_header(
-    zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str
+    zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str, file_nbytes: int
 ) -> tuple[MemberHeader, MemberLocation]:
-    """Check a member's zip sizes, then read its .npy header; SourceError naming file and key."""
+    """Check a member's zip sizes, then read its .npy header; SourceError naming file and key.
+
+    ``file_nbytes`` is the size of the open file. A stored member's header is
+    read straight from the file, a deflated one's through zipfile.
+    """
     where = f"{path}[{member_key(info.filename)}]"
-    location = check_member_sizes(zf, info, where)
-    with source_errors(where), zf.open(info) as stream:
-        header = parse_npy_header(stream, member_key(info.filename), where)
+    location = check_member_sizes(zf, info, where, file_nbytes)
+    with source_errors(where):
+        if location.flags & DEFLATED:
+            with zf.open(info) as stream:
+                header = parse_npy_header(stream, member_key(info.filename), where)
+        else:
+            stored = _Range(_zip_file(zf), location.offset, location.offset + location.stored_nbytes)
+            header = parse_npy_header(stored, member_key(info.filename), where)
     declared = header.header_nbytes + header.nbytes
     if declared != info.file_size:
         raise SourceError(
@@ -186,7 +198,30 @@ def read_member_header(
     return header, location
 
 
-def check_member_sizes(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> MemberLocation:
+class _Range:
+    """Reads of the bytes from ``start`` to ``end`` of a file, through its own position."""
+
+    def __init__(self, fp: IO[bytes], start: int, end: int) -> None:
+        self.fp = fp
+        self.position = start
+        self.end = end
+
+    def read(self, nbytes: int) -> bytes:
+        self.fp.seek(self.position)
+        data = self.fp.read(max(0, min(nbytes, self.end - self.position)))
+        self.position += len(data)
+        return data
+
+
+def _zip_file(zf: zipfile.ZipFile) -> IO[bytes]:
+    if zf.fp is None:
+        raise ValueError("the archive is closed")
+    return zf.fp
+
+
+def check_member_sizes(
+    zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str, file_nbytes: int
+) -> MemberLocation:
     """Refuse zip sizes that no real member has, before anything is planned by them; say where it lies.
 
     A stored member occupies exactly its size, a deflated one at least
@@ -212,19 +247,16 @@ def check_member_sizes(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -
             f"{where}: compression method {info.compress_type} is not supported "
             "(numpy writes stored or deflated members)"
         )
-    file_nbytes, offset = _check_member_inside_file(zf, info, where)
+    offset = _check_member_inside_file(_zip_file(zf), info, where, file_nbytes)
     flags = (DEFLATED if info.compress_type == zipfile.ZIP_DEFLATED else 0) | (
         NAMED_NPY if info.filename.endswith(NPY_SUFFIX) else 0
     )
     return MemberLocation(file_nbytes, offset, info.compress_size, info.file_size, info.CRC, flags)
 
 
-def _check_member_inside_file(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str) -> tuple[int, int]:
-    """(the file's size, where the member's stored bytes start)."""
-    fp = zf.fp
-    if fp is None:
-        raise ValueError("the archive is closed")
-    file_nbytes = os.fstat(fp.fileno()).st_size
+def _check_member_inside_file(fp: IO[bytes], info: zipfile.ZipInfo, where: str, file_nbytes: int) -> int:
+    """Where the member's stored bytes start, after its local header, which must name it as
+    the zip directory does (as zipfile checks when it opens a member)."""
     start = info.header_offset
     if not 0 <= start <= file_nbytes - ZIP_LOCAL_HEADER.size:
         raise SourceError(f"{where}: member header at byte {start} lies outside the {file_nbytes}-byte file")
@@ -232,7 +264,12 @@ def _check_member_inside_file(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where:
     local = fp.read(ZIP_LOCAL_HEADER.size)
     if len(local) != ZIP_LOCAL_HEADER.size or local[:4] != ZIP_LOCAL_SIGNATURE:
         raise SourceError(f"{where}: no zip member header at byte {start}")
-    _, name_nbytes, extra_nbytes = ZIP_LOCAL_HEADER.unpack(local)
+    flags, name_nbytes, extra_nbytes = ZIP_LOCAL_HEADER.unpack(local)[1:]
+    _check_local_name(fp.read(name_nbytes), flags, info, where)
+    if info.flag_bits & ZIP_PATCHED_FLAG:
+        raise SourceError(f"{where}: compressed patched data (flag bit 5)")
+    if info.flag_bits & ZIP_STRONG_ENCRYPTION_FLAG:
+        raise SourceError(f"{where}: strong encryption (flag bit 6)")
     offset = start + ZIP_LOCAL_HEADER.size + name_nbytes + extra_nbytes
     end = offset + info.compress_size
     if end > file_nbytes:
@@ -240,7 +277,20 @@ def _check_member_inside_file(zf: zipfile.ZipFile, info: zipfile.ZipInfo, where:
             f"{where}: member of {info.compress_size} bytes would end at byte {end}, "
             f"past the end of the {file_nbytes}-byte file"
         )
-    return file_nbytes, offset
+    return offset
+
+
+def _check_local_name(name: bytes, flags: int, info: zipfile.ZipInfo, where: str) -> None:
+    """zipfile's own check, with its message, for members whose headers are read without it."""
+    try:
+        text = name.decode("utf-8" if flags & ZIP_UTF8_FLAG else "cp437")
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"{where}: {exc}") from None
+    if text != info.orig_filename:
+        raise SourceError(
+            f"{where}: not a valid zip/npz file (File name in directory "
+            f"{info.orig_filename!r} and header {name!r} differ.)"
+        )
 
 
 class Readable(Protocol):

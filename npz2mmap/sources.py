@@ -104,6 +104,7 @@ class _Npz:
         self.path = path
         with source_errors(path):
             self.fp = open_regular_file(path)
+            self.file_nbytes = os.fstat(self.fp.fileno()).st_size
         self.opened: tuple[zipfile.ZipFile, dict[str, zipfile.ZipInfo]] | None = None
         self.locations: dict[str, MemberLocation] = {}
 
@@ -118,7 +119,7 @@ class _Npz:
     def _zip(self) -> tuple[zipfile.ZipFile, dict[str, zipfile.ZipInfo]]:
         if self.opened is None:
             with source_errors(self.path):
-                zf = open_zip(self.fp)
+                zf = open_zip(self.fp, self.file_nbytes)
             self.opened = zf, members(zf, self.path)
         return self.opened
 
@@ -127,7 +128,7 @@ class _Npz:
 
     def header(self, key: str) -> MemberHeader:
         zf, entries = self._zip()
-        header, self.locations[key] = read_member_header(zf, entries[key], self.path)
+        header, self.locations[key] = read_member_header(zf, entries[key], self.path, self.file_nbytes)
         return header
 
     def data_chunks(self, key: str, header: MemberHeader) -> Iterator[bytes]:

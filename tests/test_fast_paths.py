@@ -181,3 +181,18 @@ def test_skip_bad_leaves_out_files_changed_after_the_scan_and_keeps_the_rest_exa
     for i, sample in enumerate(kept):
         for key, array in sample.items():
             assert reader.view(key, i).tobytes() == array.tobytes()
+
+
+def test_a_member_whose_local_header_names_another_file_is_refused_as_zipfile_refuses_it(tmp_path) -> None:
+    """The scan reads a stored member's .npy header without zipfile, but keeps zipfile's name check."""
+    path = write_samples(tmp_path / "src", [{"x": np.arange(3.0)}])[0]
+    data = path.read_bytes()
+    start = data.index(b"PK\x03\x04") + 30
+    assert data[start : start + 5] == b"x.npy"
+    path.write_bytes(data[:start] + b"y" + data[start + 1 :])
+    with zipfile.ZipFile(path) as zf, pytest.raises(zipfile.BadZipFile) as expected:
+        zf.open("x.npy")
+    with pytest.raises(SourceError) as caught:
+        convert([path], tmp_path / "out", workers=1)
+    assert str(caught.value) == f"{path}[x]: not a valid zip/npz file ({expected.value})"
+    assert "File name in directory 'x.npy' and header b'y.npy' differ." in str(caught.value)
