@@ -37,6 +37,7 @@ NPY_VERSIONS = {(1, 0): (2, "latin1"), (2, 0): (4, "latin1"), (3, 0): (4, "utf-8
 # numpy's own limit on header size, in characters; larger headers come only from hostile files.
 MAX_NPY_HEADER_CHARS = 10_000
 CHUNK_NBYTES = 4 << 20
+HEADER_PIECE_NBYTES = 4096  # of a deflated member read at a time for its header
 PREFETCH_MAX_NBYTES = 4 << 20
 HEADER_KEYS = {"descr", "fortran_order", "shape"}
 # Accepted header texts remembered (see _parsed_header): at most this many, each at most this long.
@@ -177,18 +178,14 @@ def read_member_header(
 ) -> tuple[MemberHeader, MemberLocation]:
     """Check a member's zip sizes, then read its .npy header; SourceError naming file and key.
 
-    ``file_nbytes`` is the size of the open file. A stored member's header is
-    read straight from the file, a deflated one's through zipfile.
+    ``file_nbytes`` is the size of the open file. The header is read from the
+    member's bytes where the zip says they are, inflated if need be, as
+    zipfile would read them, without its per-member stream objects.
     """
     where = f"{path}[{member_key(info.filename)}]"
     location = check_member_sizes(zf, info, where, file_nbytes)
     with source_errors(where):
-        if location.flags & DEFLATED:
-            with zf.open(info) as stream:
-                header = parse_npy_header(stream, member_key(info.filename), where)
-        else:
-            stored = _Range(_zip_file(zf), location.offset, location.offset + location.stored_nbytes)
-            header = parse_npy_header(stored, member_key(info.filename), where)
+        header = parse_npy_header(_MemberStart(_zip_file(zf), location), member_key(info.filename), where)
     declared = header.header_nbytes + header.nbytes
     if declared != info.file_size:
         raise SourceError(
@@ -198,15 +195,44 @@ def read_member_header(
     return header, location
 
 
-class _Range:
-    """Reads of the bytes from ``start`` to ``end`` of a file, through its own position."""
+class _MemberStart:
+    """Reads from the start of a member's uncompressed bytes (enough for its .npy header).
 
-    def __init__(self, fp: IO[bytes], start: int, end: int) -> None:
+    The stored bytes are read through ``fp``'s own position, a piece at a
+    time, and inflated when the member is deflated; never past the member.
+    """
+
+    def __init__(self, fp: IO[bytes], location: MemberLocation) -> None:
         self.fp = fp
-        self.position = start
-        self.end = end
+        self.position = location.offset
+        self.end = location.offset + location.stored_nbytes
+        self.inflater = zlib.decompressobj(-zlib.MAX_WBITS) if location.flags & DEFLATED else None
+        self.pending = b""
 
     def read(self, nbytes: int) -> bytes:
+        while len(self.pending) < nbytes:
+            more = self._more(nbytes - len(self.pending))
+            if not more:
+                break
+            self.pending += more
+        data, self.pending = self.pending[:nbytes], self.pending[nbytes:]
+        return data
+
+    def _more(self, nbytes: int) -> bytes:
+        if self.inflater is None:
+            return self._stored(nbytes)
+        if self.inflater.unconsumed_tail:
+            return self.inflater.decompress(self.inflater.unconsumed_tail, nbytes)
+        while not self.inflater.eof:
+            raw = self._stored(HEADER_PIECE_NBYTES)
+            if not raw:
+                break
+            data = self.inflater.decompress(raw, nbytes)
+            if data:
+                return data
+        return b""
+
+    def _stored(self, nbytes: int) -> bytes:
         self.fp.seek(self.position)
         data = self.fp.read(max(0, min(nbytes, self.end - self.position)))
         self.position += len(data)
