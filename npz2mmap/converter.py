@@ -341,7 +341,8 @@ class _Copy:
         failed: list[tuple[int, str]] = []
         copy_batch = functools.partial(_copy_batch, blob_path, self.skip_bad)
         # Several batches per worker, so the last ones finish together; at most MAX_BATCH_FILES each.
-        files_per_batch = max(1, min(MAX_BATCH_FILES, -(-len(plan.sources) // (self.workers * 4))))
+        per_worker = -(-len(plan.sources) // (self.workers * 4)) if self.workers > 1 else MAX_BATCH_FILES
+        files_per_batch = max(1, min(MAX_BATCH_FILES, per_worker))
         tasks = writer.batch_tasks(plan, self.locations, files_per_batch)
         for result in self.imap(copy_batch, tasks, per_message=1):
             first = int(plan.file_starts[result.first_file])

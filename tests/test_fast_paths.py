@@ -21,11 +21,12 @@ from conftest import write_samples
 from hypothesis import given
 from hypothesis import strategies as st
 
-from npz2mmap import npzfile
+from npz2mmap import fsutil, npzfile
 from npz2mmap.converter import convert
 from npz2mmap.errors import SourceError
 from npz2mmap.progress import SilentProgress
 from npz2mmap.reader import DatasetReader
+from npz2mmap.spec import BLOB_HEADER_NBYTES
 
 SHAPES = st.lists(st.integers(0, 10**19 - 1), max_size=4).map(tuple)  # longer numbers: the parser
 DESCRS = st.sampled_from(["<f8", ">i4", "|u1", "|S10", "<U3", "<M8[ns]", "|b1", ">c16", "|V7", "<m8[s]"])
@@ -196,3 +197,23 @@ def test_a_member_whose_local_header_names_another_file_is_refused_as_zipfile_re
         convert([path], tmp_path / "out", workers=1)
     assert str(caught.value) == f"{path}[x]: not a valid zip/npz file ({expected.value})"
     assert "File name in directory 'x.npy' and header b'y.npy' differ." in str(caught.value)
+
+
+def test_a_batch_of_small_files_is_written_with_one_write_per_field(tmp_path, monkeypatch) -> None:
+    """Samples of consecutive files lie back to back in each field: a batch gathers them into one write."""
+    samples = [{"x": np.arange(i % 5 + 1, dtype=np.int32), "y": np.float64(i)} for i in range(60)]
+    write_samples(tmp_path / "src", samples)
+    writes: list[tuple[int, int]] = []
+    real_write = fsutil.write_all_at
+
+    def counted(fd: int, data: Any, offset: int) -> None:
+        writes.append((offset, len(memoryview(data))))
+        real_write(fd, data, offset)
+
+    monkeypatch.setattr(fsutil, "write_all_at", counted)
+    result = convert([tmp_path / "src"], tmp_path / "out", workers=1)
+    regions = [(BLOB_HEADER_NBYTES + f.data.offset, f.data.nbytes) for f in result.index.fields]
+    data_writes = [(o, n) for o, n in writes if any(start <= o < start + size for start, size in regions)]
+    assert sorted(data_writes) == sorted(regions)
+    reader = DatasetReader(tmp_path / "out")
+    assert [reader.view("x", i).tobytes() for i in range(60)] == [s["x"].tobytes() for s in samples]
