@@ -194,16 +194,16 @@ def test_a_crash_halfway_through_copying_leaves_the_old_dataset_intact(
 ) -> None:
     out, _ = small_dataset
     before = {name: (out / name).read_bytes() for name in ("data.npy", "index.json", "sources.jsonl")}
-    real_write = writer.write_batch
+    real_copy = writer._copy_file
+    calls = []
 
-    def crash_on_third(blob_path, task, skip_bad):
-        if task.first_file + len(task.paths) > 2:
-            task = task._replace(paths=task.paths[: 2 - task.first_file])
-            real_write(blob_path, task, skip_bad)
+    def crash_on_third(task, i, path, out, blob_path):
+        calls.append(path)
+        if len(calls) == 3:
             raise KeyboardInterrupt
-        return real_write(blob_path, task, skip_bad)
+        return real_copy(task, i, path, out, blob_path)
 
-    monkeypatch.setattr(writer, "write_batch", crash_on_third)
+    monkeypatch.setattr(writer, "_copy_file", crash_on_third)
     write_samples(tmp_path / "new", mixed_samples(6))
     with pytest.raises(KeyboardInterrupt):
         convert([tmp_path / "new"], out, overwrite=True, workers=1)
