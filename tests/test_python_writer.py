@@ -46,6 +46,11 @@ def dataset_files(path: Path) -> dict[str, bytes]:
 
 
 def keys_of(path: Path) -> list[str]:
+    """The keys of a corpus source: an NPZ file's members, a sample directory's files, a .npy file's arr_0."""
+    if path.is_dir():
+        return sorted(entry.name.removesuffix(".npy") for entry in path.iterdir())
+    if path.suffix == ".npy":
+        return ["arr_0"]
     with zipfile.ZipFile(path) as zf:
         return sorted(name.removesuffix(".npy") for name in zf.namelist())
 
@@ -80,7 +85,15 @@ def test_writer_writes_the_bytes_convert_writes_for_any_corpus(tmp_path_factory,
     corpus, options = case
     root = tmp_path_factory.mktemp("writer-oracle")
     paths = [path for path, _ in write_corpus(corpus, root / "src").files]
-    convert(paths, root / "converted", keys=options.keys, casts=options.casts, align=options.align, workers=1)
+    convert(
+        paths,
+        root / "converted",
+        keys=options.keys,
+        casts=options.casts,
+        align=options.align,
+        workers=1,
+        sample_dirs=corpus.layout == "sample-dirs",
+    )
     written = write_from_files(
         root / "written", paths, options.keys, casts=options.casts, align=options.align
     )
