@@ -117,31 +117,49 @@ def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
     return sources[len(sources) * i // n : len(sources) * (i + 1) // n]
 
 
-def check_part(part: tuple[int, int]) -> tuple[int, int]:
-    """``part`` itself; ValueError unless it is (i, n) with 0 <= i < n."""
-    i, n = part
+def check_part(part: object) -> tuple[int, int]:
+    """``part`` as (i, n); TypeError unless it is a pair of integers, ValueError unless 0 <= i < n."""
+    if not isinstance(part, (tuple, list)) or len(part) != 2:
+        raise TypeError(f"part must be a pair (i, n) of integers, not {_brief(part)}")
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in part):
+        raise TypeError(f"part must be a pair (i, n) of integers, not {_brief(part)}")
+    i, n = int(part[0]), int(part[1])
     if not 0 <= i < n:
         raise ValueError(f"part {i}/{n} does not exist: i must be from 0 to {n - 1}")
-    return part
+    return i, n
+
+
+def _brief(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:80]}..."
 
 
 def part_from_environment(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
-    """(i, n) from the launcher: torchrun's RANK/WORLD_SIZE or Slurm's SLURM_PROCID/SLURM_NTASKS."""
+    """(i, n) from the launcher: torchrun's RANK/WORLD_SIZE or Slurm's SLURM_PROCID/SLURM_NTASKS.
+
+    Only plain ASCII digits count: int() would also take " 1", "1_0" and
+    other scripts' digits, which no launcher writes.
+    """
     environ = os.environ if environ is None else environ
     for rank, size in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
         if rank in environ and size in environ:
-            try:
-                i, n = int(environ[rank]), int(environ[size])
-            except ValueError:
+            values = environ[rank], environ[size]
+            if not all(_is_small_ascii_number(v) for v in values):
                 raise ValueError(
-                    f"{rank}={environ[rank]!r} and {size}={environ[size]!r} are not integers"
-                ) from None
+                    f"{rank}={_brief(values[0])} and {size}={_brief(values[1])} are not integers"
+                )
+            i, n = int(values[0]), int(values[1])
             if not 0 <= i < n:
                 raise ValueError(f"{rank}={i} and {size}={n}: {rank} must be from 0 to {size} - 1")
             return i, n
     raise ValueError(
         "--part auto needs RANK and WORLD_SIZE (torchrun) or SLURM_PROCID and SLURM_NTASKS (Slurm)"
     )
+
+
+def _is_small_ascii_number(text: str) -> bool:
+    """Digits 0-9 only, at most 18 of them (no launcher runs more processes)."""
+    return 0 < len(text) <= 18 and text.isascii() and text.isdigit()
 
 
 def part_directory(out_dir: str, part: tuple[int, int]) -> str:

@@ -31,8 +31,10 @@ from .spec import (
     OFFSET_DTYPE,
     SHAPE_DTYPE,
     Region,
+    brief,
     checked_nbytes,
     dtype_depth,
+    field_name_problem,
     representable_nbytes,
     storage_dtype,
 )
@@ -133,6 +135,13 @@ class _FieldCollector:
         return np.frombuffer(self.dims, dtype=np.int64).reshape(num_samples, self.ndim)
 
 
+def check_field_name(name: str, where: str) -> None:
+    """SourceError naming ``where`` and showing ``name`` escaped, if a dataset may not hold ``name``."""
+    problem = field_name_problem(name)
+    if problem is not None:
+        raise SourceError(f"{where}: field name {brief(name)} {problem}")
+
+
 def can_cast(source: np.dtype, target: np.dtype) -> bool:
     """What --cast allows: numpy's 'same_kind' rule (float64 -> float32, never float -> int)."""
     return bool(np.can_cast(source, target, casting="same_kind"))
@@ -212,8 +221,11 @@ class PlanBuilder:
         """Check one source against those before it without recording it.
 
         Raises SourceError naming ``source`` (and the key) when it differs
-        from the first source, or would take the dataset past its limits.
+        from the first source, has a field name a dataset may not hold, or
+        would take the dataset past its limits.
         """
+        for key in members:
+            check_field_name(key, source)
         count = _count_rows(source, members) if self.rows else 1
         num_samples = self.num_samples + count
         if num_samples > MAX_NUM_SAMPLES:
