@@ -23,7 +23,7 @@ from .inputs import discover_sources
 from .npzfile import MemberHeader
 from .parallel import Mapper, worker_map
 from .plan import Plan, build_plan, drop_files
-from .progress import Progress, SilentProgress
+from .progress import Progress, progress_display
 from .render import human_bytes
 from .sources import is_npy_path, read_headers
 from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
@@ -52,7 +52,7 @@ def convert(
     workers: int | None = None,
     align: int = MIN_ALIGN,
     overwrite: bool = False,
-    progress: Progress | None = None,
+    progress: Progress | str | None = None,
 ) -> ConvertResult:
     """Convert NPZ and .npy files (one sample each) into a dataset directory at ``out_dir``.
 
@@ -67,6 +67,8 @@ def convert(
     ``part=(i, n)``, only the i-th of n contiguous slices of the sorted inputs
     is converted, into a complete dataset of its own. With ``rows``, every
     array of a file shares its first dimension and each row is one sample.
+    ``progress`` is a Progress object, or a mode of ``--progress`` ("auto",
+    "bar", "log", "none") to show it on stderr as the CLI does; TypeError otherwise.
 
     Raises SourceError for unusable inputs and OutputError when ``out_dir``
     cannot be written; on any error nothing is left at ``out_dir`` and an
@@ -74,13 +76,14 @@ def convert(
     """
     started = time.perf_counter()
     out = os.fspath(out_dir)
+    display = progress_display(progress)
     check_align(align)
     publish.check_output(out, overwrite)
     sources = select_part(discover_sources(inputs, sample_dirs), part)
-    progress = progress or SilentProgress()
     _refuse_output_inside_inputs(out, inputs)
     skipped: list[tuple[str, str]] = []
     with (
+        display as shown,
         publish.output_lock(out) as lock_fd,
         worker_map(workers or os.cpu_count() or 1, len(sources), close_in_workers=(lock_fd,)) as imap,
     ):
@@ -88,7 +91,7 @@ def convert(
         space = free_nbytes(out)
         try:
             plan = _scan(
-                sources, scan_one, parse_casts(casts), align, imap, progress, skipped, rows, space, part
+                sources, scan_one, parse_casts(casts), align, imap, shown, skipped, rows, space, part
             )
         except MismatchError as exc:
             if sample_dirs or not any(is_npy_path(path) for path in sources):
@@ -99,7 +102,7 @@ def convert(
         sources_nbytes = _total_file_nbytes(plan.sources)
         staging = make_staging_dir(out)
         try:
-            plan, index = _copy(plan, sources, staging, imap, progress, skip_bad, skipped, part)
+            plan, index = _copy(plan, sources, staging, imap, shown, skip_bad, skipped, part)
             publish.publish(staging, out, overwrite)
         except OSError as exc:
             raise OutputError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from exc

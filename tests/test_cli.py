@@ -361,7 +361,7 @@ def test_counts_of_one_read_in_the_singular(tmp_path) -> None:
 
 
 def test_progress_lines_name_a_single_item_in_the_singular() -> None:
-    from npz2mmap.commands import LogProgress
+    from npz2mmap.progress import LogProgress
 
     ticks = iter([0.0, 5.0])
     progress = LogProgress(clock=lambda: next(ticks))
