@@ -7,7 +7,9 @@ order, so the output is byte-identical whatever the number of workers.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
+import itertools
 import os
 import shutil
 import time
@@ -17,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import publish, writer
+from . import provenance, publish, writer
 from .errors import MismatchError, OutputError, SourceError
 from .inputs import discover_sources
 from .npzfile import MemberHeader
@@ -98,14 +100,17 @@ def convert(
                 raise
             # .npy files that disagree are often the fields of one sample.
             raise MismatchError(f"{exc} (each directory one sample? use --sample-dirs)") from exc
-        check_free_space(out, BLOB_HEADER_NBYTES + plan.payload_nbytes, space)
+        needed = dataset_nbytes(plan, skipped, part)
+        check_free_space(out, needed, space)
         sources_nbytes = _total_file_nbytes(plan.sources)
         staging = make_staging_dir(out)
         try:
             plan, index = _copy(plan, sources, staging, imap, shown, skip_bad, skipped, part)
             publish.publish(staging, out, overwrite)
         except OSError as exc:
-            raise OutputError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from exc
+            raise OutputError(
+                f"{out}: cannot write the dataset ({exc.strerror or exc}){_sizes(exc, needed, space)}"
+            ) from exc
         finally:
             publish.remove_staging(staging)
     seconds = time.perf_counter() - started
@@ -171,13 +176,34 @@ def free_nbytes(out: str) -> int | None:
         return None
 
 
-def check_free_space(out: str, blob_nbytes: int, free_nbytes: int | None) -> None:
-    """Refuse, before anything is written, a blob larger than the space free for it."""
-    if free_nbytes is not None and blob_nbytes > free_nbytes:
+def check_free_space(out: str, needed_nbytes: int, free_nbytes: int | None) -> None:
+    """Refuse, before anything is written, a dataset larger than the space free for it."""
+    if free_nbytes is not None and needed_nbytes > free_nbytes:
         raise OutputError(
-            f"{out}: the dataset needs {blob_nbytes:,} bytes ({human_bytes(blob_nbytes)}), "
+            f"{out}: the dataset needs {needed_nbytes:,} bytes ({human_bytes(needed_nbytes)}), "
             f"{free_nbytes:,} bytes ({human_bytes(free_nbytes)}) free on its file system"
         )
+
+
+def dataset_nbytes(plan: Plan, skipped: Sequence[tuple[str, str]], part: tuple[int, int] | None) -> int:
+    """Bytes of every file the conversion of ``plan`` writes: the blob, sources.jsonl,
+    skipped.jsonl and (at most) index.json.
+
+    With long paths, sources.jsonl can be a large part of a dataset of small samples.
+    """
+    lines = itertools.chain(provenance.source_lines(plan), provenance.skipped_lines(skipped))
+    text_nbytes = sum(len(line.encode("utf-8")) for line in lines)
+    index_nbytes = writer.index_nbytes_bound(plan, len(skipped) + len(plan.sources), part)
+    return BLOB_HEADER_NBYTES + plan.payload_nbytes + text_nbytes + index_nbytes
+
+
+def _sizes(exc: OSError, needed_nbytes: int, free_nbytes: int | None) -> str:
+    """For a full disk, what the dataset needs and what was free when the conversion began."""
+    if exc.errno != errno.ENOSPC:
+        return ""
+    free = "unknown" if free_nbytes is None else f"{free_nbytes:,} bytes ({human_bytes(free_nbytes)})"
+    needed = f"{needed_nbytes:,} bytes ({human_bytes(needed_nbytes)})"
+    return f": the dataset needs {needed}, {free} free when the conversion began"
 
 
 def _total_file_nbytes(paths: Sequence[str]) -> int:
