@@ -81,7 +81,7 @@ def convert(
     display = progress_display(progress)
     check_align(align)
     publish.check_output(out, overwrite)
-    sources = select_part(discover_sources(inputs, sample_dirs), part)
+    sources = select_part(discover_sources(inputs, sample_dirs, skip_bad), part)
     _refuse_output_inside_inputs(out, inputs)
     skipped: list[tuple[str, str]] = []
     with (

@@ -358,3 +358,49 @@ def test_sample_directories_count_their_npy_files_as_the_sources_size(tmp_path) 
     )
     expected = sum((tmp_path / "src" / f"s{k}" / "x.npy").stat().st_size for k in range(2))
     assert result.sources_nbytes == expected
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes and /dev/zero")
+@pytest.mark.parametrize("mode", [[], ["--sample-dirs"]])
+def test_skip_bad_skips_and_records_pipes_devices_and_broken_links_found_in_a_directory(
+    tmp_path, mode
+) -> None:
+    save_npy(tmp_path / "src" / "s0" / "x.npy", np.arange(3.0))
+    targets = {kind: tmp_path / "src" / f"s{k + 1}" / "x.npy" for k, kind in enumerate(NOT_REGULAR)}
+    for kind, target in targets.items():
+        target.parent.mkdir()
+        put_in_place(target, kind)
+    code, output = convert_cli(str(tmp_path / "src"), *mode, "--skip-bad", "-o", str(tmp_path / "out"))
+    assert code == 0, output
+    skipped_path = tmp_path / "out" / "skipped.jsonl"
+    records = [json.loads(line) for line in skipped_path.read_text().splitlines()]
+    expected_paths = [str(t.parent if mode else t) for t in targets.values()]
+    assert records == [
+        {"path": path, "reason": f"{target}: {NOT_REGULAR[kind]}"}
+        for path, (kind, target) in zip(expected_paths, targets.items(), strict=True)
+    ]
+    assert (
+        output
+        == f"Warning: skipped 3 bad files, listed in {skipped_path}; the first: {records[0]['reason']}\n"
+    )
+    reader = DatasetReader(str(tmp_path / "out"))
+    assert len(reader) == 1
+    assert (
+        reader.view(reader.field_names[0], 0).tobytes()
+        == np.load(tmp_path / "src" / "s0" / "x.npy").tobytes()
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_skip_bad_skips_a_pipe_named_directly_but_not_a_missing_path(tmp_path) -> None:
+    good = save_npy(tmp_path / "src" / "a.npy", np.arange(3.0))
+    pipe = tmp_path / "src" / "b.npy"
+    os.mkfifo(pipe)
+    code, output = convert_cli(str(good), str(pipe), "--skip-bad", "-o", str(tmp_path / "out"))
+    assert code == 0, output
+    records = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
+    assert records == [{"path": str(pipe), "reason": f"{pipe}: {NOT_REGULAR['fifo']}"}]
+    missing = tmp_path / "src" / "c.npy"
+    code, output = convert_cli(str(good), str(missing), "--skip-bad", "-o", str(tmp_path / "out2"))
+    assert (code, output) == (1, f"Error: {missing}: no such file or directory\n")
+    assert_nothing_written(tmp_path / "out2")
