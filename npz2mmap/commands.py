@@ -33,6 +33,7 @@ from .verify import verify as verify_dataset
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+
 def quiet_progress(quiet: bool, progress_mode: str) -> str:
     """The progress mode of a command with ``-q``: none; a usage error if --progress asked for another."""
     source = click.get_current_context().get_parameter_source("progress_mode")

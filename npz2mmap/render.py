@@ -34,14 +34,17 @@ def render_summary(summary: dict[str, Any]) -> str:
         lines[2:2] = [f"parts    {len(summary['parts'])}, read in order as one dataset"]
         part_rows = [("part", "samples", "first sample", "blob", "blob bytes")]
         part_rows += [
-            (p["path"], f"{p['num_samples']:,}", f"{p['start']:,}", p["blob"], human_bytes(p["blob_nbytes"]))
+            (p["path"], _part_samples(p), f"{p['start']:,}", p["blob"], human_bytes(p["blob_nbytes"]))
             for p in summary["parts"]
         ]
         lines += [*_table(part_rows), ""]
-    rows = [("field", "kind", "dtype", "shape", "bytes")]
-    for f in summary["fields"]:
-        rows.append((f["name"], f["kind"], f["dtype"], _shape_text(f), human_bytes(f["nbytes"])))
-    lines += _table(rows)
+    if summary["fields"]:
+        rows = [("field", "kind", "dtype", "shape", "bytes")]
+        for f in summary["fields"]:
+            rows.append((f["name"], f["kind"], f["dtype"], _shape_text(f), human_bytes(f["nbytes"])))
+        lines += _table(rows)
+    else:
+        lines.append("fields   none (no samples)")
     if "stats" in summary:
         stat_rows = [("field", "count", "min", "max", "mean", "std")]
         for name, s in summary["stats"].items():
@@ -52,6 +55,10 @@ def render_summary(summary: dict[str, Any]) -> str:
         if f.get("lengths"):
             lines += ["", *_render_lengths(f["name"], f["lengths"])]
     return "\n".join(lines)
+
+
+def _part_samples(part: dict[str, Any]) -> str:
+    return "0 (empty)" if part["empty"] else f"{part['num_samples']:,}"
 
 
 def _blob_line(summary: dict[str, Any]) -> str:

@@ -8,15 +8,19 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .parts import FieldInfo, Parts, PartsReader, describe_parts
+from .parts import FieldInfo, Parts, PartsReader, describe_parts, is_manifest_dir
 from .progress import Progress, SilentProgress
 from .reader import DatasetReader
 from .spec import BLOB_NAME, FORMAT_NAME, FORMAT_VERSION
 
 
 def describe_dataset(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Format, counts, sizes, blobs (one per part), parts and one entry per field. Raises FormatError."""
+    """Format, counts, sizes, blobs (one per part), parts and one entry per field. Raises FormatError.
+
+    A dataset of parts (a manifest, even of one part) lists every part, empty ones too.
+    """
     parts = Parts(path)
+    of_parts = is_manifest_dir(os.fspath(path)) or len(parts.all_paths) > 1
     readers = [DatasetReader(p, index) for p, index in zip(parts.paths, parts.indexes, strict=True)]
     first = parts.indexes[0]
     return {
@@ -25,10 +29,10 @@ def describe_dataset(path: str | os.PathLike[str]) -> dict[str, Any]:
         "version": FORMAT_VERSION,
         "tool_version": first.tool_version,
         "num_samples": parts.num_samples,
-        "blobs": [os.path.join(p, BLOB_NAME) for p in parts.paths],
-        "blob_nbytes": sum(index.blob_nbytes for index in parts.indexes),
-        "align": min(index.align for index in parts.indexes),  # parts may differ; every region has this
-        "parts": describe_parts(parts) if len(parts.paths) > 1 else [],
+        "blobs": [os.path.join(p, BLOB_NAME) for p in parts.all_paths],
+        "blob_nbytes": sum(index.blob_nbytes for index in parts.all_indexes),
+        "align": min(index.align for index in parts.all_indexes),  # parts may differ; every region has this
+        "parts": describe_parts(parts) if of_parts else [],
         "fields": [_describe_field(parts.field(name), readers) for name in parts.field_names],
     }
 
