@@ -24,9 +24,11 @@ from .cache import warm as warm_dataset
 from .converter import cast_dtype, part_directory, part_from_environment
 from .converter import convert as convert_files
 from .errors import Npz2mmapError
+from .inputs import npy_with_sample_dirs
 from .merge import merge as merge_parts
 from .progress import PROGRESS_MODES, showing_progress
 from .render import human_bytes, plural, render_sample, render_summary
+from .sources import is_npy_path
 from .spec import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
 from .summary import describe_dataset, describe_sample, field_statistics
 from .verify import verify as verify_dataset
@@ -278,6 +280,10 @@ def convert(
     it); a .npy file holds the one field arr_0 (with --sample-dirs, each
     directory holding .npy files is one sample instead).
     """
+    if sample_dirs:
+        named_npy = [path for path in inputs if is_npy_path(path) and not os.path.isdir(path)]
+        if named_npy:
+            raise click.UsageError(npy_with_sample_dirs(named_npy[0]))
     if part is not None:
         out_dir = part_directory(out_dir, part)
     with showing_progress(quiet_progress(quiet, progress_mode)) as progress:

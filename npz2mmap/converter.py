@@ -96,9 +96,8 @@ def convert(
                 sources, scan_one, parse_casts(casts), align, imap, shown, skipped, rows, space, part
             )
         except MismatchError as exc:
-            if sample_dirs or not any(is_npy_path(path) for path in sources):
+            if sample_dirs or not looks_like_sample_dirs(sources):
                 raise
-            # .npy files that disagree are often the fields of one sample.
             raise MismatchError(f"{exc} (each directory one sample? use --sample-dirs)") from exc
         needed = dataset_nbytes(plan, skipped, part)
         check_free_space(out, needed, space)
@@ -115,6 +114,23 @@ def convert(
             publish.remove_staging(staging)
     seconds = time.perf_counter() - started
     return ConvertResult(out, index, plan.data_nbytes, seconds, tuple(skipped), sources_nbytes)
+
+
+def looks_like_sample_dirs(sources: Sequence[str]) -> bool:
+    """Whether .npy files look like the fields of samples, one directory each: their names
+    repeat across directories (s0/x.npy, s0/y.npy, s1/x.npy), unlike a flat folder's."""
+    names_by_dir: dict[str, set[str]] = {}
+    for path in sources:
+        if is_npy_path(path):
+            names_by_dir.setdefault(os.path.dirname(path), set()).add(os.path.basename(path))
+    if not any(len(names) > 1 for names in names_by_dir.values()):
+        return False
+    seen: set[str] = set()
+    for names in names_by_dir.values():
+        if seen & names:
+            return True
+        seen |= names
+    return False
 
 
 def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:

@@ -73,11 +73,22 @@ def _expand_list_file(list_path: str, sample_dirs: bool, skip_bad: bool) -> Iter
 def _expand_path(path: str, sample_dirs: bool, skip_bad: bool) -> list[str]:
     if os.path.isdir(path):
         return _walk(path, sample_dirs, skip_bad)
+    if sample_dirs and is_npy_path(path) and os.path.lexists(path):
+        raise SourceError(npy_with_sample_dirs(path))
     if os.path.isfile(path) or (skip_bad and os.path.lexists(path)):
         return [os.path.abspath(path)]
     if os.path.lexists(path):
         raise SourceError(f"{path}: {fsutil.describe_kind(path)}, not a regular file or directory")
     raise SourceError(f"{path}: no such file or directory")
+
+
+def npy_with_sample_dirs(path: str) -> str:
+    """Why a .npy file cannot be named with --sample-dirs: it would be a sample of one field,
+    ``arr_0``, beside samples whose fields are named by their files."""
+    return (
+        f"{path}: a .npy file named with --sample-dirs, where each sample is a directory "
+        "of .npy files; name its directory instead"
+    )
 
 
 def _walk(top: str, sample_dirs: bool, skip_bad: bool) -> list[str]:

@@ -110,15 +110,46 @@ def test_npy_rows_are_samples(tmp_path) -> None:
     ]
 
 
-def test_npy_files_that_disagree_get_the_sample_dirs_hint(tmp_path) -> None:
-    save_npy(tmp_path / "train" / "x.npy", np.zeros((5, 3), np.float32))
-    y = save_npy(tmp_path / "train" / "y.npy", np.zeros(5, np.int64))
+def test_npy_files_whose_names_repeat_across_directories_get_the_sample_dirs_hint(tmp_path) -> None:
+    for sample in ("s0", "s1"):
+        save_npy(tmp_path / "train" / sample / "x.npy", np.zeros((5, 3), np.float32))
+        save_npy(tmp_path / "train" / sample / "y.npy", np.zeros(5, np.int64))
     code, output = convert_cli(str(tmp_path / "train"), "-o", str(tmp_path / "out"))
     assert code == 1
     assert output == (
-        f"Error: {y}[arr_0]: dtype int64 differs from float32 in {tmp_path / 'train' / 'x.npy'}; "
+        f"Error: {tmp_path / 'train' / 's0' / 'y.npy'}[arr_0]: dtype int64 differs from float32 in "
+        f"{tmp_path / 'train' / 's0' / 'x.npy'}; "
         "use --cast arr_0=DTYPE to store one dtype (each directory one sample? use --sample-dirs)\n"
     )
+    assert_nothing_written(tmp_path / "out")
+    assert convert_cli(str(tmp_path / "train"), "--sample-dirs", "-o", str(tmp_path / "out"))[0] == 0
+
+
+def test_npy_files_that_disagree_in_a_flat_folder_get_no_sample_dirs_hint(tmp_path) -> None:
+    save_npy(tmp_path / "flat" / "a.npy", np.zeros(3, np.float64))
+    b = save_npy(tmp_path / "flat" / "b.npy", np.zeros(3, np.float32))
+    code, output = convert_cli(str(tmp_path / "flat"), "-o", str(tmp_path / "out"))
+    assert (code, output) == (
+        1,
+        f"Error: {b}[arr_0]: dtype float32 differs from float64 in {tmp_path / 'flat' / 'a.npy'}; "
+        "use --cast arr_0=DTYPE to store one dtype\n",
+    )
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_a_npy_file_named_with_sample_dirs_is_a_usage_error(tmp_path) -> None:
+    s0 = save_npy(tmp_path / "flat" / "s0.npy", np.zeros(3))
+    code, output = convert_cli(str(s0), "--sample-dirs", "-o", str(tmp_path / "out"))
+    assert code == 2
+    assert output.splitlines()[-1] == (
+        f"Error: {s0}: a .npy file named with --sample-dirs, where each sample is a directory of "
+        ".npy files; name its directory instead"
+    )
+    assert_nothing_written(tmp_path / "out")
+    (tmp_path / "list.txt").write_text("flat/s0.npy\n")
+    with pytest.raises(SourceError) as caught:
+        convert([f"@{tmp_path / 'list.txt'}"], tmp_path / "out", sample_dirs=True)
+    assert str(caught.value).startswith(f"{s0}: a .npy file named with --sample-dirs")
     assert_nothing_written(tmp_path / "out")
 
 
