@@ -71,8 +71,10 @@ def _blob_line(summary: dict[str, Any]) -> str:
 
 def _render_lengths(name: str, stats: dict[str, Any]) -> list[str]:
     """A ragged field's length distribution as one line of figures and a text histogram."""
+    axis = stats.get("axis", 0)
+    which = "first dimension" if axis == 0 else f"axis {axis}, the first that varies"
     head = (
-        f"{name} lengths (first dimension): min {stats['min']:,}, p50 {stats['p50']:,.0f}, "
+        f"{name} lengths ({which}): min {stats['min']:,}, p50 {stats['p50']:,.0f}, "
         f"p90 {stats['p90']:,.0f}, p99 {stats['p99']:,.0f}, max {stats['max']:,}, mean {stats['mean']:,.1f}"
     )
     counts, edges = stats["histogram"]["counts"], stats["histogram"]["edges"]

@@ -50,8 +50,16 @@ def _describe_field(info: FieldInfo, readers: list[DatasetReader]) -> dict[str, 
     shapes = [r.shapes(info.name) for r in readers if len(r)]  # tables checked whole
     out["min_shape"] = np.min([s.min(axis=0) for s in shapes], axis=0).tolist() if shapes else []
     out["max_shape"] = np.max([s.max(axis=0) for s in shapes], axis=0).tolist() if shapes else []
-    out["lengths"] = length_distribution(np.concatenate([s[:, 0] for s in shapes])) if shapes else {}
+    out["lengths"] = _varying_lengths(np.concatenate(shapes)) if shapes else {}
     return out
+
+
+def _varying_lengths(shapes: NDArray[np.int64]) -> dict[str, Any]:
+    """The length distribution of the first axis whose length varies (axis 0 if none does):
+    for shapes (2, 1..3), the 1..3, not a column of 2s."""
+    varying = np.flatnonzero(shapes.min(axis=0) != shapes.max(axis=0))
+    axis = int(varying[0]) if len(varying) else 0
+    return {"axis": axis, **length_distribution(shapes[:, axis])}
 
 
 def length_distribution(lengths: NDArray[np.int64], bins: int = 10) -> dict[str, Any]:
