@@ -195,7 +195,7 @@ def _check_align(ctx: click.Context, param: click.Parameter, value: int) -> int:
 @click.version_option(__version__, prog_name="npz2mmap")
 @debug_option
 def cli() -> None:
-    """Convert many .npz files into one memory-mapped dataset for PyTorch."""
+    """Convert many .npz or .npy files into one memory-mapped dataset for PyTorch."""
 
 
 def output_option(help_text: str) -> Callable[[F], F]:
@@ -208,7 +208,11 @@ def output_option(help_text: str) -> Callable[[F], F]:
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
 @output_option("Dataset directory to create.")
 @click.option(
-    "--keys", callback=_parse_keys, metavar="A,B", help="Convert only these NPZ keys (default: all)."
+    "--keys",
+    callback=_parse_keys,
+    metavar="A,B",
+    help="Convert only these keys: NPZ member names, arr_0 for a .npy file, NAME for NAME.npy "
+    "with --sample-dirs (default: all).",
 )
 @click.option(
     "--cast",

@@ -64,10 +64,13 @@ def _expand_list_file(list_path: str, sample_dirs: bool, skip_bad: bool) -> Iter
     except UnicodeDecodeError:
         raise SourceError(f"{list_path}: list file is not UTF-8 text") from None
     base = os.path.dirname(os.path.abspath(list_path))
-    for line in lines:
+    for number, line in enumerate(lines, start=1):
         entry = line.strip()
         if entry and not entry.startswith("#"):
-            yield from _expand_path(os.path.join(base, entry), sample_dirs, skip_bad)
+            try:
+                yield from _expand_path(os.path.join(base, entry), sample_dirs, skip_bad)
+            except SourceError as exc:
+                raise SourceError(f"{list_path}, line {number:,}: {exc}") from None
 
 
 def _expand_path(path: str, sample_dirs: bool, skip_bad: bool) -> list[str]:

@@ -500,3 +500,25 @@ def test_convert_refuses_a_dataset_larger_than_the_free_space_before_writing(tmp
     assert sorted(os.listdir(tmp_path)) == ["ref", "src"]  # nothing written, no staging directory
     monkeypatch.setattr(shutil, "disk_usage", lambda path: real_disk_usage(path)._replace(free=needed))
     assert run("convert", tmp_path / "src", "-o", tmp_path / "out", "-q").exit_code == 0
+
+
+def test_help_speaks_of_npy_files_too() -> None:
+    top = run("--help").output
+    assert "Convert many .npz or .npy files into one memory-mapped dataset for PyTorch." in top
+    keys_help = " ".join(run("convert", "--help").output.split())
+    assert (
+        "--keys A,B Convert only these keys: NPZ member names, arr_0 for a .npy file, NAME for NAME.npy "
+        "with --sample-dirs (default: all)."
+    ) in keys_help
+
+
+def test_a_missing_path_in_a_list_file_names_the_list_and_line(tmp_path) -> None:
+    write_samples(tmp_path / "data", [{"x": np.arange(3)}])
+    listed = sorted((tmp_path / "data").iterdir())[0].name
+    (tmp_path / "list.txt").write_text(f"# train\ndata/{listed}\n\ndata/gone.npz\n")
+    result = run("convert", f"@{tmp_path / 'list.txt'}", "-o", str(tmp_path / "out"))
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {tmp_path / 'list.txt'}, line 4: {tmp_path / 'data' / 'gone.npz'}: no such file or directory\n"
+    )
+    assert not (tmp_path / "out").exists()

@@ -149,7 +149,7 @@ def test_a_npy_file_named_with_sample_dirs_is_a_usage_error(tmp_path) -> None:
     (tmp_path / "list.txt").write_text("flat/s0.npy\n")
     with pytest.raises(SourceError) as caught:
         convert([f"@{tmp_path / 'list.txt'}"], tmp_path / "out", sample_dirs=True)
-    assert str(caught.value).startswith(f"{s0}: a .npy file named with --sample-dirs")
+    assert str(caught.value).startswith(f"{tmp_path / 'list.txt'}, line 1: {s0}: a .npy file named with")
     assert_nothing_written(tmp_path / "out")
 
 

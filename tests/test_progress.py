@@ -52,7 +52,9 @@ def ticking(step: float) -> Iterator[float]:
 def ticking_logs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Log lines as if every clock reading were 10 s after the last: each advance prints one."""
     ticks = ticking(10)
-    monkeypatch.setattr(progress_module, "LogProgress", functools.partial(LogProgress, clock=lambda: next(ticks)))
+    monkeypatch.setattr(
+        progress_module, "LogProgress", functools.partial(LogProgress, clock=lambda: next(ticks))
+    )
 
 
 @pytest.fixture
