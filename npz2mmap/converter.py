@@ -7,7 +7,9 @@ order, so the output is byte-identical whatever the number of workers.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
+import itertools
 import os
 import shutil
 import time
@@ -17,13 +19,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import publish, writer
+from . import provenance, publish, writer
 from .errors import MismatchError, OutputError, SourceError
 from .inputs import discover_sources
 from .npzfile import MemberHeader
 from .parallel import Mapper, worker_map
 from .plan import Plan, build_plan, drop_files
-from .progress import Progress, SilentProgress
+from .progress import Progress, progress_display
 from .render import human_bytes
 from .sources import is_npy_path, read_headers
 from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
@@ -52,7 +54,7 @@ def convert(
     workers: int | None = None,
     align: int = MIN_ALIGN,
     overwrite: bool = False,
-    progress: Progress | None = None,
+    progress: Progress | str | None = None,
 ) -> ConvertResult:
     """Convert NPZ and .npy files (one sample each) into a dataset directory at ``out_dir``.
 
@@ -67,6 +69,8 @@ def convert(
     ``part=(i, n)``, only the i-th of n contiguous slices of the sorted inputs
     is converted, into a complete dataset of its own. With ``rows``, every
     array of a file shares its first dimension and each row is one sample.
+    ``progress`` is a Progress object, or a mode of ``--progress`` ("auto",
+    "bar", "log", "none") to show it on stderr as the CLI does; TypeError otherwise.
 
     Raises SourceError for unusable inputs and OutputError when ``out_dir``
     cannot be written; on any error nothing is left at ``out_dir`` and an
@@ -74,13 +78,14 @@ def convert(
     """
     started = time.perf_counter()
     out = os.fspath(out_dir)
+    display = progress_display(progress)
     check_align(align)
     publish.check_output(out, overwrite)
-    sources = select_part(discover_sources(inputs, sample_dirs), part)
-    progress = progress or SilentProgress()
+    sources = select_part(discover_sources(inputs, sample_dirs, skip_bad), part)
     _refuse_output_inside_inputs(out, inputs)
     skipped: list[tuple[str, str]] = []
     with (
+        display as shown,
         publish.output_lock(out) as lock_fd,
         worker_map(workers or os.cpu_count() or 1, len(sources), close_in_workers=(lock_fd,)) as imap,
     ):
@@ -88,25 +93,44 @@ def convert(
         space = free_nbytes(out)
         try:
             plan = _scan(
-                sources, scan_one, parse_casts(casts), align, imap, progress, skipped, rows, space, part
+                sources, scan_one, parse_casts(casts), align, imap, shown, skipped, rows, space, part
             )
         except MismatchError as exc:
-            if sample_dirs or not any(is_npy_path(path) for path in sources):
+            if sample_dirs or not looks_like_sample_dirs(sources):
                 raise
-            # .npy files that disagree are often the fields of one sample.
             raise MismatchError(f"{exc} (each directory one sample? use --sample-dirs)") from exc
-        check_free_space(out, BLOB_HEADER_NBYTES + plan.payload_nbytes, space)
+        needed = dataset_nbytes(plan, skipped, part)
+        check_free_space(out, needed, space)
         sources_nbytes = _total_file_nbytes(plan.sources)
         staging = make_staging_dir(out)
         try:
-            plan, index = _copy(plan, sources, staging, imap, progress, skip_bad, skipped, part)
+            plan, index = _copy(plan, sources, staging, imap, shown, skip_bad, skipped, part)
             publish.publish(staging, out, overwrite)
         except OSError as exc:
-            raise OutputError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from exc
+            raise OutputError(
+                f"{out}: cannot write the dataset ({exc.strerror or exc}){_sizes(exc, needed, space)}"
+            ) from exc
         finally:
             publish.remove_staging(staging)
     seconds = time.perf_counter() - started
     return ConvertResult(out, index, plan.data_nbytes, seconds, tuple(skipped), sources_nbytes)
+
+
+def looks_like_sample_dirs(sources: Sequence[str]) -> bool:
+    """Whether .npy files look like the fields of samples, one directory each: their names
+    repeat across directories (s0/x.npy, s0/y.npy, s1/x.npy), unlike a flat folder's."""
+    names_by_dir: dict[str, set[str]] = {}
+    for path in sources:
+        if is_npy_path(path):
+            names_by_dir.setdefault(os.path.dirname(path), set()).add(os.path.basename(path))
+    if not any(len(names) > 1 for names in names_by_dir.values()):
+        return False
+    seen: set[str] = set()
+    for names in names_by_dir.values():
+        if seen & names:
+            return True
+        seen |= names
+    return False
 
 
 def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
@@ -186,13 +210,34 @@ def free_nbytes(out: str) -> int | None:
         return None
 
 
-def check_free_space(out: str, blob_nbytes: int, free_nbytes: int | None) -> None:
-    """Refuse, before anything is written, a blob larger than the space free for it."""
-    if free_nbytes is not None and blob_nbytes > free_nbytes:
+def check_free_space(out: str, needed_nbytes: int, free_nbytes: int | None) -> None:
+    """Refuse, before anything is written, a dataset larger than the space free for it."""
+    if free_nbytes is not None and needed_nbytes > free_nbytes:
         raise OutputError(
-            f"{out}: the dataset needs {blob_nbytes:,} bytes ({human_bytes(blob_nbytes)}), "
+            f"{out}: the dataset needs {needed_nbytes:,} bytes ({human_bytes(needed_nbytes)}), "
             f"{free_nbytes:,} bytes ({human_bytes(free_nbytes)}) free on its file system"
         )
+
+
+def dataset_nbytes(plan: Plan, skipped: Sequence[tuple[str, str]], part: tuple[int, int] | None) -> int:
+    """Bytes of every file the conversion of ``plan`` writes: the blob, sources.jsonl,
+    skipped.jsonl and (at most) index.json.
+
+    With long paths, sources.jsonl can be a large part of a dataset of small samples.
+    """
+    lines = itertools.chain(provenance.source_lines(plan), provenance.skipped_lines(skipped))
+    text_nbytes = sum(len(line.encode("utf-8")) for line in lines)
+    index_nbytes = writer.index_nbytes_bound(plan, len(skipped) + len(plan.sources), part)
+    return BLOB_HEADER_NBYTES + plan.payload_nbytes + text_nbytes + index_nbytes
+
+
+def _sizes(exc: OSError, needed_nbytes: int, free_nbytes: int | None) -> str:
+    """For a full disk, what the dataset needs and what was free when the conversion began."""
+    if exc.errno != errno.ENOSPC:
+        return ""
+    free = "unknown" if free_nbytes is None else f"{free_nbytes:,} bytes ({human_bytes(free_nbytes)})"
+    needed = f"{needed_nbytes:,} bytes ({human_bytes(needed_nbytes)})"
+    return f": the dataset needs {needed}, {free} free when the conversion began"
 
 
 def _total_file_nbytes(paths: Sequence[str]) -> int:
