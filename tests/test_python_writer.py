@@ -843,11 +843,10 @@ import os, sys, time
 import npz2mmap
 w = npz2mmap.Writer(sys.argv[1])
 w.append({"x": 1})
-child = os.fork()
-if child == 0:  # lives on, as a DataLoader worker may
+if os.fork() == 0:  # lives on, as a DataLoader worker may
+    print(os.getpid(), flush=True)  # only now: the fork hooks have run in this child
     time.sleep(120)
     os._exit(0)
-print(child, flush=True)
 time.sleep(120)
 """
 
