@@ -32,6 +32,7 @@ from .converter import (
     check_align,
     check_free_space,
     check_part,
+    dataset_nbytes,
     free_nbytes,
     make_staging_dir,
     parse_casts,
@@ -250,7 +251,7 @@ class Writer:
         if not self._builder.num_sources and self.part is None:
             raise SourceError(f"{self.out_dir}: no sample was appended; a dataset needs at least one")
         plan = self._builder.finish(self._names, allow_empty=True)
-        check_free_space(self.out_dir, BLOB_HEADER_NBYTES + plan.payload_nbytes, free_nbytes(self.out_dir))
+        check_free_space(self.out_dir, dataset_nbytes(plan, (), self.part), free_nbytes(self.out_dir))
         staging = make_staging_dir(self.out_dir)
         try:
             writer.create_blob(staging, plan.payload_nbytes)

@@ -614,25 +614,32 @@ def test_the_writer_is_exported_without_importing_torch(tmp_path) -> None:
 
 
 def test_close_refuses_a_dataset_larger_than_the_free_space_and_writes_nothing(tmp_path, monkeypatch) -> None:
+    """Every file counts: here sources.jsonl (long source names) is larger than the blob."""
+    import re
     import shutil
 
-    sample = {"x": np.zeros(300_000)}  # 2.4 MB, so both sizes print in MB
-    with npz2mmap.Writer(tmp_path / "ref") as w:
-        w.append(sample)
+    def write(out: Path) -> npz2mmap.Writer:
+        w = npz2mmap.Writer(out)
+        for i in range(50):
+            w.append({"x": np.float32(i)}, source=f"{i:04d}" + "s" * 2000)
+        return w
+
+    write(tmp_path / "ref").close()
+    files_nbytes = sum(entry.stat().st_size for entry in (tmp_path / "ref").iterdir())
     blob_nbytes = (tmp_path / "ref" / "data.npy").stat().st_size
-    out = tmp_path / "out"
+    assert files_nbytes > 20 * blob_nbytes
     real_disk_usage = shutil.disk_usage
-    with npz2mmap.Writer(out) as w:
-        w.append(sample)
-        monkeypatch.setattr(
-            shutil, "disk_usage", lambda path: real_disk_usage(path)._replace(free=blob_nbytes - 1)
-        )
-        with pytest.raises(OutputError) as raised:
-            w.close()
-    assert str(raised.value) == (
-        f"{out}: the dataset needs {blob_nbytes:,} bytes ({blob_nbytes / 1e6:.1f} MB), "
-        f"{blob_nbytes - 1:,} bytes ({(blob_nbytes - 1) / 1e6:.1f} MB) free on its file system"
+    w = write(tmp_path / "out")
+    free = files_nbytes - 1
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_disk_usage(path)._replace(free=free))
+    with pytest.raises(OutputError) as raised:
+        w.close()
+    found = re.fullmatch(
+        rf"{re.escape(str(tmp_path / 'out'))}: the dataset needs ([\d,]+) bytes \(.*\), "
+        rf"{free:,} bytes \(.*\) free on its file system",
+        str(raised.value),
     )
+    assert found and files_nbytes <= int(found[1].replace(",", "")) <= files_nbytes + 4096
     assert sorted(os.listdir(tmp_path)) == ["ref"]  # no dataset, no staging or spool directory
 
 
