@@ -21,7 +21,7 @@ from click.core import ParameterSource
 
 from . import __version__
 from .cache import warm as warm_dataset
-from .converter import cast_dtype, part_directory, part_from_environment
+from .converter import cast_dtype, parse_part, part_directory, part_from_environment
 from .converter import convert as convert_files
 from .errors import Npz2mmapError
 from .inputs import npy_with_sample_dirs
@@ -172,15 +172,7 @@ def _parse_part(ctx: click.Context, param: click.Parameter, value: str | None) -
     if value is None:
         return None
     try:
-        if value == "auto":
-            return part_from_environment()
-        i, sep, n = value.partition("/")
-        if not sep:
-            raise ValueError(f"{value!r} is not I/N or auto")
-        part = int(i), int(n)
-        if not 0 <= part[0] < part[1]:
-            raise ValueError(f"part {value} does not exist: I must be from 0 to N-1")
-        return part
+        return part_from_environment() if value == "auto" else parse_part(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 

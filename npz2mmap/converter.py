@@ -133,6 +133,9 @@ def looks_like_sample_dirs(sources: Sequence[str]) -> bool:
     return False
 
 
+MAX_PARTS = 100_000
+
+
 def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
     """The i-th of n contiguous slices of the sources; empty when there are fewer sources than parts."""
     if part is None:
@@ -142,7 +145,8 @@ def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
 
 
 def check_part(part: object) -> tuple[int, int]:
-    """``part`` as (i, n); TypeError unless it is a pair of integers, ValueError unless 0 <= i < n."""
+    """``part`` as (i, n); TypeError unless it is a pair of integers, ValueError unless
+    0 <= i < n <= MAX_PARTS (so that every part-IIIII name has 5 digits and they sort in order)."""
     if not isinstance(part, (tuple, list)) or len(part) != 2:
         raise TypeError(f"part must be a pair (i, n) of integers, not {_brief(part)}")
     if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in part):
@@ -150,7 +154,17 @@ def check_part(part: object) -> tuple[int, int]:
     i, n = int(part[0]), int(part[1])
     if not 0 <= i < n:
         raise ValueError(f"part {i}/{n} does not exist: i must be from 0 to {n - 1}")
+    if n > MAX_PARTS:
+        raise ValueError(f"part {i}/{n}: at most {MAX_PARTS:,} parts, so that part names sort in order")
     return i, n
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """``I/N`` as (i, n), by check_part's rules; ValueError naming what is wrong."""
+    i, sep, n = text.partition("/")
+    if not sep or not (_is_small_ascii_number(i) and _is_small_ascii_number(n)):
+        raise ValueError(f"{_brief(text)} is not I/N (two plain integers) or auto")
+    return check_part((int(i), int(n)))
 
 
 def _brief(value: object) -> str:
@@ -175,7 +189,7 @@ def part_from_environment(environ: Mapping[str, str] | None = None) -> tuple[int
             i, n = int(values[0]), int(values[1])
             if not 0 <= i < n:
                 raise ValueError(f"{rank}={i} and {size}={n}: {rank} must be from 0 to {size} - 1")
-            return i, n
+            return check_part((i, n))
     raise ValueError(
         "--part auto needs RANK and WORLD_SIZE (torchrun) or SLURM_PROCID and SLURM_NTASKS (Slurm)"
     )

@@ -96,6 +96,7 @@ def output_lock(out_dir: str) -> Iterator[int]:
     conversion to OUT is running.
     """
     parent, name = os.path.split(os.path.abspath(out_dir))
+    owner = os.getpid()
     with contextlib.ExitStack() as stack:
         try:
             stack.callback(_remove_if_empty, _missing_dirs(parent))
@@ -110,7 +111,11 @@ def output_lock(out_dir: str) -> Iterator[int]:
         if lock_fd is None:
             raise OutputError(f"{out_dir}: another npz2mmap conversion or Writer is writing it")
         _remove_leftovers(parent, name)
-        yield lock_fd
+        try:
+            yield lock_fd
+        finally:
+            if os.getpid() != owner:  # a forked child's copy, collected at its exit: the lock is not its
+                stack.pop_all()
 
 
 def _missing_dirs(path: str) -> list[str]:

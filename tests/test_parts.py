@@ -164,7 +164,11 @@ def test_part_selection_and_its_errors(tmp_path, sources, monkeypatch) -> None:
     for value, message in [
         ("4/4", "part 4/4 does not exist"),
         ("auto", "--part auto needs RANK and WORLD_SIZE"),
-        ("x", "'x' is not I/N or auto"),
+        ("x", "'x' is not I/N (two plain integers) or auto"),
+        (" 1/2", "' 1/2' is not I/N (two plain integers) or auto"),
+        ("1_0/20", "'1_0/20' is not I/N (two plain integers) or auto"),
+        ("-1/2", "'-1/2' is not I/N (two plain integers) or auto"),
+        ("0/100001", "part 0/100001: at most 100,000 parts, so that part names sort in order"),
     ]:
         result = run("convert", sources, "-o", tmp_path / "o", "--part", value)
         assert result.exit_code == 2 and message in result.output, result.output

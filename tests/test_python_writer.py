@@ -894,6 +894,7 @@ def test_a_forked_child_does_not_keep_the_lock_of_a_writer_killed_with_9(tmp_pat
         ((True, 2), TypeError, r"^part must be a pair \(i, n\) of integers, not \(True, 2\)$"),
         ((0, 1, 2), TypeError, r"^part must be a pair \(i, n\) of integers, not \(0, 1, 2\)$"),
         ((3, 3), ValueError, r"^part 3/3 does not exist: i must be from 0 to 2$"),
+        ((2**70, 2**71), ValueError, r"^part \d+/\d+: at most 100,000 parts, so that part names sort in order$"),
     ],
 )
 def test_a_bad_part_is_refused_alike_by_convert_and_the_writer(tmp_path, part, error, message) -> None:
@@ -979,3 +980,42 @@ def test_a_source_name_with_control_characters_is_stored_as_given_and_shown_esca
     opened.close()
     lines = (Path(opened.out_dir) / "sources.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == ["a.npz", "c\n.npz"]
+
+
+WRITER_WITH_A_CHILD_THAT_EXITS = """
+import os, sys
+import numpy as np
+import npz2mmap
+w = npz2mmap.Writer(sys.argv[1])
+w.append({"x": np.arange(3)}, source="parent")
+if os.fork() == 0:
+    sys.exit(0)  # a normal exit: the child's copies of the writer's objects are collected
+os.wait()
+print(sorted(os.listdir(os.path.dirname(sys.argv[1]))), flush=True)
+try:
+    npz2mmap.Writer(sys.argv[1])
+except npz2mmap.errors.OutputError as exc:
+    print(exc, flush=True)
+w.append({"x": np.arange(4)}, source="parent")
+w.close()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (POSIX)")
+def test_a_forked_child_that_exits_leaves_the_lock_and_the_writer_to_its_parent(tmp_path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", WRITER_WITH_A_CHILD_THAT_EXITS, str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # nothing 'ignored' while the child exited
+    entries, refusal = result.stdout.splitlines()
+    assert ".out.npz2mmap-lock" in entries
+    assert refusal == f"{out}: another npz2mmap conversion or Writer is writing it"
+    assert (out / "sources.jsonl").read_text() == '"parent"\n"parent"\n'
+    assert sorted(os.listdir(tmp_path)) == ["out"]
