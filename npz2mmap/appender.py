@@ -42,7 +42,7 @@ from .converter import (
 from .elements import Piece, stored_pieces
 from .errors import OutputError, SourceError
 from .npzfile import CHUNK_NBYTES, MemberHeader
-from .plan import PendingSource, Plan, PlanBuilder, check_field_name
+from .plan import WRITER_HINTS, PendingSource, Plan, PlanBuilder, check_field_name
 from .provenance import MAX_LINE_NBYTES
 from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN, brief, escape_controls
 
@@ -114,7 +114,9 @@ class Writer:
         except BaseException:
             self._finalizer()
             raise
-        self._builder = PlanBuilder(align, parsed_casts, max_payload_nbytes=free_nbytes(self.out_dir))
+        self._builder = PlanBuilder(
+            align, parsed_casts, max_payload_nbytes=free_nbytes(self.out_dir), hints=WRITER_HINTS
+        )
         self._spools: dict[str, _Spool] = {}
         self._num_spools_made = 0
         self._crc32s: list[array[int]] = []  # per field, one CRC-32 per sample
