@@ -32,6 +32,7 @@ from .converter import (
     check_align,
     check_free_space,
     check_part,
+    dataset_nbytes,
     free_nbytes,
     make_staging_dir,
     parse_casts,
@@ -41,9 +42,9 @@ from .converter import (
 from .elements import Piece, stored_pieces
 from .errors import OutputError, SourceError
 from .npzfile import CHUNK_NBYTES, MemberHeader
-from .plan import Plan, PlanBuilder
+from .plan import WRITER_HINTS, PendingSource, Plan, PlanBuilder, check_field_name
 from .provenance import MAX_LINE_NBYTES
-from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN
+from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN, brief, escape_controls
 
 SPOOL_BUFFER_NBYTES = 1 << 20
 
@@ -70,8 +71,9 @@ class Writer:
     written. Memory stays bounded (a few compact numbers per sample); disk
     needs about twice the dataset's size while closing (the spooled fields
     and the blob they are copied into). A writer never closed is discarded
-    like ``abort()`` when it is collected or the interpreter exits (not in a
-    forked child). Not thread-safe.
+    like ``abort()`` when it is collected or the interpreter exits. Not
+    thread-safe; in a forked child every call raises ValueError, and the
+    child does not hold the output lock.
 
     Raises OutputError when OUT exists (without ``overwrite``), is being
     written by another process, or cannot be written; ValueError for a bad
@@ -94,10 +96,14 @@ class Writer:
         self.out_dir = out if self.part is None else part_directory(out, self.part)
         self._overwrite = overwrite
         publish.check_output(self.out_dir, overwrite)
+        self._owner_pid = os.getpid()
+        self._broken: str | None = None  # why the writer must not go on, when it must not
         self._stack = contextlib.ExitStack()
-        self._finalizer = weakref.finalize(self, _discard_in_owner, self._stack, os.getpid())
+        self._finalizer = weakref.finalize(self, _discard_in_owner, self._stack, self._owner_pid)
         try:
-            self._stack.enter_context(publish.output_lock(self.out_dir))
+            lock_fd = self._stack.enter_context(publish.output_lock(self.out_dir))
+            _LOCK_FDS.add(lock_fd)
+            self._stack.callback(_LOCK_FDS.discard, lock_fd)
             self._spool_dir = make_staging_dir(self.out_dir)
             self._stack.callback(publish.remove_staging, self._spool_dir)
             self._names = _SourceNames(os.path.join(self._spool_dir, "sources"))
@@ -108,8 +114,11 @@ class Writer:
         except BaseException:
             self._finalizer()
             raise
-        self._builder = PlanBuilder(align, parsed_casts, max_payload_nbytes=free_nbytes(self.out_dir))
+        self._builder = PlanBuilder(
+            align, parsed_casts, max_payload_nbytes=free_nbytes(self.out_dir), hints=WRITER_HINTS
+        )
         self._spools: dict[str, _Spool] = {}
+        self._num_spools_made = 0
         self._crc32s: list[array[int]] = []  # per field, one CRC-32 per sample
         self._closed = False
 
@@ -133,16 +142,30 @@ class Writer:
         if not isinstance(name, str):
             raise TypeError(f"source must be a str or a path, not {type(source).__name__}")
         line = self._names.line(name, f"sample {self.num_samples}")
-        label = f"sample {self.num_samples}" + (f" ({name})" if name else "")
+        # Stored as given (sources.jsonl is JSON), shown escaped: a message stays one line.
+        label = f"sample {self.num_samples}" + (f" ({escape_controls(name)})" if name else "")
         arrays = {
             _field_name(key, label): _as_array(value, f"{label}[{key}]") for key, value in sample.items()
         }
         pending = self._builder.check(label, {key: _header(key, a) for key, a in arrays.items()})
+        self._write_sample(pending, arrays, line, label)
+
+    def _write_sample(
+        self, pending: PendingSource, arrays: dict[str, np.ndarray], line: bytes, label: str
+    ) -> None:
+        """Spool one checked sample, then record it; on any exception, undo every spool.
+
+        An exception (a KeyboardInterrupt, say) while undoing or recording
+        leaves the spools and tables out of step: the writer is then broken
+        and refuses to go on rather than write a wrong dataset.
+        """
         try:
             spools = [self._spool(key) for key in pending.collectors]
         except OSError as exc:
             raise self._spool_error(exc) from exc
-        marks = [spool.nbytes for spool in (*spools, self._names.spool)]
+        every_spool = (*spools, self._names.spool)
+        marks = [spool.nbytes for spool in every_spool]
+        self._broken = "an append was interrupted while undoing or recording a sample"
         try:
             crc32s = [
                 spool.write_stored(arrays[key], pending.stored_dtype(key), f"{label}[{key}]")
@@ -150,16 +173,18 @@ class Writer:
             ]
             self._names.spool.write(line)
         except BaseException as exc:
-            for spool, mark in zip((*spools, self._names.spool), marks, strict=True):
+            for spool, mark in zip(every_spool, marks, strict=True):
                 spool.truncate(mark)
+            self._broken = None
             if isinstance(exc, OSError):
                 raise self._spool_error(exc) from exc
             raise
-        self._builder.record(pending)
-        self._names.record(self._names.spool.nbytes)
         self._crc32s = self._crc32s or [array("I") for _ in crc32s]
         for table, crc in zip(self._crc32s, crc32s, strict=True):
             table.append(crc)
+        self._names.record(self._names.spool.nbytes)
+        self._builder.record(pending)
+        self._broken = None
 
     def close(self) -> None:
         """Write the dataset and publish it at ``out_dir``; nothing is left behind on error.
@@ -168,9 +193,12 @@ class Writer:
         which may be empty), OutputError when the dataset cannot be written.
         Closing a closed writer does nothing.
         """
+        self._check_owner()
         if self._closed:
             return
         try:
+            if self._broken is not None:
+                raise OutputError(f"{self.out_dir}: nothing written: {self._broken}; start again")
             self._write()
         finally:
             self._closed = True
@@ -178,6 +206,7 @@ class Writer:
 
     def abort(self) -> None:
         """Discard everything appended; OUT stays as it was."""
+        self._check_owner()
         self._closed = True
         self._finalizer()
 
@@ -196,21 +225,35 @@ class Writer:
         return OutputError(f"{self.out_dir}: cannot write the samples beside it ({exc.strerror or exc})")
 
     def _check_open(self) -> None:
+        self._check_owner()
         if self._closed:
             raise ValueError(f"{self.out_dir}: the Writer is closed")
+        if self._broken is not None:
+            raise OutputError(f"{self.out_dir}: {self._broken}; abort() this Writer and start again")
+
+    def _check_owner(self) -> None:
+        """Refuse a forked copy: it shares the spools' descriptors and would corrupt them."""
+        if os.getpid() != self._owner_pid:
+            raise ValueError(
+                f"{self.out_dir}: this Writer belongs to process {self._owner_pid}; "
+                "use one Writer per process, e.g. part=(rank, world)"
+            )
 
     def _spool(self, key: str) -> _Spool:
         if key not in self._spools:
-            path = os.path.join(self._spool_dir, f"field-{len(self._spools)}")
-            self._spools[key] = spool = _Spool(path)
+            # Counted apart from the dict, so an interrupt between the two never reuses a name.
+            path = os.path.join(self._spool_dir, f"field-{self._num_spools_made}")
+            self._num_spools_made += 1
+            spool = _Spool(path)
             self._stack.callback(spool.close)
+            self._spools[key] = spool
         return self._spools[key]
 
     def _write(self) -> None:
         if not self._builder.num_sources and self.part is None:
             raise SourceError(f"{self.out_dir}: no sample was appended; a dataset needs at least one")
         plan = self._builder.finish(self._names, allow_empty=True)
-        check_free_space(self.out_dir, BLOB_HEADER_NBYTES + plan.payload_nbytes, free_nbytes(self.out_dir))
+        check_free_space(self.out_dir, dataset_nbytes(plan, (), self.part), free_nbytes(self.out_dir))
         staging = make_staging_dir(self.out_dir)
         try:
             writer.create_blob(staging, plan.payload_nbytes)
@@ -237,6 +280,27 @@ class Writer:
             os.close(fd)
 
 
+# Lock descriptors of this process's open writers (fds, not writers: nothing here keeps one alive).
+_LOCK_FDS: set[int] = set()
+
+
+def _drop_locks_in_child() -> None:
+    """Close, in a forked child, the output lock descriptor of every open writer.
+
+    flock belongs to the open file, which a child shares: a child that lived
+    on (a DataLoader worker, say) would otherwise keep OUT locked after the
+    writer's process died.
+    """
+    for fd in list(_LOCK_FDS):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCK_FDS.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; elsewhere no process is forked
+    os.register_at_fork(after_in_child=_drop_locks_in_child)
+
+
 def _discard_in_owner(stack: contextlib.ExitStack, owner_pid: int) -> None:
     """Remove the spools and release the lock, unless this is a forked copy of the writer's process."""
     if os.getpid() == owner_pid:
@@ -248,18 +312,14 @@ def _resolve_part(part: tuple[int, int] | Literal["auto"] | None) -> tuple[int, 
         return None
     if part == "auto":
         return part_from_environment()
-    return check_part((int(part[0]), int(part[1])))
+    return check_part(part)
 
 
 def _field_name(key: object, label: str) -> str:
+    """``key`` if it may name a field (as convert requires of NPZ keys); TypeError or SourceError if not."""
     if not isinstance(key, str):
-        raise TypeError(f"field names are str, not {type(key).__name__} ({key!r})")
-    try:
-        key.encode("utf-8")
-    except UnicodeEncodeError:
-        raise SourceError(
-            f"{label}: field name {key!r} is not valid text (it holds a lone surrogate)"
-        ) from None
+        raise TypeError(f"field names are str, not {type(key).__name__} ({brief(key)})")
+    check_field_name(key, label)
     return key
 
 
@@ -345,18 +405,26 @@ class _Spool:
         return crc
 
     def flush(self) -> None:
+        nbytes = len(self.buffer)
         fsutil.write_all_at(self.fd, self.buffer, self.flushed)
-        self.flushed += len(self.buffer)
-        self.buffer.clear()
+        self.flushed += nbytes
+        # A new buffer, not clear(): a failed write's traceback may still hold a view of the old one.
+        self.buffer = bytearray()
 
     def truncate(self, nbytes: int) -> None:
-        """Forget everything after the first ``nbytes``."""
+        """Forget everything after the first ``nbytes``, in the buffer and in the file.
+
+        The buffer is replaced, not resized, so a view of it that an error
+        left alive cannot stop the undo; the file is cut to what was flushed,
+        dropping the part of a failed write that reached it.
+        """
         if nbytes >= self.flushed:
-            del self.buffer[nbytes - self.flushed :]
+            self.buffer = self.buffer[: nbytes - self.flushed]
         else:
-            self.buffer.clear()
-            os.ftruncate(self.fd, nbytes)
+            self.buffer = bytearray()
             self.flushed = nbytes
+        with contextlib.suppress(OSError):  # bytes past ``flushed`` are never read; this only frees them
+            os.ftruncate(self.fd, self.flushed)
 
     def close(self) -> None:
         if self.fd >= 0:

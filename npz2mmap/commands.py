@@ -12,168 +12,28 @@ import functools
 import json
 import os
 import re
-import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import click
 import numpy as np
-import tqdm
 from click.core import ParameterSource
 
 from . import __version__
 from .cache import warm as warm_dataset
-from .converter import cast_dtype, part_directory, part_from_environment
+from .converter import cast_dtype, parse_part, part_directory, part_from_environment
 from .converter import convert as convert_files
 from .errors import Npz2mmapError
+from .inputs import npy_with_sample_dirs
 from .merge import merge as merge_parts
-from .progress import Progress, SilentProgress
+from .progress import PROGRESS_MODES, showing_progress
 from .render import human_bytes, plural, render_sample, render_summary
+from .sources import is_npy_path
 from .spec import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
 from .summary import describe_dataset, describe_sample, field_statistics
 from .verify import verify as verify_dataset
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-# No monitor thread: the converter forks its workers.
-tqdm.tqdm.monitor_interval = 0
-
-
-PROGRESS_MODES = ("auto", "bar", "log", "none")
-LOG_INTERVAL_SECONDS = 10.0
-
-
-class BarProgress:
-    """Draws each stage of a library call as a tqdm bar on stderr."""
-
-    def __init__(self) -> None:
-        self.bar: tqdm.tqdm[Any] | None = None
-        self.done = self.total = 0
-        self.unit = "files"
-
-    def stage(self, name: str, total_files: int, total_nbytes: int, unit: str = "files") -> None:
-        self.close()
-        self.done, self.total, self.unit = 0, total_files, unit
-        if total_nbytes:
-            self.bar = tqdm.tqdm(total=total_nbytes, desc=name, unit="B", unit_scale=True, dynamic_ncols=True)
-        else:
-            self.bar = tqdm.tqdm(total=total_files, desc=name, unit=f" {unit}", dynamic_ncols=True)
-
-    def advance(self, files: int, nbytes: int) -> None:
-        if self.bar is None:
-            return
-        self.done += files
-        if self.bar.unit == "B":
-            of_total = f"{self.done}/{self.total} {counted(self.unit, self.total)}"
-            self.bar.set_postfix_str(of_total, refresh=False)
-            self.bar.update(nbytes)
-        else:
-            self.bar.update(files)
-
-    def close(self, finished: bool = True) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
-class LogProgress:
-    """Prints a progress line to stderr every ``interval`` seconds, for logs that are not a terminal.
-
-    A stage that runs at least ``interval`` seconds gets periodic lines and a
-    last one when it finishes; shorter stages print nothing. ``clock`` is
-    injectable so tests need not sleep.
-    """
-
-    def __init__(
-        self, interval: float = LOG_INTERVAL_SECONDS, clock: Callable[[], float] | None = None
-    ) -> None:
-        self.interval = interval
-        self.clock = clock if clock is not None else time.monotonic
-        self.name: str | None = None
-        self.unit = "files"
-        self.done = self.total = self.nbytes = self.total_nbytes = 0
-        self.started = self.last_line = 0.0
-
-    def stage(self, name: str, total_files: int, total_nbytes: int, unit: str = "files") -> None:
-        self.close()
-        self.name, self.unit, self.total, self.total_nbytes = name, unit, total_files, total_nbytes
-        self.done = self.nbytes = 0
-        self.started = self.last_line = self.clock()
-
-    def advance(self, files: int, nbytes: int) -> None:
-        self.done += files
-        self.nbytes += nbytes
-        now = self.clock()
-        if now - self.last_line >= self.interval:
-            self.last_line = now
-            click.echo(self.line(now - self.started, finished=False), err=True)
-
-    def close(self, finished: bool = True) -> None:
-        """End the stage: its last line, if it printed any and ``finished`` (not stopped by an error)."""
-        if self.name is not None and finished and self.last_line > self.started:
-            click.echo(self.line(self.clock() - self.started, finished=True), err=True)
-        self.name = None
-
-    def line(self, seconds: float, finished: bool) -> str:
-        """``copy: 120/1,000 files (12%), 1.2 GB/9.8 GB, 45.6 MB/s, 0:00:27 elapsed, ETA 0:03:18``."""
-        of_total = f"{self.done:,}/{self.total:,} {counted(self.unit, self.total)}"
-        parts = [f"{of_total} ({_percent(self.done, self.total)})"]
-        if self.total_nbytes:
-            done, total = self.nbytes, self.total_nbytes
-            parts.append(f"{human_bytes(done)}/{human_bytes(total)}")
-            parts.append(f"{human_bytes(round(done / seconds)) if seconds > 0 else '?'}/s")
-        else:
-            done, total = self.done, self.total
-            parts.append(f"{done / seconds:,.1f} {self.unit}/s" if seconds > 0 else f"? {self.unit}/s")
-        if finished:
-            parts.append(f"done in {_clock_time(seconds)}")
-        else:
-            eta = _clock_time((total - done) * seconds / done) if done and total >= done else "?"
-            parts.append(f"{_clock_time(seconds)} elapsed, ETA {eta}")
-        return f"{self.name}: " + ", ".join(parts)
-
-
-def counted(unit: str, total: int) -> str:
-    """A plural unit ('files') as it reads after 'N of ``total``': 'file' when the total is 1."""
-    return unit[:-1] if total == 1 and unit.endswith("s") else unit
-
-
-def _percent(done: int, total: int) -> str:
-    return f"{min(done, total) * 100 // total}%" if total else "100%"
-
-
-def _clock_time(seconds: float) -> str:
-    """3725.2 -> '1:02:05'."""
-    whole = int(seconds)
-    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
-
-
-def choose_progress(mode: str) -> BarProgress | LogProgress | SilentProgress:
-    """The display for ``--progress``: auto draws bars on a terminal and prints log lines elsewhere."""
-    if sys.stderr is None:  # closed (2>&-): nowhere to show progress
-        return SilentProgress()
-    if mode == "auto":
-        mode = "bar" if sys.stderr.isatty() else "log"
-    if mode == "bar":
-        return BarProgress()
-    if mode == "log":
-        return LogProgress()
-    return SilentProgress()
-
-
-@contextlib.contextmanager
-def showing_progress(mode: str) -> Iterator[Progress]:
-    """A progress display for one command; its last line is printed only if the command succeeds."""
-    progress = choose_progress(mode)
-    try:
-        yield progress
-    except BaseException:
-        if not isinstance(progress, SilentProgress):
-            progress.close(finished=False)
-        raise
-    if not isinstance(progress, SilentProgress):
-        progress.close()
 
 
 def quiet_progress(quiet: bool, progress_mode: str) -> str:
@@ -312,15 +172,7 @@ def _parse_part(ctx: click.Context, param: click.Parameter, value: str | None) -
     if value is None:
         return None
     try:
-        if value == "auto":
-            return part_from_environment()
-        i, sep, n = value.partition("/")
-        if not sep:
-            raise ValueError(f"{value!r} is not I/N or auto")
-        part = int(i), int(n)
-        if not 0 <= part[0] < part[1]:
-            raise ValueError(f"part {value} does not exist: I must be from 0 to N-1")
-        return part
+        return part_from_environment() if value == "auto" else parse_part(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 
@@ -335,7 +187,7 @@ def _check_align(ctx: click.Context, param: click.Parameter, value: int) -> int:
 @click.version_option(__version__, prog_name="npz2mmap")
 @debug_option
 def cli() -> None:
-    """Convert many .npz files into one memory-mapped dataset for PyTorch."""
+    """Convert many .npz or .npy files into one memory-mapped dataset for PyTorch."""
 
 
 def output_option(help_text: str) -> Callable[[F], F]:
@@ -348,7 +200,11 @@ def output_option(help_text: str) -> Callable[[F], F]:
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
 @output_option("Dataset directory to create.")
 @click.option(
-    "--keys", callback=_parse_keys, metavar="A,B", help="Convert only these NPZ keys (default: all)."
+    "--keys",
+    callback=_parse_keys,
+    metavar="A,B",
+    help="Convert only these keys: NPZ member names, arr_0 for a .npy file, NAME for NAME.npy "
+    "with --sample-dirs (default: all).",
 )
 @click.option(
     "--cast",
@@ -420,6 +276,10 @@ def convert(
     it); a .npy file holds the one field arr_0 (with --sample-dirs, each
     directory holding .npy files is one sample instead).
     """
+    if sample_dirs:
+        named_npy = [path for path in inputs if is_npy_path(path) and not os.path.isdir(path)]
+        if named_npy:
+            raise click.UsageError(npy_with_sample_dirs(named_npy[0]))
     if part is not None:
         out_dir = part_directory(out_dir, part)
     with showing_progress(quiet_progress(quiet, progress_mode)) as progress:

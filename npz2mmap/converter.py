@@ -7,7 +7,9 @@ order, so the output is byte-identical whatever the number of workers.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
+import itertools
 import os
 import shutil
 import time
@@ -16,13 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import publish, writer
+from . import provenance, publish, writer
 from .errors import MismatchError, OutputError, SourceError
 from .inputs import discover_sources
 from .npzfile import MemberHeader, MemberLocation
 from .parallel import Mapper, worker_map
 from .plan import Plan, build_plan, drop_files
-from .progress import Progress, SilentProgress
+from .progress import Progress, progress_display
 from .render import human_bytes
 from .sources import is_npy_path, scan_source
 from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
@@ -55,7 +57,7 @@ def convert(
     workers: int | None = None,
     align: int = MIN_ALIGN,
     overwrite: bool = False,
-    progress: Progress | None = None,
+    progress: Progress | str | None = None,
 ) -> ConvertResult:
     """Convert NPZ and .npy files (one sample each) into a dataset directory at ``out_dir``.
 
@@ -70,6 +72,8 @@ def convert(
     ``part=(i, n)``, only the i-th of n contiguous slices of the sorted inputs
     is converted, into a complete dataset of its own. With ``rows``, every
     array of a file shares its first dimension and each row is one sample.
+    ``progress`` is a Progress object, or a mode of ``--progress`` ("auto",
+    "bar", "log", "none") to show it on stderr as the CLI does; TypeError otherwise.
 
     Raises SourceError for unusable inputs and OutputError when ``out_dir``
     cannot be written; on any error nothing is left at ``out_dir`` and an
@@ -77,13 +81,14 @@ def convert(
     """
     started = time.perf_counter()
     out = os.fspath(out_dir)
+    display = progress_display(progress)
     check_align(align)
     publish.check_output(out, overwrite)
-    sources = select_part(discover_sources(inputs, sample_dirs), part)
-    progress = progress or SilentProgress()
+    sources = select_part(discover_sources(inputs, sample_dirs, skip_bad), part)
     _refuse_output_inside_inputs(out, inputs)
     skipped: list[tuple[str, str]] = []
     with (
+        display as shown,
         publish.output_lock(out) as lock_fd,
         worker_map(workers or os.cpu_count() or 1, len(sources), close_in_workers=(lock_fd,)) as imap,
     ):
@@ -97,7 +102,7 @@ def convert(
                 parse_casts(casts),
                 align,
                 imap,
-                progress,
+                shown,
                 skipped,
                 rows,
                 space,
@@ -105,24 +110,46 @@ def convert(
                 found,
             )
         except MismatchError as exc:
-            if sample_dirs or not any(is_npy_path(path) for path in sources):
+            if sample_dirs or not looks_like_sample_dirs(sources):
                 raise
-            # .npy files that disagree are often the fields of one sample.
             raise MismatchError(f"{exc} (each directory one sample? use --sample-dirs)") from exc
-        check_free_space(out, BLOB_HEADER_NBYTES + plan.payload_nbytes, space)
+        needed = dataset_nbytes(plan, skipped, part)
+        check_free_space(out, needed, space)
         locations = found.table(len(plan.sources), len(plan.fields))
         sources_nbytes = _total_file_nbytes(plan.sources) if sample_dirs else _scanned_file_nbytes(locations)
         staging = make_staging_dir(out)
         try:
-            copy = _Copy(plan, locations, staging, imap, progress, skip_bad, workers or os.cpu_count() or 1)
+            copy = _Copy(plan, locations, staging, imap, shown, skip_bad, workers or os.cpu_count() or 1)
             plan, index = copy.run(sources, skipped, part)
             publish.publish(staging, out, overwrite)
         except OSError as exc:
-            raise OutputError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from exc
+            raise OutputError(
+                f"{out}: cannot write the dataset ({exc.strerror or exc}){_sizes(exc, needed, space)}"
+            ) from exc
         finally:
             publish.remove_staging(staging)
     seconds = time.perf_counter() - started
     return ConvertResult(out, index, plan.data_nbytes, seconds, tuple(skipped), sources_nbytes)
+
+
+def looks_like_sample_dirs(sources: Sequence[str]) -> bool:
+    """Whether .npy files look like the fields of samples, one directory each: their names
+    repeat across directories (s0/x.npy, s0/y.npy, s1/x.npy), unlike a flat folder's."""
+    names_by_dir: dict[str, set[str]] = {}
+    for path in sources:
+        if is_npy_path(path):
+            names_by_dir.setdefault(os.path.dirname(path), set()).add(os.path.basename(path))
+    if not any(len(names) > 1 for names in names_by_dir.values()):
+        return False
+    seen: set[str] = set()
+    for names in names_by_dir.values():
+        if seen & names:
+            return True
+        seen |= names
+    return False
+
+
+MAX_PARTS = 100_000
 
 
 def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
@@ -133,31 +160,60 @@ def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
     return sources[len(sources) * i // n : len(sources) * (i + 1) // n]
 
 
-def check_part(part: tuple[int, int]) -> tuple[int, int]:
-    """``part`` itself; ValueError unless it is (i, n) with 0 <= i < n."""
-    i, n = part
+def check_part(part: object) -> tuple[int, int]:
+    """``part`` as (i, n); TypeError unless it is a pair of integers, ValueError unless
+    0 <= i < n <= MAX_PARTS (so that every part-IIIII name has 5 digits and they sort in order)."""
+    if not isinstance(part, (tuple, list)) or len(part) != 2:
+        raise TypeError(f"part must be a pair (i, n) of integers, not {_brief(part)}")
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in part):
+        raise TypeError(f"part must be a pair (i, n) of integers, not {_brief(part)}")
+    i, n = int(part[0]), int(part[1])
     if not 0 <= i < n:
         raise ValueError(f"part {i}/{n} does not exist: i must be from 0 to {n - 1}")
-    return part
+    if n > MAX_PARTS:
+        raise ValueError(f"part {i}/{n}: at most {MAX_PARTS:,} parts, so that part names sort in order")
+    return i, n
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """``I/N`` as (i, n), by check_part's rules; ValueError naming what is wrong."""
+    i, sep, n = text.partition("/")
+    if not sep or not (_is_small_ascii_number(i) and _is_small_ascii_number(n)):
+        raise ValueError(f"{_brief(text)} is not I/N (two plain integers) or auto")
+    return check_part((int(i), int(n)))
+
+
+def _brief(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:80]}..."
 
 
 def part_from_environment(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
-    """(i, n) from the launcher: torchrun's RANK/WORLD_SIZE or Slurm's SLURM_PROCID/SLURM_NTASKS."""
+    """(i, n) from the launcher: torchrun's RANK/WORLD_SIZE or Slurm's SLURM_PROCID/SLURM_NTASKS.
+
+    Only plain ASCII digits count: int() would also take " 1", "1_0" and
+    other scripts' digits, which no launcher writes.
+    """
     environ = os.environ if environ is None else environ
     for rank, size in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
         if rank in environ and size in environ:
-            try:
-                i, n = int(environ[rank]), int(environ[size])
-            except ValueError:
+            values = environ[rank], environ[size]
+            if not all(_is_small_ascii_number(v) for v in values):
                 raise ValueError(
-                    f"{rank}={environ[rank]!r} and {size}={environ[size]!r} are not integers"
-                ) from None
+                    f"{rank}={_brief(values[0])} and {size}={_brief(values[1])} are not integers"
+                )
+            i, n = int(values[0]), int(values[1])
             if not 0 <= i < n:
                 raise ValueError(f"{rank}={i} and {size}={n}: {rank} must be from 0 to {size} - 1")
-            return i, n
+            return check_part((i, n))
     raise ValueError(
         "--part auto needs RANK and WORLD_SIZE (torchrun) or SLURM_PROCID and SLURM_NTASKS (Slurm)"
     )
+
+
+def _is_small_ascii_number(text: str) -> bool:
+    """Digits 0-9 only, at most 18 of them (no launcher runs more processes)."""
+    return 0 < len(text) <= 18 and text.isascii() and text.isdigit()
 
 
 def part_directory(out_dir: str, part: tuple[int, int]) -> str:
@@ -184,13 +240,34 @@ def free_nbytes(out: str) -> int | None:
         return None
 
 
-def check_free_space(out: str, blob_nbytes: int, free_nbytes: int | None) -> None:
-    """Refuse, before anything is written, a blob larger than the space free for it."""
-    if free_nbytes is not None and blob_nbytes > free_nbytes:
+def check_free_space(out: str, needed_nbytes: int, free_nbytes: int | None) -> None:
+    """Refuse, before anything is written, a dataset larger than the space free for it."""
+    if free_nbytes is not None and needed_nbytes > free_nbytes:
         raise OutputError(
-            f"{out}: the dataset needs {blob_nbytes:,} bytes ({human_bytes(blob_nbytes)}), "
+            f"{out}: the dataset needs {needed_nbytes:,} bytes ({human_bytes(needed_nbytes)}), "
             f"{free_nbytes:,} bytes ({human_bytes(free_nbytes)}) free on its file system"
         )
+
+
+def dataset_nbytes(plan: Plan, skipped: Sequence[tuple[str, str]], part: tuple[int, int] | None) -> int:
+    """Bytes of every file the conversion of ``plan`` writes: the blob, sources.jsonl,
+    skipped.jsonl and (at most) index.json.
+
+    With long paths, sources.jsonl can be a large part of a dataset of small samples.
+    """
+    lines = itertools.chain(provenance.source_lines(plan), provenance.skipped_lines(skipped))
+    text_nbytes = sum(len(line.encode("utf-8")) for line in lines)
+    index_nbytes = writer.index_nbytes_bound(plan, len(skipped) + len(plan.sources), part)
+    return BLOB_HEADER_NBYTES + plan.payload_nbytes + text_nbytes + index_nbytes
+
+
+def _sizes(exc: OSError, needed_nbytes: int, free_nbytes: int | None) -> str:
+    """For a full disk, what the dataset needs and what was free when the conversion began."""
+    if exc.errno != errno.ENOSPC:
+        return ""
+    free = "unknown" if free_nbytes is None else f"{free_nbytes:,} bytes ({human_bytes(free_nbytes)})"
+    needed = f"{needed_nbytes:,} bytes ({human_bytes(needed_nbytes)})"
+    return f": the dataset needs {needed}, {free} free when the conversion began"
 
 
 def _total_file_nbytes(paths: Sequence[str]) -> int:

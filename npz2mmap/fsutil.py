@@ -258,12 +258,16 @@ def exclusive_lock(lock_path: str) -> Iterator[int | None]:
         if _same_file(fd, lock_path):
             break
         os.close(fd)
+    owner = os.getpid()
     try:
         yield fd
     finally:
-        with contextlib.suppress(FileNotFoundError, PermissionError):
-            os.unlink(lock_path)
-        os.close(fd)
+        # A forked child's copy of this generator, collected when the child exits, must
+        # neither remove the lock its parent still holds nor close a descriptor it reused.
+        if os.getpid() == owner:
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                os.unlink(lock_path)
+            os.close(fd)
 
 
 def _try_lock(fd: int) -> bool:

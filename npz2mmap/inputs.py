@@ -20,22 +20,26 @@ LIST_PREFIX = "@"
 MAX_LIST_CHARS = 256 << 20
 
 
-def discover_sources(inputs: Sequence[str | os.PathLike[str]], sample_dirs: bool = False) -> list[str]:
+def discover_sources(
+    inputs: Sequence[str | os.PathLike[str]], sample_dirs: bool = False, skip_bad: bool = False
+) -> list[str]:
     """Expand files, directories and ``@list.txt`` files into absolute source paths.
 
     Directories are searched recursively (symlinks followed, loops skipped)
     for ``*.npz`` and ``*.npy`` files, or with ``sample_dirs`` for ``*.npz``
     files and directories holding ``*.npy`` files, all sorted by path;
     otherwise the order is the order given.
-    Raises SourceError for missing paths, duplicates, or when nothing is found.
+    Raises SourceError for missing paths, duplicates, or when nothing is found,
+    and for pipes, devices and broken links unless ``skip_bad``: then they
+    are sources too, for the scan to refuse and record like any bad file.
     """
     found: list[str] = []
     for item in inputs:
         text = os.fspath(item)
         if text.startswith(LIST_PREFIX):
-            found.extend(_expand_list_file(text[len(LIST_PREFIX) :], sample_dirs))
+            found.extend(_expand_list_file(text[len(LIST_PREFIX) :], sample_dirs, skip_bad))
         else:
-            found.extend(_expand_path(text, sample_dirs))
+            found.extend(_expand_path(text, sample_dirs, skip_bad))
     if not found:
         shown = " ".join(os.fspath(i) for i in inputs)
         raise SourceError(f"no {NPZ_SUFFIX} or {NPY_SUFFIX} files found in: {shown}")
@@ -43,7 +47,7 @@ def discover_sources(inputs: Sequence[str | os.PathLike[str]], sample_dirs: bool
     return found
 
 
-def _expand_list_file(list_path: str, sample_dirs: bool) -> Iterable[str]:
+def _expand_list_file(list_path: str, sample_dirs: bool, skip_bad: bool) -> Iterable[str]:
     """Each line is a path, relative to the list file's directory; blank lines and
     lines starting with ``#`` are skipped. The list is opened like a source (a pipe
     in its place is refused, never waited on)."""
@@ -60,23 +64,37 @@ def _expand_list_file(list_path: str, sample_dirs: bool) -> Iterable[str]:
     except UnicodeDecodeError:
         raise SourceError(f"{list_path}: list file is not UTF-8 text") from None
     base = os.path.dirname(os.path.abspath(list_path))
-    for line in lines:
+    for number, line in enumerate(lines, start=1):
         entry = line.strip()
         if entry and not entry.startswith("#"):
-            yield from _expand_path(os.path.join(base, entry), sample_dirs)
+            try:
+                yield from _expand_path(os.path.join(base, entry), sample_dirs, skip_bad)
+            except SourceError as exc:
+                raise SourceError(f"{list_path}, line {number:,}: {exc}") from None
 
 
-def _expand_path(path: str, sample_dirs: bool) -> list[str]:
+def _expand_path(path: str, sample_dirs: bool, skip_bad: bool) -> list[str]:
     if os.path.isdir(path):
-        return _walk(path, sample_dirs)
-    if os.path.isfile(path):
+        return _walk(path, sample_dirs, skip_bad)
+    if sample_dirs and is_npy_path(path) and os.path.lexists(path):
+        raise SourceError(npy_with_sample_dirs(path))
+    if os.path.isfile(path) or (skip_bad and os.path.lexists(path)):
         return [os.path.abspath(path)]
     if os.path.lexists(path):
         raise SourceError(f"{path}: {fsutil.describe_kind(path)}, not a regular file or directory")
     raise SourceError(f"{path}: no such file or directory")
 
 
-def _walk(top: str, sample_dirs: bool) -> list[str]:
+def npy_with_sample_dirs(path: str) -> str:
+    """Why a .npy file cannot be named with --sample-dirs: it would be a sample of one field,
+    ``arr_0``, beside samples whose fields are named by their files."""
+    return (
+        f"{path}: a .npy file named with --sample-dirs, where each sample is a directory "
+        "of .npy files; name its directory instead"
+    )
+
+
+def _walk(top: str, sample_dirs: bool, skip_bad: bool) -> list[str]:
     """Every source below ``top``, following directory links but never a loop twice."""
     found: list[str] = []
     seen_dirs: set[tuple[int, int]] = set()
@@ -97,7 +115,7 @@ def _walk(top: str, sample_dirs: bool) -> list[str]:
             if _is(entry.is_dir):
                 pending.append(entry.path)
             elif entry.name.lower().endswith(NPZ_SUFFIX) or (is_npy_path(entry.name) and not sample_dirs):
-                if not _is(entry.is_file):
+                if not skip_bad and not _is(entry.is_file):
                     raise SourceError(f"{entry.path}: {fsutil.describe_kind(entry.path)}, not a regular file")
                 found.append(os.path.abspath(entry.path))
     return sorted(found)

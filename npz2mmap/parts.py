@@ -63,10 +63,7 @@ def resolve_parts(source: PathLike | Sequence[PathLike]) -> list[str]:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         _check_path(path, "dataset path")
-        # lexists, not isfile: a manifest.json that is a pipe or a device is read (and refused), not ignored.
-        if os.path.lexists(os.path.join(path, MANIFEST_NAME)) and not os.path.lexists(
-            os.path.join(path, INDEX_NAME)
-        ):
+        if is_manifest_dir(path):
             return read_manifest(path)
         return [path]
     parts = [part for item in source for part in resolve_parts(item)]
@@ -76,6 +73,14 @@ def resolve_parts(source: PathLike | Sequence[PathLike]) -> list[str]:
     if repeated is not None:
         raise FormatError(f"{repeated}: given twice; each part may appear only once")
     return parts
+
+
+def is_manifest_dir(path: str) -> bool:
+    """Whether a dataset path is a directory of parts: it holds manifest.json and no index.json."""
+    # lexists, not isfile: a manifest.json that is a pipe or a device is read (and refused), not ignored.
+    return os.path.lexists(os.path.join(path, MANIFEST_NAME)) and not os.path.lexists(
+        os.path.join(path, INDEX_NAME)
+    )
 
 
 def _check_path(part: str, where: str) -> None:
@@ -279,14 +284,20 @@ class PartsReader:
 
 
 def describe_parts(parts: Parts) -> list[dict[str, Any]]:
-    """Each part's path, samples, first sample and blob (its own data.npy), for ``inspect``."""
-    return [
-        {
-            "path": path,
-            "num_samples": index.num_samples,
-            "start": int(start),
-            "blob": os.path.join(path, BLOB_NAME),
-            "blob_nbytes": index.blob_nbytes,
-        }
-        for path, index, start in zip(parts.paths, parts.indexes, parts.starts[:-1], strict=True)
-    ]
+    """Every part's path, samples, first sample and blob (its own data.npy), for ``inspect``;
+    empty parts too (which contribute nothing), marked ``empty``."""
+    described = []
+    start = 0
+    for path, index in zip(parts.all_paths, parts.all_indexes, strict=True):
+        described.append(
+            {
+                "path": path,
+                "num_samples": index.num_samples,
+                "start": start,
+                "empty": index.num_samples == 0,
+                "blob": os.path.join(path, BLOB_NAME),
+                "blob_nbytes": index.blob_nbytes,
+            }
+        )
+        start += index.num_samples
+    return described

@@ -31,14 +31,36 @@ from .spec import (
     OFFSET_DTYPE,
     SHAPE_DTYPE,
     Region,
+    brief,
     checked_nbytes,
     dtype_depth,
+    field_name_problem,
     representable_nbytes,
     storage_dtype,
 )
 
 # Every sample has an int64 entry in a ragged field's offsets table, which lives in the payload.
 MAX_NUM_SAMPLES = MAX_PAYLOAD_NBYTES // OFFSET_DTYPE.itemsize - 1
+
+
+class Hints(NamedTuple):
+    """How messages name the options that resolve a disagreement: the CLI's, or the Writer's arguments."""
+
+    cast: str  # formatted with key=
+    keys: str
+    casts_named: str
+
+
+CLI_HINTS = Hints(
+    cast="use --cast {key}=DTYPE to store one dtype",
+    keys="; select common keys with --keys",
+    casts_named="--cast names",
+)
+WRITER_HINTS = Hints(
+    cast="pass casts={{{key!r}: DTYPE}} to store one dtype",
+    keys="",
+    casts_named="casts= names",
+)
 
 
 @dataclass(frozen=True)
@@ -89,8 +111,11 @@ class Plan:
 class _FieldCollector:
     """Accumulates one field's per-sample shapes in compact arrays."""
 
-    def __init__(self, header: MemberHeader, path: str, cast: np.dtype | None, rows: bool) -> None:
+    def __init__(
+        self, header: MemberHeader, path: str, cast: np.dtype | None, rows: bool, hints: Hints = CLI_HINTS
+    ) -> None:
         self.cast = cast
+        self.hints = hints
         self.rows = rows
         self.dtype = storage_dtype(cast if cast is not None else header.dtype)
         self.ndim = len(header.shape) - (1 if rows else 0)
@@ -118,7 +143,7 @@ class _FieldCollector:
         elif storage_dtype(header.dtype) != self.dtype:
             raise MismatchError(
                 f"{where}: dtype {header.dtype} differs from {self.dtype} in {self.first_path}; "
-                f"use --cast {header.key}=DTYPE to store one dtype"
+                + self.hints.cast.format(key=header.key)
             )
         sample_shape = header.shape[1:] if self.rows else header.shape
         if len(sample_shape) != self.ndim:
@@ -131,6 +156,13 @@ class _FieldCollector:
 
     def shapes(self, num_samples: int) -> NDArray[np.int64]:
         return np.frombuffer(self.dims, dtype=np.int64).reshape(num_samples, self.ndim)
+
+
+def check_field_name(name: str, where: str) -> None:
+    """SourceError naming ``where`` and showing ``name`` escaped, if a dataset may not hold ``name``."""
+    problem = field_name_problem(name)
+    if problem is not None:
+        raise SourceError(f"{where}: field name {brief(name)} {problem}")
 
 
 def can_cast(source: np.dtype, target: np.dtype) -> bool:
@@ -190,8 +222,10 @@ class PlanBuilder:
         casts: Mapping[str, np.dtype] | None = None,
         rows: bool = False,
         max_payload_nbytes: int | None = None,
+        hints: Hints = CLI_HINTS,
     ) -> None:
         self.align = align
+        self.hints = hints
         self.casts = dict(casts or {})
         self.rows = rows
         self.max_payload_nbytes = max_payload_nbytes
@@ -212,8 +246,11 @@ class PlanBuilder:
         """Check one source against those before it without recording it.
 
         Raises SourceError naming ``source`` (and the key) when it differs
-        from the first source, or would take the dataset past its limits.
+        from the first source, has a field name a dataset may not hold, or
+        would take the dataset past its limits.
         """
+        for key in members:
+            check_field_name(key, source)
         count = _count_rows(source, members) if self.rows else 1
         num_samples = self.num_samples + count
         if num_samples > MAX_NUM_SAMPLES:
@@ -225,6 +262,7 @@ class PlanBuilder:
         if members.keys() != collectors.keys():
             raise MismatchError(
                 _describe_key_mismatch(source, sorted(members), sorted(collectors), self.first_source)
+                + self.hints.keys
             )
         dims = tuple(collector.check(members[key], source) for key, collector in collectors.items())
         return PendingSource(source, collectors, dims, count)
@@ -233,12 +271,14 @@ class PlanBuilder:
         self, source: str, members: Mapping[str, MemberHeader]
     ) -> dict[str, _FieldCollector]:
         collectors = {
-            key: _FieldCollector(members[key], source, self.casts.get(key), self.rows)
+            key: _FieldCollector(members[key], source, self.casts.get(key), self.rows, self.hints)
             for key in sorted(members)
         }
         unknown = sorted(set(self.casts) - set(collectors))
         if unknown:
-            raise SourceError(f"{source}: --cast names key(s) {', '.join(unknown)} that are not converted")
+            raise SourceError(
+                f"{source}: {self.hints.casts_named} key(s) {', '.join(unknown)} that are not converted"
+            )
         return collectors
 
     def record(self, pending: PendingSource) -> None:
@@ -328,7 +368,7 @@ def _describe_key_mismatch(path: str, found: list[str], expected: list[str], fir
     extra = sorted(set(found) - set(expected))
     parts = [f"missing {', '.join(missing)}" if missing else "", f"extra {', '.join(extra)}" if extra else ""]
     detail = "; ".join(p for p in parts if p)
-    return f"{path}: keys differ from {first} ({detail}); select common keys with --keys"
+    return f"{path}: keys differ from {first} ({detail})"
 
 
 FieldShapes = tuple[str, np.dtype, NDArray[np.int64], bool]  # name, stored dtype, shapes, cast

@@ -96,18 +96,44 @@ def output_lock(out_dir: str) -> Iterator[int]:
     conversion to OUT is running.
     """
     parent, name = os.path.split(os.path.abspath(out_dir))
-    try:
-        os.makedirs(parent, exist_ok=True)
-        lock = fsutil.exclusive_lock(os.path.join(parent, f".{name}{LOCK_SUFFIX}"))
-        lock_fd = lock.__enter__()
-    except OSError as exc:
-        raise OutputError(f"{out_dir}: cannot create the output beside it ({exc.strerror or exc})") from exc
+    owner = os.getpid()
     with contextlib.ExitStack() as stack:
+        try:
+            stack.callback(_remove_if_empty, _missing_dirs(parent))
+            os.makedirs(parent, exist_ok=True)
+            lock = fsutil.exclusive_lock(os.path.join(parent, f".{name}{LOCK_SUFFIX}"))
+            lock_fd = lock.__enter__()
+        except OSError as exc:
+            raise OutputError(
+                f"{out_dir}: cannot create the output beside it ({exc.strerror or exc})"
+            ) from exc
         stack.push(lock)
         if lock_fd is None:
-            raise OutputError(f"{out_dir}: another npz2mmap convert is writing it")
+            raise OutputError(f"{out_dir}: another npz2mmap conversion or Writer is writing it")
         _remove_leftovers(parent, name)
-        yield lock_fd
+        try:
+            yield lock_fd
+        finally:
+            if os.getpid() != owner:  # a forked child's copy, collected at its exit: the lock is not its
+                stack.pop_all()
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def _remove_if_empty(dirs: list[str]) -> None:
+    """Remove the directories made for OUT's lock that nothing else has filled (OUT/ of a part)."""
+    for path in dirs:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
 
 
 def _remove_leftovers(parent: str, name: str) -> None:

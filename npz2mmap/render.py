@@ -34,14 +34,17 @@ def render_summary(summary: dict[str, Any]) -> str:
         lines[2:2] = [f"parts    {len(summary['parts'])}, read in order as one dataset"]
         part_rows = [("part", "samples", "first sample", "blob", "blob bytes")]
         part_rows += [
-            (p["path"], f"{p['num_samples']:,}", f"{p['start']:,}", p["blob"], human_bytes(p["blob_nbytes"]))
+            (p["path"], _part_samples(p), f"{p['start']:,}", p["blob"], human_bytes(p["blob_nbytes"]))
             for p in summary["parts"]
         ]
         lines += [*_table(part_rows), ""]
-    rows = [("field", "kind", "dtype", "shape", "bytes")]
-    for f in summary["fields"]:
-        rows.append((f["name"], f["kind"], f["dtype"], _shape_text(f), human_bytes(f["nbytes"])))
-    lines += _table(rows)
+    if summary["fields"]:
+        rows = [("field", "kind", "dtype", "shape", "bytes")]
+        for f in summary["fields"]:
+            rows.append((f["name"], f["kind"], f["dtype"], _shape_text(f), human_bytes(f["nbytes"])))
+        lines += _table(rows)
+    else:
+        lines.append("fields   none (no samples)")
     if "stats" in summary:
         stat_rows = [("field", "count", "min", "max", "mean", "std")]
         for name, s in summary["stats"].items():
@@ -54,6 +57,10 @@ def render_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _part_samples(part: dict[str, Any]) -> str:
+    return "0 (empty)" if part["empty"] else f"{part['num_samples']:,}"
+
+
 def _blob_line(summary: dict[str, Any]) -> str:
     """The blob's path, or for a dataset of parts how many blobs there are (each is in the parts table)."""
     blobs = summary["blobs"]
@@ -64,8 +71,10 @@ def _blob_line(summary: dict[str, Any]) -> str:
 
 def _render_lengths(name: str, stats: dict[str, Any]) -> list[str]:
     """A ragged field's length distribution as one line of figures and a text histogram."""
+    axis = stats.get("axis", 0)
+    which = "first dimension" if axis == 0 else f"axis {axis}, the first that varies"
     head = (
-        f"{name} lengths (first dimension): min {stats['min']:,}, p50 {stats['p50']:,.0f}, "
+        f"{name} lengths ({which}): min {stats['min']:,}, p50 {stats['p50']:,.0f}, "
         f"p90 {stats['p90']:,.0f}, p99 {stats['p99']:,.0f}, max {stats['max']:,}, mean {stats['mean']:,.1f}"
     )
     counts, edges = stats["histogram"]["counts"], stats["histogram"]["edges"]

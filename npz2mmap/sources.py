@@ -163,7 +163,7 @@ class _NpyFile:
         file_nbytes = os.fstat(self.fp.fileno()).st_size
         if file_nbytes == 0:
             raise SourceError(f"{self.path}: empty file (0 bytes), not a .npy array")
-        with _read_errors(self.path):
+        with source_errors(self.path):
             self.fp.seek(0)
             header = parse_npy_header(self.fp, key, self.path)
         declared = header.header_nbytes + header.nbytes
@@ -181,7 +181,7 @@ class _NpyFile:
         return header
 
     def data_chunks(self, header: MemberHeader) -> Iterator[bytes]:
-        with _read_errors(self.path):
+        with source_errors(self.path):
             self.fp.seek(header.header_nbytes)
             remaining = header.nbytes
             while remaining:
@@ -302,11 +302,3 @@ def _open_npy(path: str) -> BinaryIO:
         if exc.errno in (errno.ENOENT, errno.ELOOP) and os.path.lexists(path):
             raise SourceError(f"{path}: {fsutil.describe_kind(path)}, not a regular file") from None
         raise SourceError(f"{path}: cannot open ({exc.strerror or exc})") from None
-
-
-@contextlib.contextmanager
-def _read_errors(path: str) -> Iterator[None]:
-    try:
-        yield
-    except OSError as exc:
-        raise SourceError(f"{path}: cannot read ({exc.strerror or exc})") from None

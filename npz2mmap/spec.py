@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,10 @@ MAX_PAYLOAD_NBYTES = MAX_NBYTES - BLOB_HEADER_NBYTES
 MAX_INT_DIGITS = len(str(MAX_NBYTES))
 # numpy (and our own parsing) recurses once per level of nested records.
 MAX_DTYPE_DEPTH = 32
+# Field names are keys of index.json, of each sample's dict and of every message naming a field.
+MAX_FIELD_NAME_CHARS = 255
+# C0 and C1 controls and Unicode line breaks: a name holding one would break a line of output.
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 FIXED = "fixed"
 RAGGED = "ragged"
@@ -620,6 +625,32 @@ def _check_ragged_data_size(f: Field, num_samples: int, where: str) -> None:
             f"{where}: data holds {f.data.nbytes} bytes, not whole {f.dtype.itemsize}-byte elements "
             f"of {num_samples} samples"
         )
+
+
+def field_name_problem(name: str) -> str | None:
+    """Why a writer must not store ``name`` as a field name (see docs/FORMAT.md), or None."""
+    if not name:
+        return "is empty"
+    if len(name) > MAX_FIELD_NAME_CHARS:
+        return f"has {len(name):,} characters, more than the {MAX_FIELD_NAME_CHARS} a field name may have"
+    if _CONTROL_CHARS.search(name):
+        return "holds a control character"
+    if not _is_text(name):
+        return "is not valid text (it holds a lone surrogate)"
+    return None
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with control characters and lone surrogates escaped as repr does, so it shows on one line."""
+    return _CONTROL_CHARS.sub(_escaped, _escape_surrogates(text))
+
+
+def _escaped(match: re.Match[str]) -> str:
+    return match.group().encode("unicode_escape").decode("ascii")
+
+
+def _escape_surrogates(text: str) -> str:
+    return text if _is_text(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _is_text(name: str) -> bool:

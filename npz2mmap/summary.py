@@ -8,15 +8,19 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .parts import FieldInfo, Parts, PartsReader, describe_parts
+from .parts import FieldInfo, Parts, PartsReader, describe_parts, is_manifest_dir
 from .progress import Progress, SilentProgress
 from .reader import DatasetReader
 from .spec import BLOB_NAME, FORMAT_NAME, FORMAT_VERSION
 
 
 def describe_dataset(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Format, counts, sizes, blobs (one per part), parts and one entry per field. Raises FormatError."""
+    """Format, counts, sizes, blobs (one per part), parts and one entry per field. Raises FormatError.
+
+    A dataset of parts (a manifest, even of one part) lists every part, empty ones too.
+    """
     parts = Parts(path)
+    of_parts = is_manifest_dir(os.fspath(path)) or len(parts.all_paths) > 1
     readers = [DatasetReader(p, index) for p, index in zip(parts.paths, parts.indexes, strict=True)]
     first = parts.indexes[0]
     return {
@@ -25,10 +29,10 @@ def describe_dataset(path: str | os.PathLike[str]) -> dict[str, Any]:
         "version": FORMAT_VERSION,
         "tool_version": first.tool_version,
         "num_samples": parts.num_samples,
-        "blobs": [os.path.join(p, BLOB_NAME) for p in parts.paths],
-        "blob_nbytes": sum(index.blob_nbytes for index in parts.indexes),
-        "align": min(index.align for index in parts.indexes),  # parts may differ; every region has this
-        "parts": describe_parts(parts) if len(parts.paths) > 1 else [],
+        "blobs": [os.path.join(p, BLOB_NAME) for p in parts.all_paths],
+        "blob_nbytes": sum(index.blob_nbytes for index in parts.all_indexes),
+        "align": min(index.align for index in parts.all_indexes),  # parts may differ; every region has this
+        "parts": describe_parts(parts) if of_parts else [],
         "fields": [_describe_field(parts.field(name), readers) for name in parts.field_names],
     }
 
@@ -46,8 +50,16 @@ def _describe_field(info: FieldInfo, readers: list[DatasetReader]) -> dict[str, 
     shapes = [r.shapes(info.name) for r in readers if len(r)]  # tables checked whole
     out["min_shape"] = np.min([s.min(axis=0) for s in shapes], axis=0).tolist() if shapes else []
     out["max_shape"] = np.max([s.max(axis=0) for s in shapes], axis=0).tolist() if shapes else []
-    out["lengths"] = length_distribution(np.concatenate([s[:, 0] for s in shapes])) if shapes else {}
+    out["lengths"] = _varying_lengths(np.concatenate(shapes)) if shapes else {}
     return out
+
+
+def _varying_lengths(shapes: NDArray[np.int64]) -> dict[str, Any]:
+    """The length distribution of the first axis whose length varies (axis 0 if none does):
+    for shapes (2, 1..3), the 1..3, not a column of 2s."""
+    varying = np.flatnonzero(shapes.min(axis=0) != shapes.max(axis=0))
+    axis = int(varying[0]) if len(varying) else 0
+    return {"axis": axis, **length_distribution(shapes[:, axis])}
 
 
 def length_distribution(lengths: NDArray[np.int64], bins: int = 10) -> dict[str, Any]:

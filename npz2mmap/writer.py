@@ -12,7 +12,7 @@ import dataclasses
 import os
 import zlib
 from array import array
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -401,17 +401,7 @@ def finish_dataset(
     fd = os.open(blob_path, os.O_WRONLY | fsutil.BINARY)
     try:
         fields = tuple(_write_tables(fd, f, crcs) for f, crcs in zip(plan.fields, sample_crc32s, strict=True))
-        index = Index(
-            num_samples=plan.num_samples,
-            align=plan.align,
-            payload_nbytes=plan.payload_nbytes,
-            fields=fields,
-            tool_version=__version__,
-            num_sources=len(plan.sources),
-            mode=plan.mode,
-            num_skipped=len(skipped),
-            part=part,
-        )
+        index = _plan_index(plan, fields, len(skipped), part)
         index_text = index_to_json(index).encode("utf-8")
         digest = index_digest(index_text)
         fsutil.write_all_at(fd, blob_identity(digest), BLOB_HEADER_NBYTES)
@@ -431,6 +421,11 @@ def _write_tables(fd: int, f: FieldPlan, crcs: np.ndarray) -> Field:
         fsutil.write_all_at(fd, data, BLOB_HEADER_NBYTES + region.offset)
         return dataclasses.replace(region, crc32=zlib.crc32(data))
 
+    return _table_field(f, crcs, put)
+
+
+def _table_field(f: FieldPlan, crcs: np.ndarray, put: Callable[[Region, np.ndarray], Region]) -> Field:
+    """The index entry of a planned field, ``put`` writing each table and giving its region."""
     offsets = shapes = None
     if f.fixed_shape is None and f.offsets is not None and f.shapes_region is not None:
         offsets = put(f.offsets, f.sample_offsets.astype(OFFSET_DTYPE))
@@ -446,6 +441,34 @@ def _write_tables(fd: int, f: FieldPlan, crcs: np.ndarray) -> Field:
         shapes=shapes,
         cast=f.cast,
     )
+
+
+def _plan_index(
+    plan: Plan, fields: tuple[Field, ...], num_skipped: int, part: tuple[int, int] | None
+) -> Index:
+    return Index(
+        num_samples=plan.num_samples,
+        align=plan.align,
+        payload_nbytes=plan.payload_nbytes,
+        fields=fields,
+        tool_version=__version__,
+        num_sources=len(plan.sources),
+        mode=plan.mode,
+        num_skipped=num_skipped,
+        part=part,
+    )
+
+
+def index_nbytes_bound(plan: Plan, max_skipped: int, part: tuple[int, int] | None) -> int:
+    """index.json's size at most, known before the copy: every checksum at its widest, and
+    ``max_skipped`` files left out (planning again without a file only shortens the rest)."""
+
+    def widest(region: Region, table: np.ndarray) -> Region:
+        return dataclasses.replace(region, crc32=0xFFFFFFFF)
+
+    no_crcs = np.zeros(0, dtype=CRC_DTYPE)
+    fields = tuple(_table_field(f, no_crcs, widest) for f in plan.fields)
+    return len(index_to_json(_plan_index(plan, fields, max_skipped, part)).encode("utf-8"))
 
 
 def _write_index(path: str, text: bytes) -> None:

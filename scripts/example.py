@@ -54,12 +54,14 @@ def load(dataset: str) -> None:
     for epoch in range(2):
         started = time.perf_counter()
         seen = 0
+        first_shape = None
         for batch in loader:
             seen += len(batch["label"])
+            first_shape = first_shape or tuple(batch["input"].shape)  # the last batch may be short
         rate = seen / (time.perf_counter() - started)
         print(
             f"epoch {epoch}: {seen:,} samples, {rate:,.0f} samples/s, "
-            f"input batch {tuple(batch['input'].shape)} {EPOCH_NOTES[min(epoch, 1)]}"
+            f"input batch {first_shape} {EPOCH_NOTES[min(epoch, 1)]}"
         )
     for i in (0, len(ds) // 2, len(ds) - 1):
         with np.load(sources[i], allow_pickle=False) as npz:

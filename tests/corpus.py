@@ -263,7 +263,7 @@ def expected_samples(path: Path, name: str, rows: bool, cast: str | None) -> lis
     return [little_endian_bytes(np.asarray(s)) for s in samples]
 
 
-def load_raw(path: Path, name: str) -> np.ndarray:
+def load_raw(path: Path | str, name: str) -> np.ndarray:
     """What ``np.load(path)[name]`` returns, but over the member's raw bytes.
 
     np.load copies a zip member's records field by field into a new array,
@@ -271,6 +271,7 @@ def load_raw(path: Path, name: str) -> np.ndarray:
     ``frombuffer`` keep every byte of the file. A ``.npy`` file is read the
     same way, and a sample directory's field from its ``name.npy``.
     """
+    path = Path(path)
     if path.is_dir():
         return read_npy(open(path / f"{name}.npy", "rb"))
     if path.suffix == ".npy":

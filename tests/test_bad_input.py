@@ -6,6 +6,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import hostile
@@ -14,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import write_samples
 
-from npz2mmap import fsutil, publish
+from npz2mmap import fsutil, publish, writer
 from npz2mmap.cli import cli
 from npz2mmap.converter import convert
 from npz2mmap.errors import OutputError, SourceError
@@ -135,6 +136,79 @@ def test_a_full_disk_is_a_clean_error_and_removes_temporary_files(
     assert staging_leftovers(tmp_path) == []
 
 
+def written_nbytes(dataset: Path) -> int:
+    """What a conversion wrote: every file of the dataset, from the file system."""
+    return sum(path.stat().st_size for path in dataset.iterdir())
+
+
+def long_path_sources(tmp_path: Path, count: int, num_values: int) -> Path:
+    """``count`` small .npy files under a ~600-character path: sources.jsonl outweighs their arrays."""
+    top = tmp_path / "src"
+    deep = top / ("d" * 200) / ("e" * 200) / ("f" * 150)
+    deep.mkdir(parents=True)
+    for i in range(count):
+        np.save(deep / f"{i:04d}.npy", np.full(num_values, i, dtype=np.float64))
+    return top
+
+
+def test_the_free_space_check_counts_sources_jsonl(tmp_path, monkeypatch) -> None:
+    src = long_path_sources(tmp_path, 50, 1)
+    convert([src], tmp_path / "ref", workers=1)
+    all_nbytes = written_nbytes(tmp_path / "ref")
+    sources_nbytes = (tmp_path / "ref" / "sources.jsonl").stat().st_size
+    assert sources_nbytes > (tmp_path / "ref" / "data.npy").stat().st_size  # the check must count it
+    real_disk_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real_disk_usage(p)._replace(free=all_nbytes - 1))
+    result = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: {tmp_path / 'out'}: the dataset needs ")
+    assert result.output.endswith(
+        f"{all_nbytes - 1:,} bytes ({(all_nbytes - 1) / 1e3:.1f} kB) free on its file system\n"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["ref", "src"]
+
+
+def test_long_source_paths_on_a_really_small_filesystem(tmp_path) -> None:
+    """On a 1 MiB tmpfs the blob fits but not with sources.jsonl: refused before writing a byte."""
+    src = long_path_sources(tmp_path, 600, 160)  # ~0.8 MB of blob, ~0.4 MB of sources.jsonl
+    convert([src], tmp_path / "ref", workers=1)
+    assert (tmp_path / "ref" / "data.npy").stat().st_size < 1 << 20 < written_nbytes(tmp_path / "ref")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.system(f"mount -t tmpfs -o size=1m tmpfs {mount} 2>/dev/null") != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        result = CliRunner().invoke(cli, ["convert", str(src), "-o", str(mount / "out")])
+        assert result.exit_code == 1
+        assert result.output.startswith(f"Error: {mount / 'out'}: the dataset needs ")
+        needed = int(result.output.split(" the dataset needs ")[1].split(" bytes")[0].replace(",", ""))
+        assert written_nbytes(tmp_path / "ref") <= needed
+        assert result.output.endswith(" free on its file system\n")
+        assert os.listdir(mount) == []
+    finally:
+        os.system(f"umount {mount}")
+
+
+def test_a_full_disk_found_late_says_the_sizes(tmp_path, good_sources, monkeypatch) -> None:
+    real_write_file = writer._write_file
+
+    def full_disk(path: str, lines: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "_write_file", full_disk)
+    with pytest.raises(OutputError) as caught:
+        convert([good_sources], tmp_path / "out", workers=1)
+    message = str(caught.value)
+    assert message.startswith(f"{tmp_path / 'out'}: cannot write the dataset (No space left on device): ")
+    monkeypatch.setattr(writer, "_write_file", real_write_file)
+    convert([good_sources], tmp_path / "ref", workers=1)
+    needed = int(message.split(" the dataset needs ")[1].split(" bytes")[0].replace(",", ""))
+    assert written_nbytes(tmp_path / "ref") <= needed
+    assert message.endswith(" free when the conversion began")
+    assert not (tmp_path / "out").exists()
+    assert staging_leftovers(tmp_path) == []
+
+
 def test_a_really_full_filesystem(tmp_path, good_sources) -> None:
     """On a 256 KiB tmpfs, where the machine lets us mount one."""
     mount = tmp_path / "small"
@@ -147,9 +221,8 @@ def test_a_really_full_filesystem(tmp_path, good_sources) -> None:
         blob_nbytes = (tmp_path / "ref" / "data.npy").stat().st_size
         result = CliRunner().invoke(cli, ["convert", str(tmp_path / "big"), "-o", str(mount / "out")])
         assert result.exit_code == 1
-        assert result.output.startswith(
-            f"Error: {mount / 'out'}: the dataset needs {blob_nbytes:,} bytes (1.6 MB), "
-        )
+        needed = int(result.output.split(" the dataset needs ")[1].split(" bytes")[0].replace(",", ""))
+        assert blob_nbytes < needed < blob_nbytes + 4096  # the blob and the small files beside it
         assert result.output.endswith(" kB) free on its file system\n")
         assert os.listdir(mount) == []
     finally:

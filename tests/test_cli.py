@@ -361,7 +361,7 @@ def test_counts_of_one_read_in_the_singular(tmp_path) -> None:
 
 
 def test_progress_lines_name_a_single_item_in_the_singular() -> None:
-    from npz2mmap.commands import LogProgress
+    from npz2mmap.progress import LogProgress
 
     ticks = iter([0.0, 5.0])
     progress = LogProgress(clock=lambda: next(ticks))
@@ -484,16 +484,41 @@ def test_convert_refuses_a_dataset_larger_than_the_free_space_before_writing(tmp
     write_samples(tmp_path / "src", [{"x": np.zeros(100_000)} for _ in range(2)], compressed=True)
     assert run("convert", tmp_path / "src", "-o", tmp_path / "ref", "-q").exit_code == 0
     blob_nbytes = (tmp_path / "ref" / "data.npy").stat().st_size
+    all_nbytes = sum(path.stat().st_size for path in (tmp_path / "ref").iterdir())
     real_disk_usage = shutil.disk_usage
     monkeypatch.setattr(
         shutil, "disk_usage", lambda path: real_disk_usage(path)._replace(free=blob_nbytes - 1)
     )
     result = run("convert", tmp_path / "src", "-o", tmp_path / "out")
     assert result.exit_code == 1
+    needed = int(result.output.split(" the dataset needs ")[1].split(" bytes")[0].replace(",", ""))
+    assert all_nbytes <= needed < all_nbytes + 200  # the blob and the files beside it; index.json at most
     assert result.output == (
-        f"Error: {tmp_path / 'out'}: the dataset needs {blob_nbytes:,} bytes ({blob_nbytes / 1e6:.1f} MB), "
+        f"Error: {tmp_path / 'out'}: the dataset needs {needed:,} bytes ({needed / 1e6:.1f} MB), "
         f"{blob_nbytes - 1:,} bytes ({(blob_nbytes - 1) / 1e6:.1f} MB) free on its file system\n"
     )
     assert sorted(os.listdir(tmp_path)) == ["ref", "src"]  # nothing written, no staging directory
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_disk_usage(path)._replace(free=blob_nbytes))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_disk_usage(path)._replace(free=needed))
     assert run("convert", tmp_path / "src", "-o", tmp_path / "out", "-q").exit_code == 0
+
+
+def test_help_speaks_of_npy_files_too() -> None:
+    top = run("--help").output
+    assert "Convert many .npz or .npy files into one memory-mapped dataset for PyTorch." in top
+    keys_help = " ".join(run("convert", "--help").output.split())
+    assert (
+        "--keys A,B Convert only these keys: NPZ member names, arr_0 for a .npy file, NAME for NAME.npy "
+        "with --sample-dirs (default: all)."
+    ) in keys_help
+
+
+def test_a_missing_path_in_a_list_file_names_the_list_and_line(tmp_path) -> None:
+    write_samples(tmp_path / "data", [{"x": np.arange(3)}])
+    listed = sorted((tmp_path / "data").iterdir())[0].name
+    (tmp_path / "list.txt").write_text(f"# train\ndata/{listed}\n\ndata/gone.npz\n")
+    result = run("convert", f"@{tmp_path / 'list.txt'}", "-o", str(tmp_path / "out"))
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {tmp_path / 'list.txt'}, line 4: {tmp_path / 'data' / 'gone.npz'}: no such file or directory\n"
+    )
+    assert not (tmp_path / "out").exists()

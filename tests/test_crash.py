@@ -136,7 +136,7 @@ def test_ctrl_c_cleans_up_and_exits_non_zero(tmp_path, sources, duration) -> Non
 def test_a_second_concurrent_conversion_to_the_same_output_is_refused(tmp_path, sources) -> None:
     out = tmp_path / "out"
     with publish.output_lock(str(out)):
-        with pytest.raises(OutputError, match="another npz2mmap convert is writing it"):
+        with pytest.raises(OutputError, match="another npz2mmap conversion or Writer is writing it"):
             convert([sources], out, workers=1)
         assert not out.exists()
     convert([sources], out, workers=1)

@@ -110,15 +110,46 @@ def test_npy_rows_are_samples(tmp_path) -> None:
     ]
 
 
-def test_npy_files_that_disagree_get_the_sample_dirs_hint(tmp_path) -> None:
-    save_npy(tmp_path / "train" / "x.npy", np.zeros((5, 3), np.float32))
-    y = save_npy(tmp_path / "train" / "y.npy", np.zeros(5, np.int64))
+def test_npy_files_whose_names_repeat_across_directories_get_the_sample_dirs_hint(tmp_path) -> None:
+    for sample in ("s0", "s1"):
+        save_npy(tmp_path / "train" / sample / "x.npy", np.zeros((5, 3), np.float32))
+        save_npy(tmp_path / "train" / sample / "y.npy", np.zeros(5, np.int64))
     code, output = convert_cli(str(tmp_path / "train"), "-o", str(tmp_path / "out"))
     assert code == 1
     assert output == (
-        f"Error: {y}[arr_0]: dtype int64 differs from float32 in {tmp_path / 'train' / 'x.npy'}; "
+        f"Error: {tmp_path / 'train' / 's0' / 'y.npy'}[arr_0]: dtype int64 differs from float32 in "
+        f"{tmp_path / 'train' / 's0' / 'x.npy'}; "
         "use --cast arr_0=DTYPE to store one dtype (each directory one sample? use --sample-dirs)\n"
     )
+    assert_nothing_written(tmp_path / "out")
+    assert convert_cli(str(tmp_path / "train"), "--sample-dirs", "-o", str(tmp_path / "out"))[0] == 0
+
+
+def test_npy_files_that_disagree_in_a_flat_folder_get_no_sample_dirs_hint(tmp_path) -> None:
+    save_npy(tmp_path / "flat" / "a.npy", np.zeros(3, np.float64))
+    b = save_npy(tmp_path / "flat" / "b.npy", np.zeros(3, np.float32))
+    code, output = convert_cli(str(tmp_path / "flat"), "-o", str(tmp_path / "out"))
+    assert (code, output) == (
+        1,
+        f"Error: {b}[arr_0]: dtype float32 differs from float64 in {tmp_path / 'flat' / 'a.npy'}; "
+        "use --cast arr_0=DTYPE to store one dtype\n",
+    )
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_a_npy_file_named_with_sample_dirs_is_a_usage_error(tmp_path) -> None:
+    s0 = save_npy(tmp_path / "flat" / "s0.npy", np.zeros(3))
+    code, output = convert_cli(str(s0), "--sample-dirs", "-o", str(tmp_path / "out"))
+    assert code == 2
+    assert output.splitlines()[-1] == (
+        f"Error: {s0}: a .npy file named with --sample-dirs, where each sample is a directory of "
+        ".npy files; name its directory instead"
+    )
+    assert_nothing_written(tmp_path / "out")
+    (tmp_path / "list.txt").write_text("flat/s0.npy\n")
+    with pytest.raises(SourceError) as caught:
+        convert([f"@{tmp_path / 'list.txt'}"], tmp_path / "out", sample_dirs=True)
+    assert str(caught.value).startswith(f"{tmp_path / 'list.txt'}, line 1: {s0}: a .npy file named with")
     assert_nothing_written(tmp_path / "out")
 
 
@@ -358,3 +389,49 @@ def test_sample_directories_count_their_npy_files_as_the_sources_size(tmp_path) 
     )
     expected = sum((tmp_path / "src" / f"s{k}" / "x.npy").stat().st_size for k in range(2))
     assert result.sources_nbytes == expected
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes and /dev/zero")
+@pytest.mark.parametrize("mode", [[], ["--sample-dirs"]])
+def test_skip_bad_skips_and_records_pipes_devices_and_broken_links_found_in_a_directory(
+    tmp_path, mode
+) -> None:
+    save_npy(tmp_path / "src" / "s0" / "x.npy", np.arange(3.0))
+    targets = {kind: tmp_path / "src" / f"s{k + 1}" / "x.npy" for k, kind in enumerate(NOT_REGULAR)}
+    for kind, target in targets.items():
+        target.parent.mkdir()
+        put_in_place(target, kind)
+    code, output = convert_cli(str(tmp_path / "src"), *mode, "--skip-bad", "-o", str(tmp_path / "out"))
+    assert code == 0, output
+    skipped_path = tmp_path / "out" / "skipped.jsonl"
+    records = [json.loads(line) for line in skipped_path.read_text().splitlines()]
+    expected_paths = [str(t.parent if mode else t) for t in targets.values()]
+    assert records == [
+        {"path": path, "reason": f"{target}: {NOT_REGULAR[kind]}"}
+        for path, (kind, target) in zip(expected_paths, targets.items(), strict=True)
+    ]
+    assert (
+        output
+        == f"Warning: skipped 3 bad files, listed in {skipped_path}; the first: {records[0]['reason']}\n"
+    )
+    reader = DatasetReader(str(tmp_path / "out"))
+    assert len(reader) == 1
+    assert (
+        reader.view(reader.field_names[0], 0).tobytes()
+        == np.load(tmp_path / "src" / "s0" / "x.npy").tobytes()
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_skip_bad_skips_a_pipe_named_directly_but_not_a_missing_path(tmp_path) -> None:
+    good = save_npy(tmp_path / "src" / "a.npy", np.arange(3.0))
+    pipe = tmp_path / "src" / "b.npy"
+    os.mkfifo(pipe)
+    code, output = convert_cli(str(good), str(pipe), "--skip-bad", "-o", str(tmp_path / "out"))
+    assert code == 0, output
+    records = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
+    assert records == [{"path": str(pipe), "reason": f"{pipe}: {NOT_REGULAR['fifo']}"}]
+    missing = tmp_path / "src" / "c.npy"
+    code, output = convert_cli(str(good), str(missing), "--skip-bad", "-o", str(tmp_path / "out2"))
+    assert (code, output) == (1, f"Error: {missing}: no such file or directory\n")
+    assert_nothing_written(tmp_path / "out2")

@@ -20,6 +20,7 @@ from npz2mmap.cli import cli
 from npz2mmap.converter import convert, part_from_environment, select_part
 from npz2mmap.errors import FormatError
 from npz2mmap.merge import merge
+from npz2mmap.render import human_bytes
 from npz2mmap.verify import verify
 
 BIN = Path(sys.executable).parent
@@ -163,7 +164,11 @@ def test_part_selection_and_its_errors(tmp_path, sources, monkeypatch) -> None:
     for value, message in [
         ("4/4", "part 4/4 does not exist"),
         ("auto", "--part auto needs RANK and WORLD_SIZE"),
-        ("x", "'x' is not I/N or auto"),
+        ("x", "'x' is not I/N (two plain integers) or auto"),
+        (" 1/2", "' 1/2' is not I/N (two plain integers) or auto"),
+        ("1_0/20", "'1_0/20' is not I/N (two plain integers) or auto"),
+        ("-1/2", "'-1/2' is not I/N (two plain integers) or auto"),
+        ("0/100001", "part 0/100001: at most 100,000 parts, so that part names sort in order"),
     ]:
         result = run("convert", sources, "-o", tmp_path / "o", "--part", value)
         assert result.exit_code == 2 and message in result.output, result.output
@@ -291,3 +296,46 @@ def test_inspect_names_the_blob_of_every_part(tmp_path, sources) -> None:
     ]
     single = run("inspect", ds / "part-0").output.splitlines()
     assert single[3] == f"blob     {blobs[0]}, {human_bytes(sizes[0])}, regions aligned to 64 B"
+
+
+def test_inspect_of_a_manifest_of_one_part_shows_the_part(tmp_path, sources) -> None:
+    convert([sources], tmp_path / "one", workers=1)
+    merge([tmp_path / "one"], tmp_path / "m")
+    blob = tmp_path / "one" / "data.npy"
+    lines = run("inspect", tmp_path / "m").output.splitlines()
+    assert lines[2] == "parts    1, read in order as one dataset"
+    assert lines[7].split() == [
+        str(tmp_path / "one"),
+        "22",
+        "0",
+        str(blob),
+        *human_bytes(blob.stat().st_size).split(),
+    ]
+
+
+def test_inspect_shows_every_part_and_blob_empty_ones_marked(tmp_path, sources) -> None:
+    parts = [tmp_path / "p" / f"part-{i}" for i in range(6)]
+    for i, part in enumerate(parts):  # one source: parts 0 to 4 are empty, part 5 holds it
+        convert([sorted(sources.iterdir())[0]], part, part=(i, 6), workers=1)
+    merge(parts, tmp_path / "m")
+    output = run("inspect", tmp_path / "m").output
+    lines = output.splitlines()
+    assert lines[2] == "parts    6, read in order as one dataset"
+    sizes = [(part / "data.npy").stat().st_size for part in parts]
+    assert lines[4] == f"blobs    6, one per part, {human_bytes(sum(sizes))} in all, regions aligned to 64 B"
+    assert [line.split()[:4] for line in lines[7:13]] == [
+        *[[str(part), "0", "(empty)", "0"] for part in parts[:5]],
+        [str(parts[5]), "1", "0", str(parts[5] / "data.npy")],
+    ]
+    summary = json.loads(run("inspect", tmp_path / "m", "--json").output)
+    assert summary["blobs"] == [str(part / "data.npy") for part in parts]
+    assert [p["empty"] for p in summary["parts"]] == [True] * 5 + [False]
+
+
+def test_inspect_of_a_manifest_of_one_empty_part_prints_no_empty_field_table(tmp_path, sources) -> None:
+    convert([sorted(sources.iterdir())[0]], tmp_path / "empty", part=(0, 2), workers=1)
+    merge([tmp_path / "empty"], tmp_path / "m")
+    lines = run("inspect", tmp_path / "m").output.splitlines()
+    assert lines[7].split()[:3] == [str(tmp_path / "empty"), "0", "(empty)"]
+    assert lines[-1] == "fields   none (no samples)"
+    assert not any(line.startswith("field ") for line in lines)

@@ -169,7 +169,7 @@ def test_the_output_lock_without_fcntl_keeps_a_second_conversion_out(
 ) -> None:
     take_facilities_away()
     with publish.output_lock(str(tmp_path / "out")):
-        with pytest.raises(OutputError, match="another npz2mmap convert is writing it"):
+        with pytest.raises(OutputError, match="another npz2mmap conversion or Writer is writing it"):
             convert([sources], tmp_path / "out", workers=1)
     convert([sources], tmp_path / "out", workers=1)
     assert (tmp_path / "out" / "index.json").exists()

@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 from conftest import write_npz, write_samples
 
-from npz2mmap import commands
+from npz2mmap import progress as progress_module
 from npz2mmap.cli import cli
-from npz2mmap.commands import LogProgress
 from npz2mmap.converter import convert
+from npz2mmap.progress import LogProgress
 from npz2mmap.verify import verify
 
 SIZES = (3, 5, 8)
@@ -52,7 +52,9 @@ def ticking(step: float) -> Iterator[float]:
 def ticking_logs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Log lines as if every clock reading were 10 s after the last: each advance prints one."""
     ticks = ticking(10)
-    monkeypatch.setattr(commands, "LogProgress", functools.partial(LogProgress, clock=lambda: next(ticks)))
+    monkeypatch.setattr(
+        progress_module, "LogProgress", functools.partial(LogProgress, clock=lambda: next(ticks))
+    )
 
 
 @pytest.fixture
@@ -83,7 +85,7 @@ def test_log_lines_say_done_total_rate_and_eta_then_done_in() -> None:
     lines: list[str] = []
     progress.stage("copy", 4, 4_000_000)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(commands.click, "echo", lambda line, err: lines.append(line))
+        mp.setattr(progress_module, "_print_line", lines.append)
         for _ in range(4):
             progress.advance(1, 1_000_000)  # at 4 s (too soon), 10 s, 15 s (too soon), 25 s
         progress.close()  # at 26 s
@@ -208,3 +210,35 @@ def test_verify_counts_every_sample_and_every_byte(sources: Path) -> None:
     assert progress.stages == [
         {"name": "verify", "unit": "samples", "total": 3, "total_nbytes": total, "done": 3, "nbytes": total}
     ]
+
+
+@pytest.mark.parametrize("mode", ["none", "log", "bar", "auto"])
+def test_convert_from_python_takes_the_cli_progress_modes(
+    mode: str, ticking_logs: None, sources: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = convert([sources], tmp_path / "out", progress=mode, workers=1)
+    assert result.index.num_samples == len(SIZES)
+    err = capsys.readouterr().err
+    if mode in ("log", "auto"):  # auto: stderr is not a terminal under pytest
+        assert "copy: 3/3 files (100%)" in err
+    elif mode == "none":
+        assert err == ""
+
+
+def test_convert_from_python_takes_a_progress_object(sources: Path, tmp_path: Path) -> None:
+    recording = RecordingProgress()
+    convert([sources], tmp_path / "out", progress=recording, workers=1)
+    assert [stage["name"] for stage in recording.stages] == ["scan", "copy"]
+
+
+@pytest.mark.parametrize("wrong", [True, "loud", 3])
+def test_convert_refuses_another_progress_naming_what_it_takes(
+    wrong: object, sources: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(TypeError) as caught:
+        convert([sources], tmp_path / "out", progress=wrong)  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        "progress must be None, one of 'auto', 'bar', 'log', 'none' or an object with stage() and "
+        f"advance() methods, got {wrong!r}"
+    )
+    assert not (tmp_path / "out").exists()

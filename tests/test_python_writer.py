@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import npz2mmap
-from npz2mmap import fsutil
+from npz2mmap import appender, fsutil
 from npz2mmap.cli import cli
 from npz2mmap.converter import convert
 from npz2mmap.errors import OutputError, SourceError
@@ -46,6 +46,11 @@ def dataset_files(path: Path) -> dict[str, bytes]:
 
 
 def keys_of(path: Path) -> list[str]:
+    """The keys of a corpus source: an NPZ file's members, a sample directory's files, a .npy file's arr_0."""
+    if path.is_dir():
+        return sorted(entry.name.removesuffix(".npy") for entry in path.iterdir())
+    if path.suffix == ".npy":
+        return ["arr_0"]
     with zipfile.ZipFile(path) as zf:
         return sorted(name.removesuffix(".npy") for name in zf.namelist())
 
@@ -80,7 +85,15 @@ def test_writer_writes_the_bytes_convert_writes_for_any_corpus(tmp_path_factory,
     corpus, options = case
     root = tmp_path_factory.mktemp("writer-oracle")
     paths = [path for path, _ in write_corpus(corpus, root / "src").files]
-    convert(paths, root / "converted", keys=options.keys, casts=options.casts, align=options.align, workers=1)
+    convert(
+        paths,
+        root / "converted",
+        keys=options.keys,
+        casts=options.casts,
+        align=options.align,
+        workers=1,
+        sample_dirs=corpus.layout == "sample-dirs",
+    )
     written = write_from_files(
         root / "written", paths, options.keys, casts=options.casts, align=options.align
     )
@@ -175,7 +188,7 @@ def opened(tmp_path):
         (
             {"x": np.zeros(3), "y": 1.0},
             "sample 1 (b.npz)[x]: dtype float64 differs from float32 in sample 0 (a.npz); "
-            "use --cast x=DTYPE to store one dtype",
+            "pass casts={'x': DTYPE} to store one dtype",
         ),
         (
             {"x": np.zeros((3, 1), np.float32), "y": 1.0},
@@ -183,7 +196,7 @@ def opened(tmp_path):
         ),
         (
             {"x": np.zeros(3, np.float32), "y": 1.0, "z": 1},
-            "sample 1 (b.npz): keys differ from sample 0 (a.npz) (extra z); select common keys with --keys",
+            "sample 1 (b.npz): keys differ from sample 0 (a.npz) (extra z)",
         ),
         (
             {"x": np.zeros(3, np.float32), "y": 0.1},
@@ -304,7 +317,7 @@ def test_bad_options_are_refused_before_anything_is_made(tmp_path) -> None:
         npz2mmap.Writer(tmp_path / "out", part=(3, 3))
     with pytest.raises(ValueError, match="is not a numpy dtype"):
         npz2mmap.Writer(tmp_path / "out", casts={"x": "nonsense"})
-    with pytest.raises(SourceError, match="--cast names key"):
+    with pytest.raises(SourceError, match=r"^sample 0: casts= names key\(s\) y that are not converted$"):
         with npz2mmap.Writer(tmp_path / "out", casts={"y": "f4"}) as w:
             w.append({"x": 1})
     assert os.listdir(tmp_path) == []
@@ -372,9 +385,9 @@ def test_the_lock_keeps_a_conversion_and_a_second_writer_out_until_close(tmp_pat
     out = tmp_path / "out"
     with npz2mmap.Writer(out) as w:
         w.append({"x": np.arange(3)})
-        with pytest.raises(OutputError, match="another npz2mmap convert is writing it"):
+        with pytest.raises(OutputError, match="another npz2mmap conversion or Writer is writing it"):
             convert([tmp_path / "src"], out, workers=1)
-        with pytest.raises(OutputError, match="another npz2mmap convert is writing it"):
+        with pytest.raises(OutputError, match="another npz2mmap conversion or Writer is writing it"):
             npz2mmap.Writer(out)
     convert([tmp_path / "src"], out, workers=1, overwrite=True)
 
@@ -601,25 +614,32 @@ def test_the_writer_is_exported_without_importing_torch(tmp_path) -> None:
 
 
 def test_close_refuses_a_dataset_larger_than_the_free_space_and_writes_nothing(tmp_path, monkeypatch) -> None:
+    """Every file counts: here sources.jsonl (long source names) is larger than the blob."""
+    import re
     import shutil
 
-    sample = {"x": np.zeros(300_000)}  # 2.4 MB, so both sizes print in MB
-    with npz2mmap.Writer(tmp_path / "ref") as w:
-        w.append(sample)
+    def write(out: Path) -> npz2mmap.Writer:
+        w = npz2mmap.Writer(out)
+        for i in range(50):
+            w.append({"x": np.float32(i)}, source=f"{i:04d}" + "s" * 2000)
+        return w
+
+    write(tmp_path / "ref").close()
+    files_nbytes = sum(entry.stat().st_size for entry in (tmp_path / "ref").iterdir())
     blob_nbytes = (tmp_path / "ref" / "data.npy").stat().st_size
-    out = tmp_path / "out"
+    assert files_nbytes > 20 * blob_nbytes
     real_disk_usage = shutil.disk_usage
-    with npz2mmap.Writer(out) as w:
-        w.append(sample)
-        monkeypatch.setattr(
-            shutil, "disk_usage", lambda path: real_disk_usage(path)._replace(free=blob_nbytes - 1)
-        )
-        with pytest.raises(OutputError) as raised:
-            w.close()
-    assert str(raised.value) == (
-        f"{out}: the dataset needs {blob_nbytes:,} bytes ({blob_nbytes / 1e6:.1f} MB), "
-        f"{blob_nbytes - 1:,} bytes ({(blob_nbytes - 1) / 1e6:.1f} MB) free on its file system"
+    w = write(tmp_path / "out")
+    free = files_nbytes - 1
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_disk_usage(path)._replace(free=free))
+    with pytest.raises(OutputError) as raised:
+        w.close()
+    found = re.fullmatch(
+        rf"{re.escape(str(tmp_path / 'out'))}: the dataset needs ([\d,]+) bytes \(.*\), "
+        rf"{free:,} bytes \(.*\) free on its file system",
+        str(raised.value),
     )
+    assert found and files_nbytes <= int(found[1].replace(",", "")) <= files_nbytes + 4096
     assert sorted(os.listdir(tmp_path)) == ["ref"]  # no dataset, no staging or spool directory
 
 
@@ -641,3 +661,361 @@ def test_verify_sources_compares_named_sources_and_counts_samples_without_one(tm
     result = CliRunner().invoke(cli, ["verify", str(tmp_path / "out"), "--sources"])
     assert result.exit_code == 1
     assert f"sample 0 ({npz}): field 'x': values differ from the source" in result.output
+
+
+# --- write errors, interrupts, forks (issue 11) -------------------------------------
+
+
+def three_field_samples(count: int) -> list[dict[str, np.ndarray]]:
+    return [
+        {"a": np.arange(5 + i, dtype=np.int16), "b": np.full((2, 3), i, ">f8"), "c": np.array(f"s{i}")}
+        for i in range(count)
+    ]
+
+
+def writer_bytes(out: Path, samples: list[dict[str, np.ndarray]], sources: list[str]) -> dict[str, bytes]:
+    """The files a writer given just these samples writes: the reference for one that refused others."""
+    with npz2mmap.Writer(out) as w:
+        for sample, source in zip(samples, sources, strict=True):
+            w.append(sample, source=source)
+    return dataset_files(out)
+
+
+def test_a_write_error_in_any_spool_is_undone_in_every_spool(tmp_path, monkeypatch) -> None:
+    """The failing write keeps a view of the spool's buffer alive in its traceback, as a real one does."""
+    monkeypatch.setattr(appender, "SPOOL_BUFFER_NBYTES", 1)  # every piece is written at once
+    samples = three_field_samples(3)
+    real_write_all_at = fsutil.write_all_at
+    calls = []
+    monkeypatch.setattr(fsutil, "write_all_at", lambda *args: calls.append(args) or real_write_all_at(*args))
+    with npz2mmap.Writer(tmp_path / "count") as w:
+        w.append(samples[0])
+        calls.clear()
+        w.append(samples[1])
+        writes_per_append = len(calls)
+    assert writes_per_append == 4  # three fields and the source name
+
+    def failing_at(k: int):
+        count = iter(range(writes_per_append))
+
+        def write_all_at(fd: int, data: bytearray, offset: int) -> None:
+            view = memoryview(data)
+            if next(count) == k:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            real_write_all_at(fd, view, offset)
+
+        return write_all_at
+
+    expected = writer_bytes(tmp_path / "expected", [samples[0], samples[2]], ["s0", "s2"])
+    for k in range(writes_per_append):
+        out = tmp_path / f"failed-{k}"
+        with npz2mmap.Writer(out) as w:
+            monkeypatch.setattr(fsutil, "write_all_at", real_write_all_at)
+            w.append(samples[0], source="s0")
+            monkeypatch.setattr(fsutil, "write_all_at", failing_at(k))
+            with pytest.raises(
+                OutputError, match=r": cannot write the samples beside it \(No space left on device\)$"
+            ):
+                w.append(samples[1], source="s1")
+            monkeypatch.setattr(fsutil, "write_all_at", real_write_all_at)
+            assert w.num_samples == 1
+            w.append(samples[2], source="s2")
+        assert dataset_files(out) == expected, f"write {k} failed"
+
+
+FILE_TOO_LARGE = """
+import resource, signal, sys
+import numpy as np
+import npz2mmap
+from npz2mmap.errors import OutputError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+samples = [{"x": np.full(600_000, i, np.float32), "t": np.arange(i + 1)} for i in range(4)]
+w = npz2mmap.Writer(sys.argv[1])
+w.append(samples[0], source="s0")
+w.append(samples[1], source="s1")
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (3_000_000, hard))
+try:
+    w.append(samples[2], source="s2")
+except OutputError as exc:
+    print(exc)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+w.append(samples[3], source="s3")
+w.close()
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs RLIMIT_FSIZE (POSIX)")
+def test_a_real_write_error_while_appending_is_undone_and_the_writer_goes_on(tmp_path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", FILE_TOO_LARGE, str(out)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == f"{out}: cannot write the samples beside it (File too large)\n"
+    samples = [{"x": np.full(600_000, i, np.float32), "t": np.arange(i + 1)} for i in (0, 1, 3)]
+    assert dataset_files(out) == writer_bytes(tmp_path / "expected", samples, ["s0", "s1", "s3"])
+    assert verify(out).ok
+
+
+def _interrupt_at_line(k: int):
+    """A trace function raising KeyboardInterrupt at the k-th line run in the writer's own modules."""
+    watched = {appender.__file__, fsutil.__file__}
+    lines = iter(range(1 << 30))
+
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename not in watched:
+            return None
+        if event == "line" and next(lines) == k:
+            raise KeyboardInterrupt
+        return trace
+
+    return trace
+
+
+def test_an_interrupt_at_any_line_of_append_leaves_the_writer_as_before_or_refusing(
+    tmp_path, monkeypatch
+) -> None:
+    """A Ctrl-C the caller catches: the writer goes on as if that append never ran, or
+    (if it came while the sample was being recorded) refuses to write anything."""
+    monkeypatch.setattr(appender, "SPOOL_BUFFER_NBYTES", 8)  # flushes inside append
+    samples = three_field_samples(3)
+    without = writer_bytes(tmp_path / "without", [samples[0], samples[2]], ["s0", "s2"])
+    with_it = writer_bytes(tmp_path / "with", samples, ["s0", "s1", "s2"])
+    outcomes = []
+    for k in range(100_000):
+        out = tmp_path / f"t{k}"
+        w = npz2mmap.Writer(out)
+        w.append(samples[0], source="s0")
+        sys.settrace(_interrupt_at_line(k))
+        try:
+            w.append(samples[1], source="s1")
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            sys.settrace(None)
+        if not interrupted:  # k is past the last line append runs
+            w.abort()
+            break
+        try:
+            w.append(samples[2], source="s2")
+            w.close()
+        except OutputError as exc:
+            assert "an append was interrupted" in str(exc)
+            assert "\n" not in str(exc)
+            with pytest.raises(OutputError, match=r": nothing written: an append was interrupted"):
+                w.close()
+            assert not out.exists()
+            outcomes.append("refused")
+            continue
+        expected = with_it if w.num_samples == 3 else without
+        assert dataset_files(out) == expected, f"interrupted at line {k}"
+        outcomes.append(w.num_samples)
+    assert outcomes.count(2) > 3 * outcomes.count("refused")  # most interrupts are simply undone
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["without", "with", *(f"t{k}" for k, o in enumerate(outcomes) if o != "refused")]
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (POSIX)")
+def test_a_forked_copy_of_a_writer_refuses_everything_and_leaves_it_intact(tmp_path) -> None:
+    samples = three_field_samples(3)
+    w = npz2mmap.Writer(tmp_path / "out")
+    w.append(samples[0], source="s0")
+    message = (
+        f"{tmp_path / 'out'}: this Writer belongs to process {os.getpid()}; "
+        "use one Writer per process, e.g. part=(rank, world)"
+    )
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker, say, that was given the writer
+        refused = 0
+        for call in (lambda: w.append(samples[1], source="child"), w.abort, w.close):
+            try:
+                call()
+            except ValueError as exc:
+                refused += str(exc) == message
+        os._exit(refused)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 3
+    for i in (1, 2):
+        w.append(samples[i], source=f"s{i}")
+    w.close()
+    expected = writer_bytes(tmp_path / "expected", samples, ["s0", "s1", "s2"])
+    assert dataset_files(tmp_path / "out") == expected
+
+
+WRITER_WITH_A_FORKED_CHILD = """
+import os, sys, time
+import npz2mmap
+w = npz2mmap.Writer(sys.argv[1])
+w.append({"x": 1})
+if os.fork() == 0:  # lives on, as a DataLoader worker may
+    print(os.getpid(), flush=True)  # only now: the fork hooks have run in this child
+    time.sleep(120)
+    os._exit(0)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (POSIX)")
+def test_a_forked_child_does_not_keep_the_lock_of_a_writer_killed_with_9(tmp_path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        [sys.executable, "-c", WRITER_WITH_A_FORKED_CHILD, str(out)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert process.stdout is not None
+    child = int(process.stdout.readline())
+    try:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        with npz2mmap.Writer(out) as w:  # while the child still lives
+            w.append({"x": 2})
+        assert os.path.exists(f"/proc/{child}") or sys.platform != "linux"
+    finally:
+        os.kill(child, signal.SIGKILL)
+    assert DatasetReader(out).view("x", 0).tolist() == 2
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+# --- part= and field names: checked alike by convert and the Writer ------------------
+
+
+@pytest.mark.parametrize(
+    ("part", "error", "message"),
+    [
+        ((1.7, 3), TypeError, r"^part must be a pair \(i, n\) of integers, not \(1\.7, 3\)$"),
+        ((0,), TypeError, r"^part must be a pair \(i, n\) of integers, not \(0,\)$"),
+        (5, TypeError, r"^part must be a pair \(i, n\) of integers, not 5$"),
+        ((True, 2), TypeError, r"^part must be a pair \(i, n\) of integers, not \(True, 2\)$"),
+        ((0, 1, 2), TypeError, r"^part must be a pair \(i, n\) of integers, not \(0, 1, 2\)$"),
+        ((3, 3), ValueError, r"^part 3/3 does not exist: i must be from 0 to 2$"),
+        ((2**70, 2**71), ValueError, r"^part \d+/\d+: at most 100,000 parts, so that part names sort in order$"),
+    ],
+)
+def test_a_bad_part_is_refused_alike_by_convert_and_the_writer(tmp_path, part, error, message) -> None:
+    write_npz(tmp_path / "src" / "a.npz", x=np.arange(3))
+    with pytest.raises(error, match=message):
+        npz2mmap.Writer(tmp_path / "out", part=part)
+    with pytest.raises(error, match=message):
+        convert([tmp_path / "src"], tmp_path / "out", part=part, workers=1)
+    assert os.listdir(tmp_path) == ["src"]
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"RANK": " 1", "WORLD_SIZE": "2"},
+        {"RANK": "1", "WORLD_SIZE": "2\n"},
+        {"RANK": "1_0", "WORLD_SIZE": "20"},
+        {"RANK": "\u0663", "WORLD_SIZE": "4"},  # ARABIC-INDIC DIGIT THREE
+        {"SLURM_PROCID": "+1", "SLURM_NTASKS": "2"},
+        {"RANK": "", "WORLD_SIZE": "2"},
+    ],
+)
+def test_part_auto_takes_only_plain_ascii_digits(environ) -> None:
+    (rank, rank_value), (size, size_value) = environ.items()
+    with pytest.raises(ValueError) as raised:
+        npz2mmap.converter.part_from_environment(environ)
+    assert str(raised.value) == f"{rank}={rank_value!r} and {size}={size_value!r} are not integers"
+
+
+def test_aborting_a_part_writer_or_conversion_leaves_nothing_behind(tmp_path) -> None:
+    w = npz2mmap.Writer(tmp_path / "out", part=(1, 4))
+    w.append({"x": 1})
+    assert os.listdir(tmp_path) == ["out"]
+    w.abort()
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    with pytest.raises(SourceError, match="bad.npz: not a valid zip/npz file"):
+        convert([tmp_path / "bad.npz"], tmp_path / "out", part=(0, 1), workers=1)
+    assert os.listdir(tmp_path) == ["bad.npz"]
+    with npz2mmap.Writer(tmp_path / "kept", part=(0, 2)):
+        pass
+    assert os.listdir(tmp_path / "kept") == ["part-00000"]
+
+
+@pytest.mark.parametrize(
+    ("name", "shown", "problem"),
+    [
+        ("", "''", "is empty"),
+        ("a\nb", r"'a\\nb'", "holds a control character"),
+        ("a\x00", r"'a\\x00'", "holds a control character"),
+        ("\x1b[31mred", r"'\\x1b\[31mred'", "holds a control character"),
+        ("a\u2028b", r"'a\\u2028b'", "holds a control character"),
+        (
+            "x" * 256,
+            "'" + "x" * 239 + r"\.\.\.",
+            "has 256 characters, more than the 255 a field name may have",
+        ),
+    ],
+)
+def test_a_field_name_a_dataset_may_not_hold_is_refused_by_convert_and_the_writer(
+    tmp_path, name, shown, problem
+) -> None:
+    w = npz2mmap.Writer(tmp_path / "written")
+    with pytest.raises(SourceError, match=f"^sample 0 \\(a.npz\\): field name {shown} {problem}$"):
+        w.append({name: np.arange(3)}, source="a.npz")
+    w.append({"x" * 255: np.arange(3)})  # the longest name allowed
+    w.close()
+    if "\x00" in name:  # zipfile ends a member's name at NUL: np.load and convert read key 'a'
+        return
+    src = tmp_path / "src" / "a.npz"
+    src.parent.mkdir()
+    np.savez(src, **{name: np.arange(3)})
+    with pytest.raises(SourceError, match=f"^{src}: field name {shown} {problem}$"):
+        convert([src], tmp_path / "converted", workers=1)
+    assert sorted(os.listdir(tmp_path)) == ["src", "written"]
+
+
+def test_a_source_name_with_control_characters_is_stored_as_given_and_shown_escaped(opened) -> None:
+    with pytest.raises(SourceError) as raised:
+        opened.append({"x": np.zeros(3), "y": 1.0}, source="b\n\x1b[2J.npz")
+    assert str(raised.value).startswith(r"sample 1 (b\n\x1b[2J.npz)[x]: dtype float64 differs from float32")
+    opened.append({"x": np.zeros(3, np.float32), "y": 1.0}, source="c\n.npz")
+    opened.close()
+    lines = (Path(opened.out_dir) / "sources.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == ["a.npz", "c\n.npz"]
+
+
+WRITER_WITH_A_CHILD_THAT_EXITS = """
+import os, sys
+import numpy as np
+import npz2mmap
+w = npz2mmap.Writer(sys.argv[1])
+w.append({"x": np.arange(3)}, source="parent")
+if os.fork() == 0:
+    sys.exit(0)  # a normal exit: the child's copies of the writer's objects are collected
+os.wait()
+print(sorted(os.listdir(os.path.dirname(sys.argv[1]))), flush=True)
+try:
+    npz2mmap.Writer(sys.argv[1])
+except npz2mmap.errors.OutputError as exc:
+    print(exc, flush=True)
+w.append({"x": np.arange(4)}, source="parent")
+w.close()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (POSIX)")
+def test_a_forked_child_that_exits_leaves_the_lock_and_the_writer_to_its_parent(tmp_path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", WRITER_WITH_A_CHILD_THAT_EXITS, str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # nothing 'ignored' while the child exited
+    entries, refusal = result.stdout.splitlines()
+    assert ".out.npz2mmap-lock" in entries
+    assert refusal == f"{out}: another npz2mmap conversion or Writer is writing it"
+    assert (out / "sources.jsonl").read_text() == '"parent"\n"parent"\n'
+    assert sorted(os.listdir(tmp_path)) == ["out"]

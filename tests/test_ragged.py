@@ -242,3 +242,26 @@ def test_length_histogram_bins_are_whole_lengths_that_never_overlap() -> None:
     assert labels[0] == "64..262" and labels[-1] == "1,855..2,048"
     bounds = [[int(x.replace(",", "")) for x in label.split("..")] for label in labels]
     assert all(b[0] == a[-1] + 1 for a, b in zip(bounds, bounds[1:], strict=False))
+
+
+def test_inspect_shows_the_lengths_of_the_axis_that_varies(tmp_path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from npz2mmap.cli import cli
+
+    widths = [1, 3, 2, 3, 1]  # shapes (2, 1..3): axis 0 is always 2
+    write_samples(tmp_path / "src", [{"x": np.zeros((2, w), np.float32)} for w in widths])
+    convert([tmp_path / "src"], tmp_path / "ds", workers=1)
+    text = CliRunner().invoke(cli, ["inspect", str(tmp_path / "ds")]).output
+    mean = np.mean(widths)
+    assert (
+        f"x lengths (axis 1, the first that varies): min 1, p50 2, p90 3, p99 3, max 3, mean {mean:.1f}"
+        in text
+    )
+    summary = json.loads(CliRunner().invoke(cli, ["inspect", str(tmp_path / "ds"), "--json"]).output)
+    lengths = summary["fields"][0]["lengths"]
+    assert (lengths["axis"], lengths["min"], lengths["max"]) == (1, 1, 3)
+    assert lengths["histogram"]["counts"] == [np.count_nonzero(np.array(widths) == w) for w in (1, 2, 3)]
+    assert MmapDataset(tmp_path / "ds").lengths("x").tolist() == [[2, w] for w in widths]  # unchanged

@@ -124,6 +124,7 @@ def test_the_example_says_why_its_first_epoch_is_slower(example_dir: Path, tmp_p
     assert result.returncode == 0, result.stderr
     epochs = [line for line in result.stdout.splitlines() if line.startswith("epoch ")]
     assert [line.split(":")[0] for line in epochs] == ["epoch 0", "epoch 1"]
+    assert all(", input batch (64, 3, 64, 64) (" in line for line in epochs)  # batch_size, not the short last
     assert epochs[0].endswith(
         " (cold: starts the 2 workers, which import torch, and reads the data from disk)"
     )
