@@ -100,12 +100,14 @@ class MemberLocation(NamedTuple):
     stored_nbytes: int  # bytes it occupies there (deflated or not)
     nbytes: int  # its .npy header and data, uncompressed
     crc32: int  # of those bytes, from the zip directory; NO_CRC32 for a .npy file
-    flags: int  # DEFLATED, NAMED_NPY
+    flags: int  # DEFLATED, NAMED_NPY, NPY_FILE, IN_SAMPLE_DIR
 
 
 NO_CRC32 = -1
 DEFLATED = 1
 NAMED_NPY = 2  # the zip entry's name is the key with ".npy" (else the key itself)
+NPY_FILE = 4  # a .npy file of its own, not a zip member
+IN_SAMPLE_DIR = 8  # a .npy file of a sample directory
 LOCATION_FIELDS = len(MemberLocation._fields)
 
 

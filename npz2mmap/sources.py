@@ -22,7 +22,9 @@ from . import fsutil
 from .errors import SourceError
 from .npzfile import (
     CHUNK_NBYTES,
+    IN_SAMPLE_DIR,
     NO_CRC32,
+    NPY_FILE,
     NPY_SUFFIX,
     MemberHeader,
     MemberLocation,
@@ -63,14 +65,35 @@ def is_npy_path(path: str) -> bool:
     return path.lower().endswith(NPY_SUFFIX)
 
 
-@contextlib.contextmanager
-def open_source(path: str) -> Iterator[Source]:
-    """Open a source by what it is: a directory is a sample directory, a ``*.npy`` file one
-    array, anything else an NPZ file. Raises SourceError naming the path."""
+SAMPLE_DIR, NPY, NPZ = "a directory of .npy files", "a .npy file", "an NPZ file"
+
+
+def kind_now(path: str) -> str:
+    """What a source is: a directory is a sample directory, a ``*.npy`` file one array, anything
+    else an NPZ file."""
     if os.path.isdir(path):
+        return SAMPLE_DIR
+    return NPY if is_npy_path(path) else NPZ
+
+
+def kind_scanned(location: MemberLocation) -> str:
+    """What the scan found the source of a member to be."""
+    if location.flags & IN_SAMPLE_DIR:
+        return SAMPLE_DIR
+    return NPY if location.flags & NPY_FILE else NPZ
+
+
+@contextlib.contextmanager
+def open_source(path: str, scanned: str | None = None) -> Iterator[Source]:
+    """Open a source by what it is (see kind_now). Raises SourceError naming the path, also when
+    it is no longer what the scan found (``scanned``, one of kind_now's answers)."""
+    kind = kind_now(path)
+    if scanned is not None and kind != scanned:
+        raise SourceError(f"{path}: changed since it was scanned ({scanned} then, {kind} now)")
+    if kind == SAMPLE_DIR:
         with _SampleDir(path) as sample_dir:
             yield sample_dir
-    elif is_npy_path(path):
+    elif kind == NPY:
         with _NpyFile(path) as npy:
             yield _OneArray(npy)
     else:
@@ -196,7 +219,7 @@ class _NpyFile:
     def location(self) -> MemberLocation:
         """The whole file: a .npy file is exactly its header and data, with no CRC."""
         file_nbytes = os.fstat(self.fp.fileno()).st_size
-        return MemberLocation(file_nbytes, 0, file_nbytes, file_nbytes, NO_CRC32, 0)
+        return MemberLocation(file_nbytes, 0, file_nbytes, file_nbytes, NO_CRC32, NPY_FILE)
 
     def located_bytes(self, key: str, location: MemberLocation) -> Iterator[bytes]:
         return located_bytes(self.fp.fileno(), location, key, self.path)
@@ -249,7 +272,8 @@ class _SampleDir:
         return self._file(key).data_chunks(header)
 
     def location(self, key: str) -> MemberLocation:
-        return self._file(key).location()
+        location = self._file(key).location()
+        return location._replace(flags=location.flags | IN_SAMPLE_DIR)
 
     def located_bytes(self, key: str, location: MemberLocation) -> Iterator[bytes]:
         if key not in self.files:

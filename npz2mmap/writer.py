@@ -23,7 +23,7 @@ from .elements import ByteReader, Piece, stored_pieces
 from .errors import SourceError
 from .npzfile import CHUNK_NBYTES, LOCATION_FIELDS, MemberHeader, MemberLocation, parse_npy_header
 from .plan import FieldPlan, Plan, can_cast
-from .sources import open_source
+from .sources import kind_scanned, open_source
 from .spec import (
     BLOB_HEADER_NBYTES,
     BLOB_NAME,
@@ -183,7 +183,8 @@ def _copy_file(
     rows = int(task.rows[i])
     crcs = []
     nbytes = 0
-    with open_source(path) as source:
+    scanned = kind_scanned(MemberLocation(*(int(v) for v in task.locations[i, 0]))) if task.fields else None
+    with open_source(path, scanned) as source:
         for f, field in enumerate(task.fields):
             member = _member_task(field, i, rows, task.mode)
             where = f"{path}[{member.key}]"

@@ -163,6 +163,40 @@ def test_a_field_of_a_sample_dir_removed_after_the_scan_is_named(tmp_path) -> No
     assert message == f"{gone}[y]: key vanished since the file was scanned"
 
 
+def test_a_source_replaced_by_another_kind_after_the_scan_is_refused(tmp_path) -> None:
+    """An NPZ file replaced by a directory holding its bytes as x.npy (the same size, offsets and CRC
+    would fit a sample directory's file), and a sample directory replaced by an NPZ file."""
+    import os
+    import shutil
+
+    paths = write_samples(tmp_path / "src", [{"x": np.arange(6.0) + i} for i in range(2)])
+
+    def npz_to_directory() -> None:
+        os.rename(paths[1], tmp_path / "x.npy")
+        paths[1].mkdir()
+        os.rename(tmp_path / "x.npy", paths[1] / "x.npy")
+
+    message = converted(tmp_path, tmp_path / "src", npz_to_directory)
+    assert (
+        message
+        == f"{paths[1]}: changed since it was scanned (an NPZ file then, a directory of .npy files now)"
+    )
+
+    dirs = tmp_path / "dirs"
+    for i in range(2):
+        (dirs / f"s{i}").mkdir(parents=True)
+        np.save(dirs / f"s{i}" / "x.npy", np.arange(6.0))
+
+    def directory_to_file() -> None:
+        shutil.rmtree(dirs / "s1")
+        (dirs / "s1").write_bytes((dirs / "s0" / "x.npy").read_bytes())
+
+    message = converted(tmp_path, dirs, directory_to_file, sample_dirs=True)
+    assert message == (
+        f"{dirs / 's1'}: changed since it was scanned (a directory of .npy files then, an NPZ file now)"
+    )
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_skip_bad_leaves_out_files_changed_after_the_scan_and_keeps_the_rest_exact(tmp_path, workers) -> None:
     samples = [{"x": np.arange(300.0) + i, "n": np.arange(i % 7)} for i in range(40)]

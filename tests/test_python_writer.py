@@ -894,7 +894,11 @@ def test_a_forked_child_does_not_keep_the_lock_of_a_writer_killed_with_9(tmp_pat
         ((True, 2), TypeError, r"^part must be a pair \(i, n\) of integers, not \(True, 2\)$"),
         ((0, 1, 2), TypeError, r"^part must be a pair \(i, n\) of integers, not \(0, 1, 2\)$"),
         ((3, 3), ValueError, r"^part 3/3 does not exist: i must be from 0 to 2$"),
-        ((2**70, 2**71), ValueError, r"^part \d+/\d+: at most 100,000 parts, so that part names sort in order$"),
+        (
+            (2**70, 2**71),
+            ValueError,
+            r"^part \d+/\d+: at most 100,000 parts, so that part names sort in order$",
+        ),
     ],
 )
 def test_a_bad_part_is_refused_alike_by_convert_and_the_writer(tmp_path, part, error, message) -> None:
