@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import itertools
 import os
 import shutil
 import time
@@ -255,8 +254,8 @@ def dataset_nbytes(plan: Plan, skipped: Sequence[tuple[str, str]], part: tuple[i
 
     With long paths, sources.jsonl can be a large part of a dataset of small samples.
     """
-    lines = itertools.chain(provenance.source_lines(plan), provenance.skipped_lines(skipped))
-    text_nbytes = sum(len(line.encode("utf-8")) for line in lines)
+    skipped_nbytes = sum(len(line.encode("utf-8")) for line in provenance.skipped_lines(skipped))
+    text_nbytes = provenance.source_lines_nbytes(plan) + skipped_nbytes
     index_nbytes = writer.index_nbytes_bound(plan, len(skipped) + len(plan.sources), part)
     return BLOB_HEADER_NBYTES + plan.payload_nbytes + text_nbytes + index_nbytes
 

@@ -7,7 +7,9 @@ that directly holds ``.npy`` files (one sample, one field per file).
 from __future__ import annotations
 
 import os
+import posixpath
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 from . import fsutil
 from .errors import SourceError
@@ -18,6 +20,10 @@ NPZ_SUFFIX = ".npz"
 LIST_PREFIX = "@"
 # Two million paths of 100 characters fit; a file much larger is not a list.
 MAX_LIST_CHARS = 256 << 20
+
+# A found source: its absolute path, and the same with every symlink resolved
+# (two sources with one real path are the same file).
+Found = tuple[str, str]
 
 
 def discover_sources(
@@ -33,21 +39,24 @@ def discover_sources(
     and for pipes, devices and broken links unless ``skip_bad``: then they
     are sources too, for the scan to refuse and record like any bad file.
     """
-    found: list[str] = []
+    found: list[Found] = []
+    resolve = _RealPaths()
     for item in inputs:
         text = os.fspath(item)
         if text.startswith(LIST_PREFIX):
-            found.extend(_expand_list_file(text[len(LIST_PREFIX) :], sample_dirs, skip_bad))
+            found.extend(_expand_list_file(text[len(LIST_PREFIX) :], sample_dirs, skip_bad, resolve))
         else:
-            found.extend(_expand_path(text, sample_dirs, skip_bad))
+            found.extend(_expand_path(text, sample_dirs, skip_bad, resolve))
     if not found:
         shown = " ".join(os.fspath(i) for i in inputs)
         raise SourceError(f"no {NPZ_SUFFIX} or {NPY_SUFFIX} files found in: {shown}")
     _refuse_duplicates(found)
-    return found
+    return [path for path, _ in found]
 
 
-def _expand_list_file(list_path: str, sample_dirs: bool, skip_bad: bool) -> Iterable[str]:
+def _expand_list_file(
+    list_path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths
+) -> Iterable[Found]:
     """Each line is a path, relative to the list file's directory; blank lines and
     lines starting with ``#`` are skipped. The list is opened like a source (a pipe
     in its place is refused, never waited on)."""
@@ -68,18 +77,19 @@ def _expand_list_file(list_path: str, sample_dirs: bool, skip_bad: bool) -> Iter
         entry = line.strip()
         if entry and not entry.startswith("#"):
             try:
-                yield from _expand_path(os.path.join(base, entry), sample_dirs, skip_bad)
+                yield from _expand_path(os.path.join(base, entry), sample_dirs, skip_bad, resolve)
             except SourceError as exc:
                 raise SourceError(f"{list_path}, line {number:,}: {exc}") from None
 
 
-def _expand_path(path: str, sample_dirs: bool, skip_bad: bool) -> list[str]:
+def _expand_path(path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> list[Found]:
     if os.path.isdir(path):
-        return _walk(path, sample_dirs, skip_bad)
+        return _walk(path, sample_dirs, skip_bad, resolve)
     if sample_dirs and is_npy_path(path) and os.path.lexists(path):
         raise SourceError(npy_with_sample_dirs(path))
     if os.path.isfile(path) or (skip_bad and os.path.lexists(path)):
-        return [os.path.abspath(path)]
+        absolute = os.path.abspath(path)
+        return [(absolute, resolve(absolute))]
     if os.path.lexists(path):
         raise SourceError(f"{path}: {fsutil.describe_kind(path)}, not a regular file or directory")
     raise SourceError(f"{path}: no such file or directory")
@@ -94,31 +104,85 @@ def npy_with_sample_dirs(path: str) -> str:
     )
 
 
-def _walk(top: str, sample_dirs: bool, skip_bad: bool) -> list[str]:
-    """Every source below ``top``, following directory links but never a loop twice."""
-    found: list[str] = []
+def _walk(top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> list[Found]:
+    """Every source below ``top``, following directory links but never a loop twice.
+
+    A source's absolute and real paths are its name joined to its directory's,
+    found once per directory: no per-file path resolution. Messages name
+    paths as reached from ``top``, as given.
+    """
+    found: list[Found] = []
     seen_dirs: set[tuple[int, int]] = set()
-    pending = [top]
+    absolute = os.path.abspath(top)
+    pending = [_Directory(top, absolute, resolve(absolute))]
     while pending:
         directory = pending.pop()
         try:
-            stat = os.stat(directory)
-            entries = list(os.scandir(directory))
+            stat = os.stat(directory.path)
+            entries = list(os.scandir(directory.path))
         except OSError as exc:
-            raise SourceError(f"{directory}: cannot list directory ({exc.strerror})") from None
+            raise SourceError(f"{directory.path}: cannot list directory ({exc.strerror})") from None
         if (stat.st_dev, stat.st_ino) in seen_dirs:
             continue
         seen_dirs.add((stat.st_dev, stat.st_ino))
         if sample_dirs and holds_npy_files(entries):
-            found.append(os.path.abspath(directory))
+            found.append((directory.absolute, directory.real))
         for entry in entries:
             if _is(entry.is_dir):
-                pending.append(entry.path)
+                pending.append(_Directory(entry.path, *resolve.entry(directory, entry)))
             elif entry.name.lower().endswith(NPZ_SUFFIX) or (is_npy_path(entry.name) and not sample_dirs):
                 if not skip_bad and not _is(entry.is_file):
                     raise SourceError(f"{entry.path}: {fsutil.describe_kind(entry.path)}, not a regular file")
-                found.append(os.path.abspath(entry.path))
-    return sorted(found)
+                found.append(resolve.entry(directory, entry))
+    found.sort(key=_path_of)
+    return found
+
+
+class _Directory(NamedTuple):
+    """A directory to walk: its path as reached from the input, absolute, and with links resolved."""
+
+    path: str
+    absolute: str
+    real: str
+
+
+def _path_of(item: Found) -> str:
+    return item[0]
+
+
+class _RealPaths:
+    """``os.path.realpath`` of absolute paths, resolving each directory once.
+
+    The real path of a name that is not a symlink is its directory's real path
+    joined with the name. That holds for POSIX paths; elsewhere (Windows:
+    junctions, case) every path is resolved in full.
+    """
+
+    def __init__(self) -> None:
+        self._dirs: dict[str, str] = {}
+        self._posix = os.path is posixpath
+
+    def __call__(self, absolute: str) -> str:
+        """The real path of ``absolute`` (a normalized absolute path)."""
+        if not self._posix or os.path.islink(absolute):
+            return os.path.realpath(absolute)
+        head, name = os.path.split(absolute)
+        if not name:  # the root
+            return os.path.realpath(absolute)
+        if head not in self._dirs:
+            self._dirs[head] = os.path.realpath(head)
+        return os.path.join(self._dirs[head], name)
+
+    def entry(self, directory: _Directory, entry: os.DirEntry[str]) -> Found:
+        """The absolute and real paths of an entry of ``directory``."""
+        absolute = entry.path
+        if directory.path != directory.absolute:
+            absolute = os.path.join(directory.absolute, entry.name)
+        if not self._posix or _is(entry.is_symlink):
+            return absolute, os.path.realpath(absolute)
+        if directory.real == directory.absolute:  # no link on the way: share the string
+            return absolute, absolute
+        return absolute, os.path.join(directory.real, entry.name)
 
 
 def _is(test: Callable[[], bool]) -> bool:
@@ -129,10 +193,10 @@ def _is(test: Callable[[], bool]) -> bool:
         return False
 
 
-def _refuse_duplicates(paths: list[str]) -> None:
+def _refuse_duplicates(found: list[Found]) -> None:
+    """SourceError for a file found twice, by one path or two (compared after resolving symlinks)."""
     first_seen: dict[str, str] = {}
-    for path in paths:
-        real = os.path.realpath(path)
+    for path, real in found:
         if real in first_seen:
             other = first_seen[real]
             same = "given twice" if other == path else f"is the same file as {other}"

@@ -121,6 +121,7 @@ class _FieldCollector:
         self.ndim = len(header.shape) - (1 if rows else 0)
         self.first_path = path
         self.dims: array[int] = array("q")
+        self.accepted_dtype: np.dtype | None = None  # the last source dtype _check_dtype accepted
         if self.ndim + 1 > MAX_NDIM:
             raise SourceError(
                 f"{path}[{header.key}]: a {self.ndim}-d array leaves no room for the sample axis "
@@ -134,6 +135,19 @@ class _FieldCollector:
 
     def check(self, header: MemberHeader, path: str) -> array[int]:
         """The dims this member adds (one sample's shape per row); SourceError if it disagrees."""
+        if header.dtype is not self.accepted_dtype:  # numpy shares builtin dtypes: checked once
+            self._check_dtype(header, path)
+            self.accepted_dtype = header.dtype
+        sample_shape = header.shape[1:] if self.rows else header.shape
+        if len(sample_shape) != self.ndim:
+            what = "rows" if self.rows else "arrays"
+            raise MismatchError(
+                f"{path}[{header.key}]: {len(header.shape)}-d array {header.shape} differs from the "
+                f"{self.ndim + self.rows}-d {what} in {self.first_path}"
+            )
+        return array("q", sample_shape) * (header.shape[0] if self.rows else 1)
+
+    def _check_dtype(self, header: MemberHeader, path: str) -> None:
         where = f"{path}[{header.key}]"
         if self.cast is not None:
             if not can_cast(header.dtype, self.dtype):
@@ -145,14 +159,6 @@ class _FieldCollector:
                 f"{where}: dtype {header.dtype} differs from {self.dtype} in {self.first_path}; "
                 + self.hints.cast.format(key=header.key)
             )
-        sample_shape = header.shape[1:] if self.rows else header.shape
-        if len(sample_shape) != self.ndim:
-            what = "rows" if self.rows else "arrays"
-            raise MismatchError(
-                f"{where}: {len(header.shape)}-d array {header.shape} differs from the "
-                f"{self.ndim + self.rows}-d {what} in {self.first_path}"
-            )
-        return array("q", sample_shape) * (header.shape[0] if self.rows else 1)
 
     def shapes(self, num_samples: int) -> NDArray[np.int64]:
         return np.frombuffer(self.dims, dtype=np.int64).reshape(num_samples, self.ndim)
@@ -249,8 +255,9 @@ class PlanBuilder:
         from the first source, has a field name a dataset may not hold, or
         would take the dataset past its limits.
         """
-        for key in members:
-            check_field_name(key, source)
+        if not self.counts or members.keys() != self.collectors.keys():  # else checked in the first
+            for key in members:
+                check_field_name(key, source)
         count = _count_rows(source, members) if self.rows else 1
         num_samples = self.num_samples + count
         if num_samples > MAX_NUM_SAMPLES:

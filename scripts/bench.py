@@ -3,6 +3,7 @@
     python scripts/bench.py                  # full run (about 10 minutes on 2 cores)
     python scripts/bench.py --quick          # a small smoke run (CI)
     python scripts/bench.py --scale          # also the scale section (10M samples, 1M files, 2 GiB member)
+    python scripts/bench.py --only conversion --workload ragged --files 50000   # conversion alone
 
 Everything is measured side by side in one run on workloads this script
 generates from fixed seeds. Prints a markdown table and writes results.md,
@@ -64,6 +65,9 @@ class Workload:
             "input": rng.standard_normal((3, 64, 64), dtype=np.float32),
             "label": np.int64(rng.integers(1000)),
         }
+
+
+WORKLOAD_NAMES = ("fixed", "ragged", "compressed")
 
 
 def make_workload(work: Workload, root: Path) -> Path:
@@ -809,6 +813,17 @@ def markdown(report: Report) -> str:
             "| --- | ---: | ---: |",
         ]
         lines += [f"| {r.loader} | {r.cold_per_s:,.0f} | {r.warm_per_s:,.0f} |" for r in report.advice]
+    lines += conversion_lines(report)
+    if report.scale:
+        lines += ["", "Scale:", ""] + [
+            f"- {key}: {value:,.1f}" if isinstance(value, float) else f"- {key}: {value:,}"
+            for key, value in report.scale.items()
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def conversion_lines(report: Report) -> list[str]:
+    lines: list[str] = []
     if report.conversions:
         lines += ["", f"Conversion against copying the same files, {report.conversion_cache}:", ""]
         lines += [
@@ -826,12 +841,7 @@ def markdown(report: Report) -> str:
             f"{c.files / c.convert_cold_s:,.0f} | {f'{c.inflate_s:.2f}' if c.inflate_s else '-'} |"
             for c in report.conversions
         ]
-    if report.scale:
-        lines += ["", "Scale:", ""] + [
-            f"- {key}: {value:,.1f}" if isinstance(value, float) else f"- {key}: {value:,}"
-            for key, value in report.scale.items()
-        ]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def chart(report: Report, path: Path) -> None:
@@ -883,6 +893,11 @@ def main() -> None:
     parser.add_argument(
         "--workdir", type=Path, default=None, help="where workloads live (default: a temp dir)"
     )
+    parser.add_argument("--only", choices=["conversion"], help="run only this section")
+    parser.add_argument(
+        "--workload", action="append", choices=WORKLOAD_NAMES, help="only these workloads (repeatable)"
+    )
+    parser.add_argument("--files", type=int, help="files per chosen workload (default: by --quick)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -900,10 +915,11 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="npz2mmap-bench-"))
     count = 600 if args.quick else 20_000
     workloads = [
-        Workload("fixed", count),
-        Workload("ragged", count // 2, ragged=True),
-        Workload("compressed", count // 4, compressed=True),
+        Workload("fixed", args.files or count),
+        Workload("ragged", args.files or count // 2, ragged=True),
+        Workload("compressed", args.files or count // 4, compressed=True),
     ]
+    workloads = [w for w in workloads if w.name in (args.workload or WORKLOAD_NAMES)]
     cores = os.cpu_count() or 1
     report = Report(machine_facts(), "pages of the files read evicted with posix_fadvise(DONTNEED) before it")
     report.conversion_cache = (
@@ -919,6 +935,15 @@ def main() -> None:
         src = make_workload(work, workdir)
         datasets[work.name], row = convert_section(work, src, workdir, cores)
         report.conversions.append(row)
+    if args.only == "conversion":
+        text = "\n".join(conversion_lines(report)) + "\n"
+        print(text)
+        (args.out / "conversion.md").write_text(text)
+        rows = [asdict(c) for c in report.conversions]
+        (args.out / "conversion.json").write_text(json.dumps(rows, indent=1))
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return
     for work in workloads:
         report.throughput += throughput_section(
             work, workdir / work.name / "npz", datasets[work.name], workdir, args.quick

@@ -14,11 +14,15 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import write_samples
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
-from npz2mmap import fsutil, publish, writer
+from npz2mmap import fsutil, provenance, publish, writer
 from npz2mmap.cli import cli
 from npz2mmap.converter import convert
 from npz2mmap.errors import OutputError, SourceError
+from npz2mmap.npzfile import MemberHeader
+from npz2mmap.plan import build_plan
 from npz2mmap.reader import DatasetReader
 from npz2mmap.verify import verify
 
@@ -187,6 +191,32 @@ def test_long_source_paths_on_a_really_small_filesystem(tmp_path) -> None:
         assert os.listdir(mount) == []
     finally:
         os.system(f"umount {mount}")
+
+
+# Paths as the file system gives them: mostly printable ASCII (quotes and backslashes included),
+# any other text, and lone surrogates for undecodable bytes.
+AWKWARD_PATHS = st.text(
+    st.one_of(
+        st.characters(min_codepoint=0x20, max_codepoint=0x7E),
+        st.characters(),
+        st.sampled_from('"\\\t\n\x7f\udcff\U0001f600é'),
+    )
+)
+
+
+@settings(max_examples=200, deadline=None)
+@example([('a\\b"c', 10), ("é\n", 123456)], True)
+@given(st.lists(st.tuples(AWKWARD_PATHS, st.integers(1, 10**6)), min_size=1, max_size=8), st.booleans())
+def test_the_size_of_sources_jsonl_is_known_exactly_before_it_is_written(files, rows) -> None:
+    """The free-space check sizes sources.jsonl without building its lines: exactly the bytes written."""
+    scanned = [(f"{k}{path}", {"x": _header((num_rows,))}) for k, (path, num_rows) in enumerate(files)]
+    plan = build_plan(scanned, 64, rows=rows)
+    written = "".join(provenance.source_lines(plan)).encode("utf-8")
+    assert provenance.source_lines_nbytes(plan) == len(written)
+
+
+def _header(shape: tuple[int, ...]) -> MemberHeader:
+    return MemberHeader("x", np.dtype("u1"), shape, False, 128, int(np.prod(shape)))
 
 
 def test_a_full_disk_found_late_says_the_sizes(tmp_path, good_sources, monkeypatch) -> None:

@@ -13,6 +13,7 @@ from conftest import assert_same_array, blob_bytes, write_npz, write_samples
 from npz2mmap import publish, writer
 from npz2mmap.converter import convert
 from npz2mmap.errors import OutputError, SourceError
+from npz2mmap.inputs import discover_sources
 from npz2mmap.reader import DatasetReader
 from npz2mmap.verify import verify
 
@@ -153,6 +154,84 @@ def test_symlink_loops_in_input_directories_are_walked_once(tmp_path) -> None:
     os.symlink(tmp_path / "src", tmp_path / "src" / "a" / "loop")
     convert([tmp_path / "src"], tmp_path / "out", workers=1)
     assert len(read_sources(tmp_path / "out")) == 1
+
+
+def _same_file_case(tmp_path: Path, case: str) -> tuple[list[Path | str], Path, Path]:
+    """The inputs, the path refused and the path found first (the same file), for one case."""
+    src, other, link = tmp_path / "src", tmp_path / "other", tmp_path / "link"
+    write_npz(src / "a.npz", x=np.ones(1))
+    if case == "file link in a directory":
+        os.symlink(src / "a.npz", src / "b.npz")
+        return [src], src / "b.npz", src / "a.npz"
+    if case == "link inside a walk":
+        write_npz(other / "c.npz", x=np.ones(1))
+        os.symlink(other, src / "sub")
+        return [other, src], src / "sub" / "c.npz", other / "c.npz"
+    os.symlink(src, link)
+    if case == "directory and a link to it":
+        return [link / "a.npz", src], src / "a.npz", link / "a.npz"
+    if case == "file then linked directory":
+        return [src / "a.npz", link], link / "a.npz", src / "a.npz"
+    (tmp_path / "list.txt").write_text("link/a.npz\n")
+    return [f"@{tmp_path / 'list.txt'}", src], src / "a.npz", link / "a.npz"
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "file link in a directory",
+        "directory and a link to it",
+        "file then linked directory",
+        "link inside a walk",
+        "list file through a link",
+    ],
+)
+def test_the_same_file_reached_through_symlinks_is_refused(tmp_path, case) -> None:
+    inputs, refused, first = _same_file_case(tmp_path, case)
+    with pytest.raises(SourceError) as caught:
+        convert(inputs, tmp_path / "out", workers=1)
+    assert (
+        str(caught.value) == f"{refused}: is the same file as {first}; each sample file may appear only once"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_path_through_a_linked_directory_is_kept_as_given(tmp_path) -> None:
+    """Sources are named by the path they were found by (sorted by it), not by their real path."""
+    write_samples(tmp_path / "real", [{"x": np.ones(1)}] * 3)
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    convert([tmp_path / "link"], tmp_path / "out", workers=1)
+    assert read_sources(tmp_path / "out") == [str(tmp_path / "link" / f"s{i:05d}.npz") for i in range(3)]
+
+
+def test_a_relative_input_is_recorded_absolute_and_named_as_given(tmp_path, monkeypatch) -> None:
+    write_samples(tmp_path / "src" / "sub", [{"x": np.ones(1)}] * 2)
+    monkeypatch.chdir(tmp_path)
+    convert(["src"], "out", workers=1)
+    assert read_sources(tmp_path / "out") == [
+        str(tmp_path / "src" / "sub" / f"s{i:05d}.npz") for i in range(2)
+    ]
+    os.symlink(tmp_path / "gone", tmp_path / "src" / "sub" / "link.npz")
+    with pytest.raises(SourceError) as caught:
+        convert(["./src/"], "again", workers=1)
+    assert str(caught.value) == "./src/sub/link.npz: a broken link, not a regular file"
+
+
+def test_discovery_resolves_each_directory_once_not_each_file(tmp_path, monkeypatch) -> None:
+    """Resolving symlinks costs a system call per path component: once per directory, not per file."""
+    for directory in ("a", "b"):
+        write_samples(tmp_path / "src" / directory, [{"x": np.ones(1)}] * 20)
+    calls: list[str] = []
+    real_realpath = os.path.realpath
+
+    def counted(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(os.fspath(path))
+        return real_realpath(path, *args, **kwargs)
+
+    monkeypatch.setattr(os.path, "realpath", counted)
+    found = discover_sources([tmp_path / "src"])
+    assert found == sorted(str(tmp_path / "src" / d / f"s{i:05d}.npz") for d in "ab" for i in range(20))
+    assert len(calls) <= 3
 
 
 def test_existing_output_is_refused_without_overwrite(tmp_path, small_dataset) -> None:
