@@ -183,12 +183,12 @@ def _copy_file(
     rows = int(task.rows[i])
     crcs = []
     nbytes = 0
-    scanned = kind_scanned(MemberLocation(*(int(v) for v in task.locations[i, 0]))) if task.fields else None
+    locations = [MemberLocation(*values) for values in task.locations[i].tolist()]  # Python ints
+    scanned = kind_scanned(locations[0]) if task.fields else None
     with open_source(path, scanned) as source:
-        for f, field in enumerate(task.fields):
+        for field, location in zip(task.fields, locations, strict=True):
             member = _member_task(field, i, rows, task.mode)
             where = f"{path}[{member.key}]"
-            location = MemberLocation(*(int(v) for v in task.locations[i, f]))
             reader = ByteReader(source.located_bytes(member.key, location), where)
             header = parse_npy_header(_HeaderStream(reader), member.key, where)
             if header.header_nbytes + header.nbytes != location.nbytes or not _matches_plan(header, member):
@@ -203,7 +203,7 @@ def _copy_file(
 
 
 def _member_task(field: FieldTask, i: int, rows: int, mode: str) -> MemberTask:
-    shape = tuple(int(d) for d in field.shapes[i])
+    shape = tuple(field.shapes[i].tolist())
     if mode == "rows":
         return MemberTask(
             field.key,
