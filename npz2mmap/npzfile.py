@@ -14,7 +14,6 @@ import ast
 import contextlib
 import io
 import math
-import os
 import re
 import struct
 import tokenize
@@ -140,14 +139,15 @@ def open_zip(fp: BinaryIO, file_nbytes: int) -> zipfile.ZipFile:
     return zipfile.ZipFile(fp)
 
 
-def open_regular_file(path: str) -> BinaryIO:
-    """Open ``path`` for reading without blocking; SourceError unless it is a regular file.
+def open_regular_file(path: str) -> int:
+    """A read-only descriptor of ``path``, opened without blocking; SourceError unless it is a
+    regular file.
 
     The type is that of the open descriptor, not of the path, so a file
     replaced by a FIFO or a device after it was checked is still refused.
     """
     try:
-        return os.fdopen(fsutil.open_regular(path), "rb")
+        return fsutil.open_regular(path)
     except fsutil.NotRegularFile as exc:
         raise SourceError(f"{path}: {exc}") from None
 
@@ -503,15 +503,17 @@ def iter_data_chunks(
             raise SourceError(f"{where}: member holds more bytes than its header declares")
 
 
-def located_bytes(fd: int, location: MemberLocation, key: str, where: str) -> Iterator[bytes]:
+def located_bytes(
+    fd: int, file_nbytes: int, location: MemberLocation, key: str, where: str
+) -> Iterator[bytes]:
     """A member's uncompressed bytes (.npy header and data) read where the scan found them.
 
     In chunks of at most CHUNK_NBYTES. SourceError, naming ``where``, when the
-    file's size is not the one scanned, when the member's bytes are more or
-    fewer than scanned, or when their CRC-32 is not the zip directory's; the
-    checks that need every byte run after the last chunk.
+    file's size (``file_nbytes``, the open file's) is not the one scanned,
+    when the member's bytes are more or fewer than scanned, or when their
+    CRC-32 is not the zip directory's; the checks that need every byte run
+    after the last chunk.
     """
-    file_nbytes = os.fstat(fd).st_size
     if file_nbytes != location.file_nbytes:
         raise SourceError(
             f"{where}: changed since it was scanned "

@@ -126,8 +126,10 @@ class _Npz:
     def __init__(self, path: str) -> None:
         self.path = path
         with source_errors(path):
-            self.fp = open_regular_file(path)
-            self.file_nbytes = os.fstat(self.fp.fileno()).st_size
+            self.fd = open_regular_file(path)
+        # Both made on first use: the copy reads members by location, with neither.
+        self.fp: BinaryIO | None = None
+        self.nbytes: int | None = None
         self.opened: tuple[zipfile.ZipFile, dict[str, zipfile.ZipInfo]] | None = None
         self.locations: dict[str, MemberLocation] = {}
 
@@ -137,11 +139,22 @@ class _Npz:
     def __exit__(self, *exc: object) -> None:
         if self.opened is not None:
             self.opened[0].close()
-        self.fp.close()
+        if self.fp is not None:
+            self.fp.close()
+        os.close(self.fd)
+
+    @property
+    def file_nbytes(self) -> int:
+        """The open file's size, taken once."""
+        if self.nbytes is None:
+            with source_errors(self.path):
+                self.nbytes = os.fstat(self.fd).st_size
+        return self.nbytes
 
     def _zip(self) -> tuple[zipfile.ZipFile, dict[str, zipfile.ZipInfo]]:
         if self.opened is None:
             with source_errors(self.path):
+                self.fp = os.fdopen(self.fd, "rb", closefd=False)
                 zf = open_zip(self.fp, self.file_nbytes)
             self.opened = zf, members(zf, self.path)
         return self.opened
@@ -162,7 +175,7 @@ class _Npz:
         return self.locations[key]
 
     def located_bytes(self, key: str, location: MemberLocation) -> Iterator[bytes]:
-        return located_bytes(self.fp.fileno(), location, key, f"{self.path}[{key}]")
+        return located_bytes(self.fd, self.file_nbytes, location, key, f"{self.path}[{key}]")
 
 
 class _NpyFile:
@@ -222,7 +235,7 @@ class _NpyFile:
         return MemberLocation(file_nbytes, 0, file_nbytes, file_nbytes, NO_CRC32, NPY_FILE)
 
     def located_bytes(self, key: str, location: MemberLocation) -> Iterator[bytes]:
-        return located_bytes(self.fp.fileno(), location, key, self.path)
+        return located_bytes(self.fp.fileno(), os.fstat(self.fp.fileno()).st_size, location, key, self.path)
 
 
 class _OneArray:
