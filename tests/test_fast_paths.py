@@ -197,6 +197,24 @@ def test_a_source_replaced_by_another_kind_after_the_scan_is_refused(tmp_path) -
     )
 
 
+def test_a_npy_file_rewritten_with_its_planned_shape_and_dtype_converts_as_it_reads_at_the_copy(
+    tmp_path,
+) -> None:
+    """No checksum to tell: another byte order and memory order of the same size is copied exactly as it
+    reads when copied (what the README promises for .npy files), never a mix of the two versions."""
+    target = tmp_path / "src" / "b.npy"
+    target.parent.mkdir()
+    np.save(tmp_path / "src" / "a.npy", np.arange(6, dtype="<i4").reshape(2, 3))
+    np.save(target, np.arange(6, dtype="<i4").reshape(2, 3))
+    rewritten = np.asfortranarray((np.arange(6) * 7).astype(">i4").reshape(2, 3))
+    before = target.stat().st_size
+    edit = lambda: np.save(target, rewritten)  # noqa: E731
+    convert([tmp_path / "src"], tmp_path / "out", workers=1, progress=_EditBeforeCopy(edit))
+    assert target.stat().st_size == before
+    stored = DatasetReader(tmp_path / "out").view("arr_0", 1)
+    assert stored.dtype == np.dtype("<i4") and stored.tolist() == rewritten.tolist()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_skip_bad_leaves_out_files_changed_after_the_scan_and_keeps_the_rest_exact(tmp_path, workers) -> None:
     samples = [{"x": np.arange(300.0) + i, "n": np.arange(i % 7)} for i in range(40)]
