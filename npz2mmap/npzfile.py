@@ -98,7 +98,7 @@ class MemberLocation(NamedTuple):
     offset: int  # of the member's first stored byte in that file
     stored_nbytes: int  # bytes it occupies there (deflated or not)
     nbytes: int  # its .npy header and data, uncompressed
-    crc32: int  # of those bytes, from the zip directory; NO_CRC32 for a .npy file
+    crc32: int  # of those bytes, from the zip directory; for a .npy file, of its header alone
     flags: int  # DEFLATED, NAMED_NPY, NPY_FILE, IN_SAMPLE_DIR
 
 

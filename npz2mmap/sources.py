@@ -15,6 +15,7 @@ import contextlib
 import errno
 import os
 import zipfile
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO, Protocol
 
@@ -188,6 +189,7 @@ class _NpyFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self.fp = _open_npy(path)
+        self.header_crc32 = NO_CRC32  # of the header bytes header() last read
 
     def __enter__(self) -> _NpyFile:
         return self
@@ -214,6 +216,8 @@ class _NpyFile:
                 f"header declares; np.load would ignore them, npz2mmap does not: truncate the file to "
                 f"{declared} bytes or save the array again"
             )
+        with source_errors(self.path):
+            self.header_crc32 = zlib.crc32(fsutil.read_at(self.fp.fileno(), header.header_nbytes, 0))
         return header
 
     def data_chunks(self, header: MemberHeader) -> Iterator[bytes]:
@@ -230,12 +234,19 @@ class _NpyFile:
                 raise SourceError(f"{self.path}: holds more bytes than its header declares")
 
     def location(self) -> MemberLocation:
-        """The whole file: a .npy file is exactly its header and data, with no CRC."""
+        """The whole file (a .npy file is exactly its header and data) and the CRC-32 of the header
+        header() read: the file has no checksum of its own, so the copy can tell only a changed header."""
         file_nbytes = os.fstat(self.fp.fileno()).st_size
-        return MemberLocation(file_nbytes, 0, file_nbytes, file_nbytes, NO_CRC32, NPY_FILE)
+        return MemberLocation(file_nbytes, 0, file_nbytes, file_nbytes, self.header_crc32, NPY_FILE)
 
     def located_bytes(self, key: str, location: MemberLocation) -> Iterator[bytes]:
-        return located_bytes(self.fp.fileno(), os.fstat(self.fp.fileno()).st_size, location, key, self.path)
+        """The file's bytes, once its header is checked again and found to be the one scanned."""
+        self.header(key)
+        if self.header_crc32 != location.crc32:
+            raise SourceError(f"{self.path}: changed since it was scanned (another .npy header)")
+        file_nbytes = os.fstat(self.fp.fileno()).st_size
+        unchecked = location._replace(crc32=NO_CRC32)
+        return located_bytes(self.fp.fileno(), file_nbytes, unchecked, key, self.path)
 
 
 class _OneArray:

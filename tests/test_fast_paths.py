@@ -149,8 +149,7 @@ def test_a_npy_source_given_another_header_after_the_scan_is_refused(tmp_path, s
         lambda: np.save(target, np.arange(6.0).reshape(3, 2)),
         sample_dirs=sample_dirs,
     )
-    where = f"{target.parent}[x]" if sample_dirs else f"{target}[arr_0]"
-    assert message == f"{where}: changed since it was scanned"
+    assert message == f"{target}: changed since it was scanned (another .npy header)"
 
 
 def test_a_field_of_a_sample_dir_removed_after_the_scan_is_named(tmp_path) -> None:
@@ -197,22 +196,38 @@ def test_a_source_replaced_by_another_kind_after_the_scan_is_refused(tmp_path) -
     )
 
 
-def test_a_npy_file_rewritten_with_its_planned_shape_and_dtype_converts_as_it_reads_at_the_copy(
-    tmp_path,
-) -> None:
-    """No checksum to tell: another byte order and memory order of the same size is copied exactly as it
-    reads when copied (what the README promises for .npy files), never a mix of the two versions."""
+@pytest.mark.parametrize("sample_dirs", [False, True])
+@pytest.mark.parametrize(
+    "rewritten",
+    [np.arange(6, dtype=">i4").reshape(2, 3), np.asfortranarray(np.arange(6, dtype="<i4").reshape(2, 3))],
+    ids=["byte-order", "fortran-order"],
+)
+def test_a_npy_header_rewritten_within_the_plan_is_refused(tmp_path, sample_dirs, rewritten) -> None:
+    """The same size, shape and stored dtype, another header: a .npy file has no checksum, so the
+    scan keeps its header's CRC-32 for the copy to compare."""
+    target = tmp_path / "src" / "s1" / "x.npy"
+    for path in (tmp_path / "src" / "s0" / "x.npy", target):
+        path.parent.mkdir(parents=True)
+        np.save(path, np.arange(6, dtype="<i4").reshape(2, 3))
+    before = target.stat().st_size
+    message = converted(tmp_path, tmp_path / "src", lambda: np.save(target, rewritten), sample_dirs=sample_dirs)
+    assert target.stat().st_size == before
+    assert message == f"{target}: changed since it was scanned (another .npy header)"
+
+
+def test_a_npy_file_given_other_values_of_its_header_converts_as_it_reads_at_the_copy(tmp_path) -> None:
+    """No checksum covers a .npy file's data: a same-size rewrite under the same header is copied
+    exactly as it reads when copied (what the README promises), and verify --sources agrees."""
+    from npz2mmap.verify import verify
+
     target = tmp_path / "src" / "b.npy"
     target.parent.mkdir()
-    np.save(tmp_path / "src" / "a.npy", np.arange(6, dtype="<i4").reshape(2, 3))
-    np.save(target, np.arange(6, dtype="<i4").reshape(2, 3))
-    rewritten = np.asfortranarray((np.arange(6) * 7).astype(">i4").reshape(2, 3))
-    before = target.stat().st_size
-    edit = lambda: np.save(target, rewritten)  # noqa: E731
+    np.save(tmp_path / "src" / "a.npy", np.arange(6, dtype="<i4"))
+    np.save(target, np.arange(6, dtype="<i4"))
+    edit = lambda: np.save(target, np.arange(6, dtype="<i4") * 7)  # noqa: E731
     convert([tmp_path / "src"], tmp_path / "out", workers=1, progress=_EditBeforeCopy(edit))
-    assert target.stat().st_size == before
-    stored = DatasetReader(tmp_path / "out").view("arr_0", 1)
-    assert stored.dtype == np.dtype("<i4") and stored.tolist() == rewritten.tolist()
+    assert DatasetReader(tmp_path / "out").view("arr_0", 1).tolist() == (np.arange(6) * 7).tolist()
+    assert verify(tmp_path / "out", sources=True).ok
 
 
 @pytest.mark.parametrize("workers", [1, 2])
