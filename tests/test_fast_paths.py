@@ -210,7 +210,9 @@ def test_a_npy_header_rewritten_within_the_plan_is_refused(tmp_path, sample_dirs
         path.parent.mkdir(parents=True)
         np.save(path, np.arange(6, dtype="<i4").reshape(2, 3))
     before = target.stat().st_size
-    message = converted(tmp_path, tmp_path / "src", lambda: np.save(target, rewritten), sample_dirs=sample_dirs)
+    message = converted(
+        tmp_path, tmp_path / "src", lambda: np.save(target, rewritten), sample_dirs=sample_dirs
+    )
     assert target.stat().st_size == before
     assert message == f"{target}: changed since it was scanned (another .npy header)"
 
