@@ -66,6 +66,11 @@ _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 MAX_LINE_CHARS = 4000
 
 
+def echo_err(line: str) -> None:
+    """A line on stderr, as every message of the CLI is."""
+    click.echo(one_line(line), err=True)
+
+
 def one_line(text: str) -> str:
     """``text`` with every unprintable character escaped (``\\n``, ``\\x1b``), so it prints as one line.
 
@@ -282,7 +287,7 @@ def convert(
             raise click.UsageError(npy_with_sample_dirs(named_npy[0]))
     if part is not None:
         out_dir = part_directory(out_dir, part)
-    with showing_progress(quiet_progress(quiet, progress_mode)) as progress:
+    with showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress:
         result = convert_files(
             list(inputs),
             out_dir,
@@ -362,7 +367,7 @@ def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> Non
         return
     summary = describe_dataset(dataset)
     if stats:
-        with showing_progress("none" if as_json else "auto") as progress:
+        with showing_progress("none" if as_json else "auto", echo_err) as progress:
             summary["stats"] = field_statistics(dataset, progress)
     click.echo(json.dumps(summary, indent=1) if as_json else render_summary(summary))
 
@@ -375,7 +380,7 @@ def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> Non
 @friendly_errors
 def verify(dataset: str, sources: bool, progress_mode: str, quiet: bool) -> None:
     """Check a dataset's checksums and tables; exit 0 only if all is well."""
-    with showing_progress(quiet_progress(quiet, progress_mode)) as progress:
+    with showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress:
         report = verify_dataset(dataset, sources=sources, progress=progress)
     for problem in report.problems:
         click.echo(one_line(problem), err=True)
@@ -412,7 +417,7 @@ def merge(
     copied, and MmapDataset(OUT) reads them as one. With --copy, writes a
     single dataset at OUT.
     """
-    with showing_progress(quiet_progress(quiet, progress_mode)) as progress:
+    with showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress:
         result = merge_parts(list(parts), out_dir, copy=copy, overwrite=overwrite, progress=progress)
     if not quiet:
         what = f"one dataset at {out_dir}" if result.copied else os.path.join(out_dir, "manifest.json")
@@ -428,7 +433,7 @@ def merge(
 def warm(dataset: str, progress_mode: str, quiet: bool) -> None:
     """Load a dataset into this node's page cache and report how much is resident."""
     try:
-        with showing_progress(quiet_progress(quiet, progress_mode)) as progress:
+        with showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress:
             result = warm_dataset(dataset, progress=progress)
     except OSError as exc:
         raise click.ClickException(f"{dataset}: cannot read the blob ({exc.strerror or exc})") from None

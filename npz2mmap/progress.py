@@ -2,7 +2,8 @@
 
 Library functions take a ``Progress`` (or one of the ``PROGRESS_MODES`` the
 CLI's ``--progress`` takes) and only tell it what they do; the displays here
-draw tqdm bars or print timed log lines on stderr, never on stdout.
+draw tqdm bars or give timed log lines on stderr (the CLI's echo, for the CLI),
+never on stdout.
 """
 
 from __future__ import annotations
@@ -81,18 +82,24 @@ class BarProgress:
 
 
 class LogProgress:
-    """Prints a progress line to stderr every ``interval`` seconds, for logs that are not a terminal.
+    """Hands ``emit`` a progress line every ``interval`` seconds, for logs that are not a terminal.
 
     A stage that runs at least ``interval`` seconds gets periodic lines and a
-    last one when it finishes; shorter stages print nothing. ``clock`` is
+    last one when it finishes; shorter stages give none. ``emit`` is where the
+    lines go: the CLI passes its own echo; a library caller who asked for
+    ``progress="log"`` gets them on stderr, as tqdm's bars are. ``clock`` is
     injectable so tests need not sleep.
     """
 
     def __init__(
-        self, interval: float = LOG_INTERVAL_SECONDS, clock: Callable[[], float] | None = None
+        self,
+        interval: float = LOG_INTERVAL_SECONDS,
+        clock: Callable[[], float] | None = None,
+        emit: Callable[[str], object] | None = None,
     ) -> None:
         self.interval = interval
         self.clock = clock if clock is not None else time.monotonic
+        self.emit = emit if emit is not None else _to_stderr
         self.name: str | None = None
         self.unit = "files"
         self.done = self.total = self.nbytes = self.total_nbytes = 0
@@ -110,12 +117,12 @@ class LogProgress:
         now = self.clock()
         if now - self.last_line >= self.interval:
             self.last_line = now
-            _print_line(self.line(now - self.started, finished=False))
+            self.emit(self.line(now - self.started, finished=False))
 
     def close(self, finished: bool = True) -> None:
         """End the stage: its last line, if it printed any and ``finished`` (not stopped by an error)."""
         if self.name is not None and finished and self.last_line > self.started:
-            _print_line(self.line(self.clock() - self.started, finished=True))
+            self.emit(self.line(self.clock() - self.started, finished=True))
         self.name = None
 
     def line(self, seconds: float, finished: bool) -> str:
@@ -152,8 +159,11 @@ def _clock_time(seconds: float) -> str:
     return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
 
 
-def choose_progress(mode: str) -> BarProgress | LogProgress | SilentProgress:
-    """The display for ``--progress``: auto draws bars on a terminal and prints log lines elsewhere."""
+def choose_progress(
+    mode: str, emit: Callable[[str], object] | None = None
+) -> BarProgress | LogProgress | SilentProgress:
+    """The display for ``--progress``: auto draws bars on a terminal and log lines (to ``emit``,
+    see LogProgress) elsewhere."""
     if sys.stderr is None:  # closed (2>&-): nowhere to show progress
         return SilentProgress()
     if mode == "auto":
@@ -161,14 +171,14 @@ def choose_progress(mode: str) -> BarProgress | LogProgress | SilentProgress:
     if mode == "bar":
         return BarProgress()
     if mode == "log":
-        return LogProgress()
+        return LogProgress(emit=emit)
     return SilentProgress()
 
 
 @contextlib.contextmanager
-def showing_progress(mode: str) -> Iterator[Progress]:
-    """A progress display for one call; its last line is printed only if the call succeeds."""
-    progress = choose_progress(mode)
+def showing_progress(mode: str, emit: Callable[[str], object] | None = None) -> Iterator[Progress]:
+    """A progress display for one call; its last line is given only if the call succeeds."""
+    progress = choose_progress(mode, emit)
     try:
         yield progress
     except BaseException:
@@ -179,8 +189,10 @@ def showing_progress(mode: str) -> Iterator[Progress]:
         progress.close()
 
 
-def _print_line(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+def _to_stderr(line: str) -> None:
+    if sys.stderr is not None:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 def progress_display(progress: Progress | str | None) -> contextlib.AbstractContextManager[Progress]:

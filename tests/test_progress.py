@@ -81,14 +81,12 @@ def run(*args: str) -> str:
 
 def test_log_lines_say_done_total_rate_and_eta_then_done_in() -> None:
     ticks = iter([0.0, 4.0, 10.0, 15.0, 25.0, 26.0])
-    progress = LogProgress(clock=lambda: next(ticks))
     lines: list[str] = []
+    progress = LogProgress(clock=lambda: next(ticks), emit=lines.append)
     progress.stage("copy", 4, 4_000_000)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(progress_module, "_print_line", lines.append)
-        for _ in range(4):
-            progress.advance(1, 1_000_000)  # at 4 s (too soon), 10 s, 15 s (too soon), 25 s
-        progress.close()  # at 26 s
+    for _ in range(4):
+        progress.advance(1, 1_000_000)  # at 4 s (too soon), 10 s, 15 s (too soon), 25 s
+    progress.close()  # at 26 s
     assert lines == [
         "copy: 2/4 files (50%), 2.0 MB/4.0 MB, 200.0 kB/s, 0:00:10 elapsed, ETA 0:00:10",
         "copy: 4/4 files (100%), 4.0 MB/4.0 MB, 160.0 kB/s, 0:00:25 elapsed, ETA 0:00:00",
