@@ -14,6 +14,7 @@ import importlib
 import io
 import mmap
 import os
+import secrets
 import stat
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -250,13 +251,17 @@ def exclusive_lock(lock_path: str) -> Iterator[int | None]:
     both believe they hold it.
     """
     while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock_file(lock_path)
         if not _try_lock(fd):
             os.close(fd)
             yield None
             return
-        if _same_file(fd, lock_path):
-            break
+        try:
+            if _still_named_by(fd, lock_path):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
         os.close(fd)
     owner = os.getpid()
     try:
@@ -290,20 +295,35 @@ def _try_lock(fd: int) -> bool:
     return True
 
 
-def _same_file(fd: int, path: str) -> bool:
-    """Whether ``path`` still names the lock file that ``fd`` holds open.
+def _open_lock_file(path: str) -> int:
+    """Open (or create) the lock file without blocking; OSError unless it is a regular file."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | _NONBLOCK | BINARY, 0o644)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"the lock file {path} is {_file_type(mode)}, not a regular file")
+    return fd
 
-    Not an identity of a dataset (those carry their own, written into the
-    blob): this asks whether another process removed the lock file between
-    our open and our lock. An inode number can be reused only once nothing
-    holds it open, and ``fd`` does, so equal numbers here mean the same file.
-    """
+
+LOCK_TOKEN_OFFSET = 1  # after the byte that msvcrt locks, so another handle may read the token
+
+
+def _still_named_by(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the lock file ``fd`` holds (another process may have removed it
+    between our open and our lock): a random token written through ``fd`` must read back through
+    ``path``. Raises OSError when ``path`` is no longer a regular file."""
+    token = secrets.token_hex(16).encode("ascii")
+    write_all_at(fd, token, LOCK_TOKEN_OFFSET)
     try:
-        on_disk = os.stat(path)
+        check = open_regular(path)
     except FileNotFoundError:
         return False
-    held = os.fstat(fd)
-    return (held.st_dev, held.st_ino) == (on_disk.st_dev, on_disk.st_ino)
+    except NotRegularFile as exc:
+        raise OSError(errno.EINVAL, f"the lock file {path} is {exc}") from None  # swapped since opened
+    try:
+        return read_at(check, len(token), LOCK_TOKEN_OFFSET) == token
+    finally:
+        os.close(check)
 
 
 def fsync_dir(path: str) -> None:

@@ -1,0 +1,50 @@
+"""The output lock: held by one process at a time, on the file its path names."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from conftest import write_npz
+
+from npz2mmap import fsutil
+from npz2mmap.converter import convert
+from npz2mmap.errors import OutputError
+
+
+def test_a_lock_file_removed_between_open_and_lock_is_retried_on_the_file_the_path_names(
+    tmp_path, monkeypatch
+) -> None:
+    """Another process removed the file we opened and made a new one: our lock on the old file
+    holds nothing, so the lock is taken again, on the file the path now names."""
+    path = tmp_path / ".out.lock"
+    real_try_lock = fsutil._try_lock
+    calls = []
+
+    def replaced_meanwhile(fd: int) -> bool:
+        calls.append(fd)
+        if len(calls) == 1:
+            os.unlink(path)
+            path.write_bytes(b"")
+        return real_try_lock(fd)
+
+    monkeypatch.setattr(fsutil, "_try_lock", replaced_meanwhile)
+    with fsutil.exclusive_lock(str(path)) as fd:
+        assert len(calls) == 2 and fd is not None
+        assert os.fstat(fd).st_size > 0 and path.read_bytes() == os.pread(fd, 64, 0)
+        monkeypatch.setattr(fsutil, "_try_lock", real_try_lock)
+        with fsutil.exclusive_lock(str(path)) as second:
+            assert second is None  # the lock really is held on the file the path names
+    assert not path.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+def test_a_fifo_in_place_of_the_lock_file_is_a_one_line_output_error(tmp_path) -> None:
+    write_npz(tmp_path / "src" / "a.npz", x=np.arange(3))
+    os.mkfifo(tmp_path / ".out.npz2mmap-lock")
+    with pytest.raises(OutputError) as caught:
+        convert([tmp_path / "src"], tmp_path / "out", workers=1)
+    assert str(caught.value).startswith(f"{tmp_path / 'out'}: cannot create the output beside it (")
+    assert "a pipe (FIFO), not a regular file" in str(caught.value) and "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists()
