@@ -53,6 +53,7 @@ _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 # Opening a FIFO blocks until a writer comes; O_NONBLOCK returns at once, and
 # the type of what was opened is then checked on the descriptor itself.
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 # Windows opens descriptors in text mode, which would turn b"\n" into b"\r\n".
 BINARY = getattr(os, "O_BINARY", 0)
 _READ_FLAGS = os.O_RDONLY | _NONBLOCK | getattr(os, "O_NOCTTY", 0) | BINARY
@@ -257,7 +258,8 @@ def exclusive_lock(lock_path: str) -> Iterator[int | None]:
             yield None
             return
         try:
-            if _still_named_by(fd, lock_path):
+            token = _write_token(fd)
+            if _path_holds(lock_path, token):
                 break
         except BaseException:
             os.close(fd)
@@ -270,8 +272,11 @@ def exclusive_lock(lock_path: str) -> Iterator[int | None]:
         # A forked child's copy of this generator, collected when the child exits, must
         # neither remove the lock its parent still holds nor close a descriptor it reused.
         if os.getpid() == owner:
-            with contextlib.suppress(FileNotFoundError, PermissionError):
-                os.unlink(lock_path)
+            # Only while the path still names our file: one removed by hand may have been
+            # replaced by another process's lock since.
+            with contextlib.suppress(OSError):
+                if _path_holds(lock_path, token):
+                    os.unlink(lock_path)
             os.close(fd)
 
 
@@ -296,8 +301,11 @@ def _try_lock(fd: int) -> bool:
 
 
 def _open_lock_file(path: str) -> int:
-    """Open (or create) the lock file without blocking; OSError unless it is a regular file."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | _NONBLOCK | BINARY, 0o644)
+    """Open (or create) the lock file without blocking or following a link; OSError unless it is
+    a regular file (a link in its place would have the lock's writes land in the file it names)."""
+    if os.path.islink(path):  # also where there is no O_NOFOLLOW
+        raise OSError(errno.EINVAL, f"the lock file {path} is a symbolic link, not a regular file")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | _NONBLOCK | _NOFOLLOW | BINARY, 0o644)
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
@@ -308,12 +316,16 @@ def _open_lock_file(path: str) -> int:
 LOCK_TOKEN_OFFSET = 1  # after the byte that msvcrt locks, so another handle may read the token
 
 
-def _still_named_by(fd: int, path: str) -> bool:
-    """Whether ``path`` still names the lock file ``fd`` holds (another process may have removed it
-    between our open and our lock): a random token written through ``fd`` must read back through
-    ``path``. Raises OSError when ``path`` is no longer a regular file."""
+def _write_token(fd: int) -> bytes:
+    """Write a random token into the lock file ``fd`` holds; return it."""
     token = secrets.token_hex(16).encode("ascii")
     write_all_at(fd, token, LOCK_TOKEN_OFFSET)
+    return token
+
+
+def _path_holds(path: str, token: bytes) -> bool:
+    """Whether ``path`` still names the lock file we wrote ``token`` into (another process may have
+    removed it between our open and our lock, or a person since). OSError unless it is a regular file."""
     try:
         check = open_regular(path)
     except FileNotFoundError:

@@ -48,3 +48,32 @@ def test_a_fifo_in_place_of_the_lock_file_is_a_one_line_output_error(tmp_path) -
     assert str(caught.value).startswith(f"{tmp_path / 'out'}: cannot create the output beside it (")
     assert "a pipe (FIFO), not a regular file" in str(caught.value) and "\n" not in str(caught.value)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_a_link_in_place_of_the_lock_file_is_refused_and_its_target_untouched(tmp_path, dangling) -> None:
+    write_npz(tmp_path / "src" / "a.npz", x=np.arange(3))
+    victim = tmp_path / "victim.txt"
+    if not dangling:
+        victim.write_bytes(b"precious data 0123456789abcdef0123456789abcdef")
+    (tmp_path / ".out.npz2mmap-lock").symlink_to(victim)
+    with pytest.raises(OutputError) as caught:
+        convert([tmp_path / "src"], tmp_path / "out", workers=1)
+    assert str(caught.value) == (
+        f"{tmp_path / 'out'}: cannot create the output beside it "
+        f"(the lock file {tmp_path / '.out.npz2mmap-lock'} is a symbolic link, not a regular file)"
+    )
+    if dangling:
+        assert not victim.exists()
+    else:
+        assert victim.read_bytes() == b"precious data 0123456789abcdef0123456789abcdef"
+    assert not (tmp_path / "out").exists()
+
+
+def test_leaving_never_removes_a_lock_file_that_is_not_ours(tmp_path) -> None:
+    path = tmp_path / ".out.lock"
+    with fsutil.exclusive_lock(str(path)) as first:
+        assert first is not None
+        path.unlink()
+        path.write_bytes(b"\0" + b"someone else's lock file")
+    assert path.read_bytes() == b"\0" + b"someone else's lock file"
