@@ -4,6 +4,7 @@
     python scripts/bench.py --quick          # a small smoke run (CI)
     python scripts/bench.py --scale          # also the scale section (10M samples, 1M files, 2 GiB member)
     python scripts/bench.py --only conversion --workload ragged --files 50000   # conversion alone
+    python scripts/bench.py --only loaders --workdir DIR   # worker-process loaders alone (warm cache)
 
 Everything is measured side by side in one run on workloads this script
 generates from fixed seeds. Prints a markdown table and writes results.md,
@@ -323,6 +324,9 @@ def run_epochs(make: Callable[[], Iterable[Any]], cold_files: list[Path], row: M
             else:
                 row.warm_per_s = max(row.warm_per_s, rate)
             seen = 0
+        close = getattr(loader, "close", None)  # MmapLoader's worker processes
+        if close is not None:
+            close()
         del loader, iterator
     row.peak_pss_bytes = pss.peak
     row.peak_pss_file_bytes = pss.peak_file
@@ -494,6 +498,161 @@ def advice_section(dataset: Path, quick: bool) -> list[Measured]:
     return rows
 
 
+# --- loaders: worker processes against the hand-off ------------------------------------
+
+
+def light_transform(sample: dict[str, Any]) -> dict[str, Any]:
+    """Flip and normalise one image: about what a light augmentation costs."""
+    sample["input"] = (sample["input"][:, :, ::-1] - 0.5) / 0.25
+    return sample
+
+
+def heavy_transform(sample: dict[str, Any]) -> dict[str, Any]:
+    """A transform of a few hundred microseconds per sample, as decoding or resizing costs."""
+    x = sample["input"]
+    for _ in range(HEAVY_ROUNDS):
+        x = np.tanh(x)
+    sample["input"] = x
+    return sample
+
+
+HEAVY_ROUNDS = 8
+
+
+class ReadyBatches(Dataset):
+    """Items that are whole batches made in advance: DataLoader's worker hand-off and nothing else."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.batch: dict[str, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return -(-self.count // BATCH)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if self.batch is None:
+            self.batch = {
+                "input": torch.zeros((BATCH, 3, 64, 64), dtype=torch.float32),
+                "label": torch.zeros(BATCH, dtype=torch.int64),
+            }
+        return self.batch
+
+
+class InRamPadded:
+    """The bound for ragged batches: samples in RAM as flat arrays, padded by one vectorised gather."""
+
+    def __init__(self, dataset: Path, fields: list[str], seed: int = 0) -> None:
+        reader = DatasetReader(dataset)
+        self.flat = {name: np.array(reader.column(name)) for name in fields}
+        self.lengths = np.ascontiguousarray(reader.shapes(fields[0])[:, 0])
+        self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]])
+        self.seed = seed
+        self.epoch = 0
+
+    def __iter__(self) -> Iterable[dict[str, torch.Tensor]]:
+        count = len(self.lengths)
+        order = np.random.default_rng((self.seed, self.epoch)).permutation(count)
+        self.epoch += 1
+        for first in range(0, count, BATCH):
+            index = order[first : first + BATCH]
+            lengths = self.lengths[index]
+            valid = np.arange(lengths.max()) < lengths[:, None]
+            source = (self.starts[index][:, None] + np.arange(lengths.max()))[valid]
+            batch = {}
+            for name, flat in self.flat.items():
+                padded = np.zeros(valid.shape, dtype=flat.dtype)
+                padded[valid] = flat[source]
+                batch[name] = torch.from_numpy(padded)
+            batch["lengths"] = torch.from_numpy(lengths)
+            yield batch
+
+
+def first_samples(count: int, seed: int = 0) -> np.ndarray:
+    """A fixed shuffled order of the first ``count`` samples (for the slow heavy-transform rows)."""
+    return np.random.default_rng(seed).permutation(count)
+
+
+def ring_loader(dataset: MmapDataset, workers: int, **options: Any) -> MmapLoader:
+    """MmapLoader with worker processes and its ring of shared batch slots; shuffled without a sampler."""
+    return MmapLoader(dataset, BATCH, shuffle="sampler" not in options, num_workers=workers, **options)
+
+
+def single_loader(dataset: MmapDataset, **options: Any) -> MmapLoader:
+    """MmapLoader in this process alone, no thread; shuffled without a sampler."""
+    return MmapLoader(dataset, BATCH, shuffle="sampler" not in options, prefetch=0, **options)
+
+
+def loaders_section(fixed: Path, ragged: Path | None, quick: bool) -> list[Measured]:
+    """Warm page cache: the ring of shared batch slots against torch's hand-off, with transforms too."""
+    from npz2mmap import PaddedCollate
+
+    fields = ["input", "label"]
+    count = len(MmapDataset(fixed))
+    heavy = first_samples(min(count, 600 if quick else 4000))
+
+    def ds(transform: Callable[[Any], Any] | None = None) -> MmapDataset:
+        return MmapDataset(fixed, fields=fields, transform=transform)
+
+    light = light_transform
+    variants: list[tuple[str, int, str, Callable[[], Iterable[Any]]]] = [
+        ("fixed", 0, "in-RAM gather (bound)", lambda: InRamBatches(read_all(fixed, fields))),
+        ("fixed", 0, "MmapLoader, no workers (prefetch=0)", lambda: single_loader(ds())),
+        ("fixed", 2, "DataLoader, ready-made batches (hand-off alone)", lambda: ready_loader(count)),
+        ("fixed", 2, "DataLoader(MmapDataset) per item", lambda: worker_loader(ds(), 2)),
+        ("fixed", 2, "DataLoader(MmapDataset) + collate", lambda: worker_loader(ds(), 2, collate_fn=collate)),
+        ("fixed", 1, "MmapLoader, 1 worker (ring)", lambda: ring_loader(ds(), 1)),
+        ("fixed", 2, "MmapLoader, 2 workers (ring)", lambda: ring_loader(ds(), 2)),
+        ("fixed", 0, "light transform: DataLoader, no workers", lambda: worker_loader(ds(light), 0)),
+        ("fixed", 2, "light transform: DataLoader, 2 workers", lambda: worker_loader(ds(light), 2)),
+        ("fixed", 0, "light transform: MmapLoader, no workers", lambda: single_loader(ds(light))),
+        ("fixed", 2, "light transform: MmapLoader, 2 workers (ring)", lambda: ring_loader(ds(light), 2)),
+    ]
+    for workers in (0, 1, 2):
+        name = f"heavy transform: MmapLoader, {workers or 'no'} worker{'s' * (workers != 1)}"
+        variants.append(
+            ("fixed", workers, name + " (ring)" * (workers > 0), heavy_loader(fixed, fields, heavy, workers))
+        )
+    if ragged is not None:
+        pad = {"collate_fn": PaddedCollate()}
+
+        def tokens() -> MmapDataset:
+            return MmapDataset(ragged, fields=["tokens", "mask"])
+
+        variants += [
+            ("ragged", 0, "in-RAM padded gather (bound)", lambda: InRamPadded(ragged, ["tokens", "mask"])),
+            ("ragged", 0, "PaddedCollate: MmapLoader, no workers", lambda: single_loader(tokens(), **pad)),
+            (
+                "ragged",
+                2,
+                "PaddedCollate: MmapLoader, 2 workers (ring)",
+                lambda: ring_loader(tokens(), 2, **pad),
+            ),
+            ("ragged", 2, "PaddedCollate: DataLoader, 2 workers", lambda: worker_loader(tokens(), 2, **pad)),
+        ]
+    rows = []
+    for workload, workers, name, make in variants:
+        row = run_epochs(make, [], Measured(name, workload, workers, note="loaders"))
+        print(f"  {workload:7s} {name:48s} warm {row.warm_per_s:>10,.0f}/s", flush=True)
+        rows.append(row)
+    return rows
+
+
+def ready_loader(count: int) -> DataLoader:
+    return worker_loader(ReadyBatches(count), 2, batch_size=None)
+
+
+def heavy_loader(
+    dataset: Path, fields: list[str], order: np.ndarray, workers: int
+) -> Callable[[], MmapLoader]:
+    """The heavy transform's loader over a fixed order of a few samples (the epochs would be long)."""
+
+    def make() -> MmapLoader:
+        ds = MmapDataset(dataset, fields=fields, transform=heavy_transform)
+        return ring_loader(ds, workers, sampler=order) if workers else single_loader(ds, sampler=order)
+
+    return make
+
+
 @dataclass
 class Conversion:
     """One workload converted side by side with the floor: reading and copying its files."""
@@ -552,6 +711,24 @@ def cp_and_sync(src: Path, copy: Path) -> float:
     cold(copy)
     shutil.rmtree(copy)
     return seconds
+
+
+def converted(src: Path, dataset: Path) -> Path:
+    """``dataset``, converted from ``src`` unless a dataset is there already (for --only loaders)."""
+    if not (dataset / "index.json").exists():
+        subprocess.run(
+            [
+                str(Path(sys.executable).parent / "npz2mmap"),
+                "convert",
+                str(src),
+                "-o",
+                str(dataset),
+                "-q",
+                "--overwrite",
+            ],
+            check=True,
+        )
+    return dataset
 
 
 def convert_cold_and_hot(src: Path, dataset: Path, workers: int) -> tuple[float, float]:
@@ -747,6 +924,7 @@ class Report:
     throughput: list[Measured] = field(default_factory=list)
     memory: list[Measured] = field(default_factory=list)
     advice: list[Measured] = field(default_factory=list)
+    loaders: list[Measured] = field(default_factory=list)
     ranks: list[Measured] = field(default_factory=list)
     scale: dict[str, Any] = field(default_factory=dict)
 
@@ -828,6 +1006,7 @@ def markdown(report: Report) -> str:
             "| --- | ---: | ---: |",
         ]
         lines += [f"| {r.loader} | {r.cold_per_s:,.0f} | {r.warm_per_s:,.0f} |" for r in report.advice]
+    lines += loader_lines(report)
     lines += conversion_lines(report)
     if report.scale:
         lines += ["", "Scale:", ""] + [
@@ -835,6 +1014,42 @@ def markdown(report: Report) -> str:
             for key, value in report.scale.items()
         ]
     return "\n".join(lines) + "\n"
+
+
+def loader_lines(report: Report) -> list[str]:
+    """The loaders section: warm epochs, each against the in-RAM bound of its workload and against
+    MmapLoader in one process with the same transform."""
+    if not report.loaders:
+        return []
+    lines = [
+        "",
+        f"Loaders with worker processes, warm page cache, batch {BATCH} (best of {WARM_EPOCHS} epochs):",
+        "",
+        "| workload | loader | workers | samples/s | vs in-RAM bound | vs same loader, no workers "
+        "| peak PSS sum (MB) | of which mapped files (MB) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    rows = report.loaders
+    for r in rows:
+        bound = next((b.warm_per_s for b in rows if b.workload == r.workload and "bound" in b.loader), 0.0)
+        kind = r.loader.split(":")[0] if ":" in r.loader else ""
+        alone = next(
+            (
+                b.warm_per_s
+                for b in rows
+                if b.workload == r.workload
+                and b.workers == 0
+                and "MmapLoader" in b.loader
+                and (b.loader.split(":")[0] if ":" in b.loader else "") == kind
+            ),
+            0.0,
+        )
+        lines.append(
+            f"| {r.workload} | {r.loader} | {r.workers} | {r.warm_per_s:,.0f} | {ratio(r.warm_per_s, bound)} "
+            f"| {ratio(r.warm_per_s, alone)} | {r.peak_pss_bytes / 1e6:,.0f} "
+            f"| {r.peak_pss_file_bytes / 1e6:,.0f} |"
+        )
+    return lines
 
 
 def conversion_lines(report: Report) -> list[str]:
@@ -908,7 +1123,7 @@ def main() -> None:
     parser.add_argument(
         "--workdir", type=Path, default=None, help="where workloads live (default: a temp dir)"
     )
-    parser.add_argument("--only", choices=["conversion"], help="run only this section")
+    parser.add_argument("--only", choices=["conversion", "loaders"], help="run only this section")
     parser.add_argument(
         "--workload", action="append", choices=WORKLOAD_NAMES, help="only these workloads (repeatable)"
     )
@@ -953,8 +1168,18 @@ def main() -> None:
     print(f"workloads in {workdir}", flush=True)
     for work in workloads:
         src = make_workload(work, workdir)
+        if args.only == "loaders":
+            datasets[work.name] = converted(src, workdir / work.name / "dataset")
+            continue
         datasets[work.name], row = convert_section(work, src, workdir, cores)
         report.conversions.append(row)
+    if args.only == "loaders":
+        report.loaders = loaders_section(datasets["fixed"], datasets.get("ragged"), args.quick)
+        text = "\n".join(loader_lines(report)) + "\n"
+        print(text)
+        (args.out / "loaders.md").write_text(text)
+        (args.out / "loaders.json").write_text(json.dumps([asdict(r) for r in report.loaders], indent=1))
+        return
     if args.only == "conversion":
         text = "\n".join(conversion_lines(report)) + "\n"
         print(text)
@@ -968,6 +1193,7 @@ def main() -> None:
         report.throughput += throughput_section(
             work, workdir / work.name / "npz", datasets[work.name], workdir, args.quick
         )
+    report.loaders = loaders_section(datasets["fixed"], datasets.get("ragged"), args.quick)
     report.memory = memory_section(
         workloads[0], workdir / "fixed" / "npz", datasets["fixed"], [1, 2] if args.quick else [1, 2, 4]
     )
