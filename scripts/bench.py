@@ -539,7 +539,8 @@ class ReadyBatches(Dataset):
 
 
 class InRamPadded:
-    """The bound for ragged batches: samples in RAM as flat arrays, padded by one vectorised gather."""
+    """The bound for ragged batches: samples in RAM as flat arrays, each batch padded by one slice
+    copy per sample (faster in RAM than any vectorised index at these lengths)."""
 
     def __init__(self, dataset: Path, fields: list[str], seed: int = 0) -> None:
         reader = DatasetReader(dataset)
@@ -556,12 +557,12 @@ class InRamPadded:
         for first in range(0, count, BATCH):
             index = order[first : first + BATCH]
             lengths = self.lengths[index]
-            valid = np.arange(lengths.max()) < lengths[:, None]
-            source = (self.starts[index][:, None] + np.arange(lengths.max()))[valid]
+            rows = list(zip(self.starts[index].tolist(), lengths.tolist(), strict=True))
             batch = {}
             for name, flat in self.flat.items():
-                padded = np.zeros(valid.shape, dtype=flat.dtype)
-                padded[valid] = flat[source]
+                padded = np.zeros((len(index), int(lengths.max())), dtype=flat.dtype)
+                for row, (start, length) in zip(padded, rows, strict=True):
+                    row[:length] = flat[start : start + length]
                 batch[name] = torch.from_numpy(padded)
             batch["lengths"] = torch.from_numpy(lengths)
             yield batch
