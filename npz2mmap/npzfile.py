@@ -157,8 +157,10 @@ def read_member_header(view: FileView, entry: ZipEntry, path: str) -> tuple[Memb
     key = member_key(entry.filename)
     where = f"{path}[{key}]"
     location = check_member_sizes(view, entry, where)
-    with source_errors(where):
+    try:
         header = parse_npy_header(_MemberStart(view, location), key, where)
+    except zlib.error as exc:
+        raise SourceError(f"{where}: {exc}") from exc
     declared = header.header_nbytes + header.nbytes
     if declared != entry.file_size:
         raise SourceError(
@@ -171,8 +173,9 @@ def read_member_header(view: FileView, entry: ZipEntry, path: str) -> tuple[Memb
 class _MemberStart:
     """Reads from the start of a member's uncompressed bytes (enough for its .npy header).
 
-    The stored bytes are read through ``view``, a piece at a time, and
-    inflated when the member is deflated; never past the member.
+    The stored bytes are read through ``view`` and inflated when the member
+    is deflated, a piece (HEADER_PIECE_NBYTES) ahead at most, so a header
+    takes one read; never past the member.
     """
 
     def __init__(self, view: FileView, location: MemberLocation) -> None:
@@ -181,17 +184,26 @@ class _MemberStart:
         self.end = location.offset + location.stored_nbytes
         self.inflater = zlib.decompressobj(-zlib.MAX_WBITS) if location.flags & DEFLATED else None
         self.pending = b""
+        self.used = 0  # bytes of ``pending`` already returned
 
     def read(self, nbytes: int) -> bytes:
-        if self.inflater is None and not self.pending:
-            return bytes(self._stored(nbytes))
-        while len(self.pending) < nbytes:
-            more = self._more(nbytes - len(self.pending))
+        if len(self.pending) - self.used < nbytes:
+            self._fill(nbytes)
+        data = self.pending[self.used : self.used + nbytes]
+        self.used += len(data)
+        return data
+
+    def _fill(self, nbytes: int) -> None:
+        """Hold at least ``nbytes`` unread bytes, fewer only at the member's end."""
+        pieces = [self.pending[self.used :]]
+        wanted = nbytes - len(pieces[0])
+        while wanted > 0:
+            more = self._more(max(wanted, HEADER_PIECE_NBYTES))
             if not more:
                 break
-            self.pending += more
-        data, self.pending = self.pending[:nbytes], self.pending[nbytes:]
-        return data
+            pieces.append(more)
+            wanted -= len(more)
+        self.pending, self.used = b"".join(pieces), 0
 
     def _more(self, nbytes: int) -> bytes:
         if self.inflater is None:
@@ -276,7 +288,7 @@ def _check_member_inside_file(view: FileView, entry: ZipEntry, where: str) -> in
 def _check_local_name(name: bytes, flags: int, entry: ZipEntry, where: str) -> None:
     """zipfile's own check, with its message, for members whose headers are read without it."""
     try:
-        text = name.decode("utf-8" if flags & ZIP_UTF8_FLAG else "cp437")
+        text = name.decode("utf-8" if flags & ZIP_UTF8_FLAG or name.isascii() else "cp437")
     except UnicodeDecodeError as exc:
         raise SourceError(f"{where}: {exc}") from None
     if text != entry.orig_filename:

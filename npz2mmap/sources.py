@@ -125,8 +125,10 @@ class _Npz:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        with source_errors(path):
+        try:
             self.fd, self.file_nbytes = open_regular_file(path)
+        except OSError as exc:
+            raise SourceError(f"{path}: {exc.strerror or exc}") from None
         # Made on first use: the copy reads members by location, without them.
         self.entries: dict[str, ZipEntry] | None = None
         self.view: FileView | None = None

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 from . import fsutil
 from .errors import SourceError
 
 # A file up to this size is read whole at once: one read costs less than the hops between its parts.
 WHOLE_FILE_MAX_NBYTES = 256 << 10
+# A larger file up to this size is asked of the kernel at once (read ahead), not read.
+PREFETCH_MAX_NBYTES = 4 << 20
 # Bytes read at least at a time from a larger file, so a local header and a .npy header take one read.
 MIN_READ_NBYTES = 4096
 
@@ -39,9 +41,8 @@ CENTRAL_SIGNATURE = b"PK\x01\x02"
 ZIP64_EXTRA_ID = 0x0001
 ZIP64_MARKS = (0xFFFF_FFFF_FFFF_FFFF, 0xFFFF_FFFF)  # a size that zipfile takes from the zip64 extra
 ZIP64_MARK = 0xFFFF_FFFF
-# Read at once from the end of a larger file: where zipfile looks for the end record (its
-# comment may be 64 KiB long), the ZIP64 records before it and, mostly, the whole directory.
-TAIL_NBYTES = (1 << 16) + END_RECORD.size + ZIP64_LOCATOR.size + ZIP64_END_RECORD.size
+# Read at once from the end of a larger file: its end records and, mostly, its whole directory.
+TAIL_NBYTES = 8192
 MAX_EXTRACT_VERSION = 63  # zipfile's
 UTF8_FLAG = 0x800
 
@@ -78,6 +79,9 @@ class FileView:
         self.held_offset = 0
         if file_nbytes <= WHOLE_FILE_MAX_NBYTES:
             self._hold(0, file_nbytes)
+        elif file_nbytes <= PREFETCH_MAX_NBYTES:
+            # On a cold cache each window would cost a disk read; the copy reads the whole file anyway.
+            fsutil.advise(fd, file_nbytes, "willneed")
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         """Up to ``nbytes`` from ``offset`` (fewer only at the file's end; none before its start)."""
@@ -126,7 +130,7 @@ def read_entries(view: FileView) -> list[ZipEntry]:
     return entries
 
 
-def _refuse(view: FileView, problem: str) -> None:
+def _refuse(view: FileView, problem: str) -> NoReturn:
     raise SourceError(f"{view.where}: not a valid zip/npz file ({problem})")
 
 
@@ -138,8 +142,8 @@ def _end_record(view: FileView) -> tuple[int, tuple[int, ...]]:
     if size < END_RECORD.size:
         _refuse(view, "File is not a zip file")
     view.hold_tail(TAIL_NBYTES)
-    tail = view.read(size - END_RECORD.size, END_RECORD.size)
-    if tail[:4] == END_SIGNATURE and tail[-2:] == b"\0\0":
+    record = view.read(size - END_RECORD.size, END_RECORD.size)
+    if record[:4] == END_SIGNATURE and record[-2:] == b"\0\0":
         end_offset = size - END_RECORD.size
     else:
         # Not at the very end: a comment (at most 64 KiB) follows the record; zipfile takes the last
@@ -149,10 +153,10 @@ def _end_record(view: FileView) -> tuple[int, tuple[int, ...]]:
         if found < 0 or search_start + found + END_RECORD.size > size:
             _refuse(view, "File is not a zip file")
         end_offset = search_start + found
-    record = END_RECORD.unpack(view.read(end_offset, END_RECORD.size))
+        record = view.read(end_offset, END_RECORD.size)
     zip64 = _zip64_end_record(view, end_offset)
     if zip64 is None:
-        return end_offset, record[1:7]
+        return end_offset, END_RECORD.unpack(record)[1:7]
     return end_offset - ZIP64_LOCATOR.size - ZIP64_END_RECORD.size, zip64
 
 
@@ -195,16 +199,20 @@ def _central_entries(view: FileView, directory: memoryview, concat: int) -> list
             _refuse(view, "Truncated central directory")
         if fields[3] > MAX_EXTRACT_VERSION:
             raise SourceError(f"{view.where}: zip file version {fields[3] / 10:.1f} is not supported")
-        name = _decoded_name(view, bytes(directory[name_start:extra_start]), fields[5])
+        name = _decoded_name(view, directory[name_start:extra_start], fields[5])
         entries.append(
             _entry(view, name, fields, directory[extra_start : extra_start + extra_nbytes], concat)
         )
     return entries
 
 
-def _decoded_name(view: FileView, raw: bytes, flags: int) -> str:
+def _decoded_name(view: FileView, raw: memoryview, flags: int) -> str:
+    """As zipfile decodes it: UTF-8 if flagged, else cp437 (which reads ASCII as ASCII, faster)."""
     try:
-        return raw.decode("utf-8") if flags & UTF8_FLAG else raw.decode("cp437")
+        if flags & UTF8_FLAG:
+            return str(raw, "utf-8")
+        name = bytes(raw)
+        return name.decode("ascii") if name.isascii() else name.decode("cp437")
     except UnicodeDecodeError as exc:
         raise SourceError(f"{view.where}: not a valid zip/npz file (entry name: {exc})") from None
 
@@ -216,7 +224,7 @@ def _entry(view: FileView, name: str, fields: tuple[Any, ...], extra: memoryview
         file_size, compress_size, header_offset = _zip64_sizes(
             view, extra, file_size, compress_size, header_offset
         )
-    filename = name.split("\0", 1)[0]
+    filename = name.partition("\0")[0] if "\0" in name else name
     if os.sep != "/":
         filename = filename.replace(os.sep, "/")
     return ZipEntry(

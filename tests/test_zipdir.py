@@ -479,3 +479,18 @@ def test_converting_and_verifying_sources_never_use_zipfile(tmp_path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "6 samples verified" in done.stdout
+
+
+def test_a_header_longer_than_one_window_is_read_from_a_large_file(tmp_path) -> None:
+    """A file above WHOLE_FILE_MAX_NBYTES is read in windows; a long .npy header spans several."""
+    dtype = np.dtype([(f"field_with_a_long_name_{i:03d}", "u1") for i in range(200)])
+    array = np.frombuffer(np.random.default_rng(1).bytes(200 * 1500), dtype)
+    path = tmp_path / "large.npz"
+    np.savez(path, x=array)
+    assert path.stat().st_size > zipdir.WHOLE_FILE_MAX_NBYTES
+    headers, locations = scan_source(str(path))
+    assert headers["x"].header_nbytes > zipdir.MIN_READ_NBYTES
+    assert (headers["x"].dtype, headers["x"].shape) == (array.dtype, array.shape)
+    with zipfile.ZipFile(path) as zf:
+        stored = path.read_bytes()[locations["x"].offset :][: locations["x"].stored_nbytes]
+        assert stored == zf.read("x.npy")
