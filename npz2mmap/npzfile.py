@@ -63,7 +63,7 @@ ZIP_STRONG_ENCRYPTION_FLAG = 0x40
 ZIP_UTF8_FLAG = 0x800
 
 # What reading a damaged or hostile file can raise from the standard library.
-_READ_ERRORS = (zlib.error, EOFError, OSError, ValueError)
+_READ_ERRORS = (zlib.error, OSError, ValueError)
 
 
 @dataclass(frozen=True)

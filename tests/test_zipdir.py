@@ -494,3 +494,26 @@ def test_a_header_longer_than_one_window_is_read_from_a_large_file(tmp_path) -> 
     with zipfile.ZipFile(path) as zf:
         stored = path.read_bytes()[locations["x"].offset :][: locations["x"].stored_nbytes]
         assert stored == zf.read("x.npy")
+
+
+def test_a_small_npz_file_is_scanned_with_one_read_and_one_fstat(tmp_path, monkeypatch) -> None:
+    """Its end records, directory, local headers and .npy headers all come from one read of the whole file."""
+    path = tmp_path / "small.npz"
+    np.savez(path, tokens=np.arange(700, dtype=np.int32), mask=np.ones(700, np.uint8))
+    reads: list[tuple[int, int]] = []
+    fstats: list[int] = []
+    real_read_at, real_fstat = fsutil.read_at, os.fstat
+
+    def counted_read_at(fd: int, nbytes: int, offset: int) -> bytes:
+        reads.append((offset, nbytes))
+        return real_read_at(fd, nbytes, offset)
+
+    def counted_fstat(fd: int) -> os.stat_result:
+        fstats.append(fd)
+        return real_fstat(fd)
+
+    monkeypatch.setattr(fsutil, "read_at", counted_read_at)
+    monkeypatch.setattr(os, "fstat", counted_fstat)
+    headers, _ = scan_source(str(path))
+    assert sorted(headers) == ["mask", "tokens"]
+    assert reads == [(0, path.stat().st_size)] and len(fstats) == 1
