@@ -45,6 +45,7 @@ class RaggedRows:
         self.part = part
         self.starts = starts
         self.shapes = shapes
+        self._padded_shape: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -58,8 +59,10 @@ class RaggedRows:
 
     def padded_shape(self) -> tuple[int, ...]:
         """(n, *largest shape of the batch)."""
-        largest = self.shapes.max(axis=0) if len(self) else np.zeros(self.shapes.shape[1], np.int64)
-        return (len(self), *(int(d) for d in largest))
+        if self._padded_shape is None:
+            largest = self.shapes.max(axis=0) if len(self) else np.zeros(self.shapes.shape[1], np.int64)
+            self._padded_shape = (len(self), *(int(d) for d in largest))
+        return self._padded_shape
 
     def copies(self) -> list[np.ndarray]:
         """Each sample as a fresh, writable array with every byte of it (record padding included)."""
