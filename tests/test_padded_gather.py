@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import rewrite_blob, rewrite_index, write_samples
 from corpus import little_endian_bytes, load_raw
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from strategies import dtypes, padded_record_dtypes
@@ -96,11 +96,13 @@ def test_padded_batches_from_the_mapping_are_the_sources_padded_by_numpy(
 ) -> None:
     root = tmp_path_factory.mktemp("padded")
     sources = write_samples(root / "src", [{"x": a, "label": np.int64(i)} for i, a in enumerate(arrays)])
-    dataset = convert_in_parts(root / "src", root / "ds", data.draw(st.integers(1, 3), label="parts"))
+    num_parts = data.draw(st.integers(1, 3), label="parts")
+    dataset = convert_in_parts(root / "src", root / "ds", num_parts)
     ds = MmapDataset(dataset)
     indices = data.draw(st.lists(st.integers(0, len(arrays) - 1), min_size=1, max_size=8), label="indices")
     pad_value = data.draw(pad_value_for(arrays[0].dtype), label="pad_value")
     loop_min = data.draw(st.sampled_from([0, 10**9]), label="loop_min")  # memcpy per row, or element index
+    event(f"{num_parts} part(s), ndim {arrays[0].ndim}, dtype kind {arrays[0].dtype.kind}")
     with mock.patch.object(ragged, "LOOP_MIN_ELEMENTS", loop_min):
         batch = PaddedCollate(pad_value=pad_value, mask=True)(ds.__getitems__(indices))
     expected = expected_padded(sources, "x", indices, pad_value)
