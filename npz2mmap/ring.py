@@ -364,14 +364,19 @@ class WorkerPool:
             if conn in ready:
                 try:
                     return pickle.loads(conn.recv_bytes())  # type: ignore[no-any-return]
-                except EOFError:
-                    pass
+                except (EOFError, OSError):  # the worker is gone: its exit code tells how
+                    multiprocessing.connection.wait([self.processes[worker].sentinel], STOP_TIMEOUT_S)
+                    self.raise_if_dead(number)
+                    raise WorkerError(
+                        f"MmapLoader worker {worker} closed its pipe while batch {number} was being loaded"
+                    ) from None
             self.raise_if_dead(number)
 
     def raise_if_dead(self, number: int) -> None:
         for worker, process in enumerate(self.processes):
             if process.exitcode is not None:
-                hint = " (out of memory? see the kernel log)" if process.exitcode == -signal.SIGKILL else ""
+                killed = process.exitcode == -getattr(signal, "SIGKILL", 9)
+                hint = " (out of memory? see the kernel log)" if killed else ""
                 raise WorkerError(
                     f"MmapLoader worker {worker} (pid {process.pid}) {describe_exit(process.exitcode)}{hint} "
                     f"while batch {number} was being loaded; the workers were stopped"
