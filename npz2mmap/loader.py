@@ -149,6 +149,10 @@ class MmapLoader:
             yield order[start : start + self.batch_size]
 
     def __iter__(self) -> Iterator[Any]:
+        if self._workers is not None and self._workers.busy:  # one ring, so one pass at a time
+            raise RuntimeError(
+                "MmapLoader with workers runs one pass at a time: finish or close the other iterator first"
+            )
         position = self._position
         skip = position.start(self.epoch)
         # Batches already yielded before a resume are skipped as indices, never loaded.

@@ -363,7 +363,12 @@ class WorkerPool:
             ready = multiprocessing.connection.wait([conn, *sentinels])
             if conn in ready:
                 try:
-                    return pickle.loads(conn.recv_bytes())  # type: ignore[no-any-return]
+                    reply = pickle.loads(conn.recv_bytes())
+                    if reply[1] != number:  # replies come in the order tasks went: anything else is a bug
+                        raise WorkerError(
+                            f"MmapLoader worker {worker} answered batch {reply[1]}, not {number}"
+                        )
+                    return reply  # type: ignore[no-any-return]
                 except (EOFError, OSError):  # the worker is gone: its exit code tells how
                     multiprocessing.connection.wait([self.processes[worker].sentinel], STOP_TIMEOUT_S)
                     self.raise_if_dead(number)
@@ -492,6 +497,7 @@ class RingWorkers:
             raise
         self._finalizer = weakref.finalize(self, _close, self.pool, unpin)
         self.warned_overflow = False
+        self.busy = False
         self._next_worker = 0
 
     @property
@@ -509,6 +515,13 @@ class RingWorkers:
         other exception stops them. Leaving early lets the batches in flight
         finish (so their slots are free for the next pass).
         """
+        self.busy = True
+        try:
+            yield from self._batches(indices, first_number)
+        finally:
+            self.busy = False
+
+    def _batches(self, indices: Iterator[np.ndarray], first_number: int) -> Iterator[Any]:
         ring = self.pool.ring
         free = deque(range(ring.num_slots))
         in_flight: deque[tuple[int, int, int, np.ndarray]] = deque()

@@ -474,3 +474,19 @@ def test_ctrl_c_stops_the_trainer_and_its_workers_with_no_worker_traceback(datas
     assert trainer.returncode != 0
     assert stderr.count("Traceback") == 1 and stderr.rstrip().endswith("KeyboardInterrupt"), stderr
     assert wait_gone(pids[1:]) == []
+
+
+def test_leaving_a_pass_early_lets_the_next_pass_start_clean(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+    expected = [b.tolist() for b in MmapLoader(ds, 3, prefetch=0)]
+    with MmapLoader(ds, 3, num_workers=2, multiprocessing_context="fork") as loader:
+        for k, _ in enumerate(loader):
+            if k == 1:
+                break  # batches still in flight finish into their slots, then are dropped
+        assert [b.tolist() for b in loader] == expected
+        first = iter(loader)
+        next(first)
+        with pytest.raises(RuntimeError, match="one pass at a time"):
+            next(iter(loader))
+        assert loader.state_dict()["batches_yielded"] == 1  # the refused pass changed nothing
+        assert [b.tolist() for b in first] == expected[1:]
