@@ -496,6 +496,9 @@ class RingWorkers:
             self.pool.close()
             raise
         self._finalizer = weakref.finalize(self, _close, self.pool, unpin)
+        self.pinned = unpin is not None
+        # Slots no batch in hand or in flight uses, each with the event its reuse waits for.
+        self._free: deque[tuple[int, Any]] = deque((slot, None) for slot in range(num_slots))
         self.warned_overflow = False
         self.busy = False
         self._next_worker = 0
@@ -522,12 +525,12 @@ class RingWorkers:
             self.busy = False
 
     def _batches(self, indices: Iterator[np.ndarray], first_number: int) -> Iterator[Any]:
-        ring = self.pool.ring
-        free = deque(range(ring.num_slots))
+        free = self._free
         in_flight: deque[tuple[int, int, int, np.ndarray]] = deque()
         numbered = enumerate(indices, start=first_number)
         deferred: list[BaseException] = []  # an error of the index order, raised in its turn
         failure: WorkerError | None = None
+        held: int | None = None
         try:
             while True:
                 self._dispatch(numbered, free, in_flight, deferred)
@@ -535,18 +538,25 @@ class RingWorkers:
                     break
                 number, slot, worker, batch_indices = in_flight.popleft()
                 reply = self.pool.receive(worker, number)
+                held = slot
                 if reply[0] == "error":
                     self._drain(in_flight)
                     failure = worker_failure(worker, number, batch_indices, reply)
                     break
                 yield self._batch_of(reply, slot)
-                free.append(slot)  # the next batch is requested: this one's slot may be reused
+                # The next batch is requested: this one's slot may be reused, once the
+                # device has copied it when pinned (the copy may still be queued).
+                free.append((slot, self._gpu_mark()))
+                held = None
         except GeneratorExit:
             self._drain(in_flight)
             raise
         except BaseException:
             self.close()
             raise
+        finally:
+            if held is not None:
+                free.append((held, self._gpu_mark()))
         if failure is not None:
             raise failure
         if deferred:
@@ -555,11 +565,16 @@ class RingWorkers:
     def _dispatch(
         self,
         numbered: Iterator[tuple[int, np.ndarray]],
-        free: deque[int],
+        free: deque[tuple[int, Any]],
         in_flight: deque[tuple[int, int, int, np.ndarray]],
         deferred: list[BaseException],
     ) -> None:
         while free and not deferred:
+            mark = free[0][1]
+            if mark is not None and not mark.query():
+                if in_flight:
+                    return  # try again at the next request
+                mark.synchronize()
             try:
                 number, batch_indices = next(numbered)
             except StopIteration:
@@ -567,11 +582,23 @@ class RingWorkers:
             except Exception as exc:
                 deferred.append(exc)
                 return
-            slot = free.popleft()
+            slot, _ = free.popleft()
             worker = self._next_worker
             self._next_worker = (worker + 1) % self.pool.num_workers
             self.pool.send(worker, number, slot, batch_indices)
             in_flight.append((number, slot, worker, batch_indices))
+
+    def _gpu_mark(self) -> Any:
+        """A CUDA event after every copy queued so far, when the ring is pinned (else None).
+
+        A slot is refilled only once its event has passed, so a
+        ``.to(device, non_blocking=True)`` of a batch is never overwritten.
+        """
+        if not self.pinned:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _batch_of(self, reply: tuple[Any, ...], slot: int) -> Any:
         if reply[0] == "slot":
@@ -592,8 +619,9 @@ class RingWorkers:
         """Wait for the batches in flight, dropping them; a dead worker stops the workers instead."""
         try:
             while in_flight:
-                number, _, worker, _ = in_flight.popleft()
+                number, slot, worker, _ = in_flight.popleft()
                 self.pool.receive(worker, number)
+                self._free.append((slot, None))  # never handed out
         except WorkerError:
             self.close()
 

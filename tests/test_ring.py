@@ -418,19 +418,44 @@ class FakeCudart:
         return 0
 
 
-def test_pin_memory_registers_the_ring_once_page_locked(dataset_dir, monkeypatch) -> None:
+class FakeEvent:
+    """A CUDA event that never passes by itself, as if the device lagged far behind: until
+    ``synchronize()``, the batch in hand when it was recorded may still be being copied."""
+
+    in_hand: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the batch, a copy of it)
+    synced: list[bool] = []
+
+    def record(self) -> None:
+        self.batch, self.copy = self.in_hand[-1]
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        self.synced.append(torch.equal(self.batch, self.copy))
+
+
+def test_pin_memory_registers_the_ring_once_and_refills_a_slot_only_after_its_copy(
+    dataset_dir, monkeypatch
+) -> None:
     """No GPU here: torch.cuda is faked; the batches must lie inside the registered range."""
     cudart = FakeCudart()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     ds = MmapDataset(dataset_dir / "dataset", fields="input")
-    with MmapLoader(ds, 4, num_workers=1, pin_memory=True, multiprocessing_context="fork") as loader:
+    expected = [clone(b) for b in MmapLoader(ds, 4, prefetch=0)]
+    with MmapLoader(ds, 4, num_workers=2, pin_memory=True, multiprocessing_context="fork") as loader:
         for _ in range(2):
-            for batch in loader:
+            for k, batch in enumerate(loader):
+                assert torch.equal(batch, expected[k])
+                FakeEvent.in_hand.append((batch, batch.clone()))
+                time.sleep(0.002)  # let the workers write into whatever slot they were given
                 (kind, address, nbytes), *_ = cudart.calls
                 assert address <= batch.data_ptr() < batch.data_ptr() + batch.nbytes <= address + nbytes
     assert [c[0] for c in cudart.calls] == ["register", "unregister"]
     assert cudart.calls[0][1] == cudart.calls[1][1]
+    assert len(FakeEvent.synced) >= len(expected) and all(FakeEvent.synced)
 
 
 TRAINER = """
