@@ -26,7 +26,7 @@ from numpy.typing import NDArray
 from .dataset import MmapDataset, as_tensors, collate
 from .parts import PartsReader
 from .reader import normalise_indices
-from .ring import Recipe, RingWorkers, default_slot_nbytes, resolve_context
+from .ring import BATCH, COLLATED, FIELDS, Recipe, RingWorkers, default_slot_nbytes, resolve_context
 from .samplers import _state_int
 
 _END = object()
@@ -218,13 +218,10 @@ class MmapLoader:
 
     def _start_workers(self) -> RingWorkers:
         if self._workers is None:
-            direct = (
-                self.collate_fn is None and self.batch_transform is None and self.dataset.transform is None
-            )
             recipe = Recipe(
                 self.dataset,
                 functools.partial(make_batch, self.dataset, self.collate_fn, self.batch_transform),
-                direct,
+                self._worker_way(),
             )
             num_slots = max(self.num_workers * self.prefetch, self.num_workers + 1)
             slot_nbytes = self.slot_nbytes or default_slot_nbytes(self.dataset, self.batch_size)
@@ -233,6 +230,12 @@ class MmapLoader:
                 recipe, self.num_workers, num_slots, slot_nbytes, context, self.pin_memory
             )
         return self._workers
+
+    def _worker_way(self) -> str:
+        """How workers make batches: the fewer steps the batch has, the fewer copies (ring.Recipe)."""
+        if self.collate_fn is not None or self.batch_transform is not None:
+            return BATCH
+        return FIELDS if self.dataset.transform is None else COLLATED
 
     def close(self) -> None:
         """Stop the worker processes (they start again on the next iteration); a no-op without."""

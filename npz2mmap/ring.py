@@ -26,7 +26,7 @@ import traceback
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import parallel
-from .dataset import MmapDataset
+from .dataset import MmapDataset, SampleList, collate
 from .errors import WorkerError
 from .reader import as_raw
 
@@ -184,17 +184,20 @@ def tree_nbytes(tree: Any) -> int:
     return 0
 
 
+# How a worker makes a batch: FIELDS gathers the dataset's fields straight into
+# the slot (no transform, collate_fn or batch_transform); COLLATED stacks the
+# transformed samples into it as the default collate would (a transform, but no
+# collate_fn or batch_transform); BATCH makes the batch, then copies it in.
+FIELDS, COLLATED, BATCH = "fields", "collated", "batch"
+
+
 @dataclass(frozen=True)
 class Recipe:
-    """What a worker needs to make batches: the dataset and the loader's batch function.
-
-    ``direct`` says the batch is the dataset's plain fields (no transform, no
-    collate, no batch transform), which a worker gathers straight into the slot.
-    """
+    """What a worker needs to make batches: the dataset, the loader's batch function, the way."""
 
     dataset: MmapDataset
     make_batch: Callable[[np.ndarray], Any]
-    direct: bool
+    way: str
 
 
 def write_fields_direct(dataset: MmapDataset, writer: SlotWriter, indices: np.ndarray) -> Any:
@@ -225,6 +228,35 @@ def write_fields_direct(dataset: MmapDataset, writer: SlotWriter, indices: np.nd
             reader.gather(name, idx, out=target)
             out[name] = leaf
     return out[dataset.fields[0]] if dataset.single else out
+
+
+def write_collated(samples: Sequence[Any], writer: SlotWriter) -> Any:
+    """Transformed samples collated as ``npz2mmap.collate`` does, each stacked straight into the slot.
+
+    A field whose values are arrays of one shape and dtype is stacked there
+    with no intermediate tensor; anything else is collated by ``collate`` and
+    then copied in. Raises SlotFull when the slot is too small.
+    """
+    if not isinstance(samples, SampleList) or not samples or not isinstance(samples[0], dict):
+        return writer.write(collate(samples))
+    out = {}
+    for name in samples[0]:
+        values = [sample[name] for sample in samples]
+        if name not in samples.ragged and _stackable(values):
+            leaf, target = _place_array(writer, values[0].dtype, (len(values), *values[0].shape))
+            np.stack(values, out=target)
+            out[name] = leaf
+        else:
+            out[name] = writer.write(collate(SampleList([{name: v} for v in values], samples.ragged))[name])
+    return out
+
+
+def _stackable(values: list[Any]) -> bool:
+    """Plain numpy arrays of one shape and of one dtype that torch has (which collate would stack)."""
+    first = values[0]
+    if type(first) is not np.ndarray or not first.dtype.isnative or torch_dtype_of(first.dtype) is None:
+        return False
+    return all(type(v) is np.ndarray and v.shape == first.shape and v.dtype == first.dtype for v in values)
 
 
 def _place_array(writer: SlotWriter, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[Leaf, np.ndarray]:
@@ -277,14 +309,24 @@ def _make_into_slot(
     """One batch's reply: ("slot", tree), ("pickled", nbytes, batch) or ("error", exception, traceback)."""
     try:
         writer = SlotWriter(ring, slot)
-        try:
-            if recipe.direct:
+        if recipe.way == FIELDS:
+            try:
                 return ("slot", number, write_fields_direct(recipe.dataset, writer, indices))
+            except SlotFull:
+                batch = recipe.make_batch(indices)
+        elif recipe.way == COLLATED:
+            samples = recipe.dataset.__getitems__(indices)
+            try:
+                return ("slot", number, write_collated(samples, writer))
+            except SlotFull:
+                batch = collate(samples)
+        else:
             batch = recipe.make_batch(indices)
-            return ("slot", number, writer.write(batch))
-        except SlotFull:
-            batch = recipe.make_batch(indices)
-            return ("pickled", number, tree_nbytes(batch), batch)
+            try:
+                return ("slot", number, writer.write(batch))
+            except SlotFull:
+                pass
+        return ("pickled", number, tree_nbytes(batch), batch)
     except Exception as exc:
         return ("error", number, _pickled_or_none(exc), traceback.format_exc())
 

@@ -58,6 +58,19 @@ def flip_and_scale(sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {**sample, "input": sample["input"][:, ::-1] * 2}
 
 
+def with_other_values(sample: dict[str, np.ndarray]) -> dict[str, Any]:
+    """A transform whose values are not all arrays of one shape: each is collated as torch would."""
+    label = int(sample["label"])
+    return {
+        "input": sample["input"].astype(np.float64) if label % 2 else sample["input"].astype(np.float32),
+        "label": sample["label"],
+        "tokens": sample["tokens"],
+        "scale": 0.5 * label,
+        "name": f"s{label}",
+        "pair": (np.arange(3) * label, label),
+    }
+
+
 def add_one_to_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     return {**batch, "input": batch["input"] + 1, "extra": ("kept", 7)}
 
@@ -147,6 +160,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "shuffle": {"shuffle": True, "seed": 5},
     "drop_last": {"shuffle": True, "drop_last": True},
     "transform": {"shuffle": True, "dataset": {"transform": flip_and_scale}},
+    "other_values": {"dataset": {"transform": with_other_values}, "batch_size": 4},
     "batch_transform": {"batch_transform": add_one_to_inputs, "dataset": {"fields": ["input", "label"]}},
     "collate_fn": {"collate_fn": labels_and_inputs},
     "padded": {"collate_fn": PaddedCollate(mask=True), "shuffle": True},
@@ -160,11 +174,15 @@ def test_batches_equal_the_single_process_loader_and_the_sources(
 ) -> None:
     options = dict(CONFIGS[config])
     ds = MmapDataset(dataset_dir / "dataset", **options.pop("dataset", {}))
-    expected = epochs(MmapLoader(ds, 5, prefetch=0, **options))
-    with MmapLoader(ds, 5, num_workers=num_workers, multiprocessing_context="fork", **options) as loader:
+    batch_size = options.pop("batch_size", 5)
+    expected = epochs(MmapLoader(ds, batch_size, prefetch=0, **options))
+    with MmapLoader(
+        ds, batch_size, num_workers=num_workers, multiprocessing_context="fork", **options
+    ) as loader:
         got = epochs(loader)
     assert_same(got, expected)
-    assert len(got[0]) == (NUM_SAMPLES // 5 if config == "drop_last" else -(-NUM_SAMPLES // 5))
+    expected_len = NUM_SAMPLES // batch_size if config == "drop_last" else -(-NUM_SAMPLES // batch_size)
+    assert len(got[0]) == expected_len
     if config in ("shuffle", "drop_last", "transform"):
         assert labels(got[0]) != labels(got[1])
         for batch in got[0]:
