@@ -14,10 +14,10 @@ with the last process that maps it, whatever way they end.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.heap
 import os
 import pickle
 import random
@@ -43,12 +43,15 @@ from .reader import as_raw
 # dtype's view, and no two arrays share a cache line.
 SLOT_ALIGN = 64
 SLOT_SPARE_NBYTES = 1 << 20
+# A dataset with a huge ragged sample would otherwise ask for a huge ring;
+# batches larger than this travel pickled unless slot_nbytes says otherwise.
+MAX_DEFAULT_SLOT_NBYTES = 256 << 20
 STOP_TIMEOUT_S = 5.0
 INDICES_SHOWN = 10
 
 
 def default_slot_nbytes(dataset: MmapDataset, batch_size: int) -> int:
-    """Room for the largest batch the dataset can give untransformed, twice, plus 1 MiB.
+    """Room for the largest batch the dataset can give untransformed, twice, plus 1 MiB (256 MiB at most).
 
     The largest sample of a ragged field comes from its shape table (checked
     whole, once). Twice leaves room for a transform or collate that widens
@@ -58,10 +61,13 @@ def default_slot_nbytes(dataset: MmapDataset, batch_size: int) -> int:
     total = 0
     for name in dataset.fields:
         field = reader.field(name)
-        shapes = reader.shapes(name) if field.shape is None else np.array([field.shape], dtype=np.int64)
-        largest = max((math.prod(int(d) for d in row) for row in shapes), default=0)
+        if field.shape is not None:
+            largest = math.prod(field.shape)
+        else:  # every row is a shape numpy can make (checked), so its product fits an int64
+            shapes = reader.shapes(name)
+            largest = int(shapes.prod(axis=1).max()) if len(shapes) else 0
         total += batch_size * (largest * field.dtype.itemsize + SLOT_ALIGN)
-    return aligned(2 * total + SLOT_SPARE_NBYTES)
+    return aligned(min(2 * total + SLOT_SPARE_NBYTES, MAX_DEFAULT_SLOT_NBYTES))
 
 
 def aligned(nbytes: int) -> int:
@@ -89,32 +95,33 @@ class SlotFull(Exception):
 class Ring:
     """The shared block as slots; both the trainer and the workers view it through this."""
 
-    def __init__(self, block: Any, num_slots: int, slot_nbytes: int) -> None:
-        self.block = block
+    def __init__(self, block: multiprocessing.heap.BufferWrapper, num_slots: int, slot_nbytes: int) -> None:
+        self.block = block  # what workers are given: it pickles as the memory's descriptor
         self.num_slots = num_slots
         self.slot_nbytes = slot_nbytes
-        self.bytes_np = np.frombuffer(block, dtype=np.uint8)
-        self.bytes_torch = torch.frombuffer(block, dtype=torch.uint8)
+        memory = block.create_memoryview()
+        self.bytes_np = np.frombuffer(memory, dtype=np.uint8)
+        self.bytes_torch = torch.frombuffer(memory, dtype=torch.uint8)
 
     @classmethod
-    def allocate(cls, context: BaseContext, num_slots: int, slot_nbytes: int) -> Ring:
-        return cls(context.RawArray(ctypes.c_uint8, num_slots * slot_nbytes), num_slots, slot_nbytes)
+    def allocate(cls, num_slots: int, slot_nbytes: int) -> Ring:
+        """A new block (not touched here: pages are committed as batches are first written)."""
+        return cls(multiprocessing.heap.BufferWrapper(num_slots * slot_nbytes), num_slots, slot_nbytes)
 
     @property
     def nbytes(self) -> int:
         return self.num_slots * self.slot_nbytes
 
     def address(self) -> int:
-        return ctypes.addressof(self.block)
+        return int(self.bytes_np.ctypes.data)
 
     def view(self, slot: int, leaf: Leaf) -> Any:
         """The tensor or array ``leaf`` describes, sharing the slot's memory."""
         start = slot * self.slot_nbytes + leaf.offset
+        end = start + math.prod(leaf.shape) * leaf.dtype.itemsize
         if leaf.tensor:
-            nbytes = math.prod(leaf.shape) * leaf.dtype.itemsize
-            return self.bytes_torch[start : start + nbytes].view(leaf.dtype).view(leaf.shape)
-        nbytes = math.prod(leaf.shape) * leaf.dtype.itemsize
-        return self.bytes_np[start : start + nbytes].view(leaf.dtype).reshape(leaf.shape)
+            return self.bytes_torch[start:end].view(leaf.dtype).view(leaf.shape)
+        return self.bytes_np[start:end].view(leaf.dtype).reshape(leaf.shape)
 
     def materialise(self, slot: int, tree: Any) -> Any:
         """A descriptor tree with every Leaf replaced by its view."""
@@ -359,7 +366,7 @@ class WorkerPool:
         context: BaseContext,
         seed: int,
     ) -> None:
-        self.ring = Ring.allocate(context, num_slots, slot_nbytes)
+        self.ring = Ring.allocate(num_slots, slot_nbytes)
         self.processes: list[Any] = []
         self.conns: list[Any] = []
         with parallel.interrupts_blocked():  # workers start deaf to Ctrl-C, then ignore it
