@@ -402,16 +402,35 @@ def test_resume_skips_batches_without_loading_them_and_restores_sampler_state(da
         resumed.load_state_dict({**state, "seed": 4})
 
 
-def test_a_batch_larger_than_its_slot_goes_pickled_with_one_warning(dataset_dir) -> None:
-    ds = MmapDataset(dataset_dir / "dataset")
-    expected = epochs(MmapLoader(ds, 5, prefetch=0), count=1)
+@pytest.mark.parametrize("way", [{}, {"transform": flip_and_scale}, {"collate": True}])
+def test_a_batch_larger_than_its_slot_goes_pickled_with_one_warning(dataset_dir, way) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", transform=way.get("transform"))
+    options = {"collate_fn": labels_and_inputs} if way.get("collate") else {}
+    expected = epochs(MmapLoader(ds, 5, prefetch=0, **options), count=1)
     with pytest.warns(
         RuntimeWarning, match="more than a ring slot's 128; .* pass a larger slot_nbytes"
     ) as caught:
-        with MmapLoader(ds, 5, num_workers=1, slot_nbytes=128, multiprocessing_context="fork") as loader:
+        with MmapLoader(
+            ds, 5, num_workers=1, slot_nbytes=128, multiprocessing_context="fork", **options
+        ) as loader:
             got = epochs(loader, count=1)
     assert_same(got, expected)
     assert len([w for w in caught if "ring slot" in str(w.message)]) == 1
+
+
+def test_a_bad_index_of_the_order_is_raised_in_its_turn(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+    order = [0, 1, 2, 3, 4, 5, NUM_SAMPLES, 6]
+    for num_workers in (0, 2):
+        loader = MmapLoader(ds, 2, sampler=order, num_workers=num_workers, multiprocessing_context="fork")
+        yielded = []
+        with pytest.raises(
+            IndexError, match=f"sample index {NUM_SAMPLES} is out of range for {NUM_SAMPLES} samples"
+        ):
+            for batch in loader:
+                yielded.append(batch.tolist())
+        assert yielded == [[0, 1], [2, 3], [4, 5]]
+        loader.close()
 
 
 def test_the_default_slot_holds_twice_the_largest_batch(dataset_dir) -> None:
