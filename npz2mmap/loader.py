@@ -355,7 +355,7 @@ class _Position:
             raise ValueError(f"loader state has seed {seed}, this loader has seed {loader.seed}")
         if batches_yielded < 0:
             raise ValueError(f"loader state: batches_yielded {batches_yielded} is negative")
-        loader.set_epoch(epoch)
+        loader.epoch = epoch  # samplers keep their own: in their state, or from the caller's set_epoch
         for key, sampler in _samplers(loader):
             if key in state and hasattr(sampler, "load_state_dict"):
                 sampler.load_state_dict(state[key])
