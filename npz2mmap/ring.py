@@ -22,6 +22,7 @@ import os
 import pickle
 import random
 import signal
+import struct
 import traceback
 import warnings
 import weakref
@@ -48,6 +49,8 @@ SLOT_SPARE_NBYTES = 1 << 20
 MAX_DEFAULT_SLOT_NBYTES = 256 << 20
 STOP_TIMEOUT_S = 5.0
 INDICES_SHOWN = 10
+# A task is its batch number and slot, then the batch's sample indices (int64); empty: stop.
+TASK_HEADER = struct.Struct("<qq")
 
 
 def default_slot_nbytes(dataset: MmapDataset, batch_size: int) -> int:
@@ -292,12 +295,13 @@ def worker_main(
     ring = Ring(block, num_slots, slot_nbytes)
     while True:
         try:
-            task = pickle.loads(conn.recv_bytes())
+            task = conn.recv_bytes()
         except EOFError:
             return
-        if task is None:
+        if not task:
             return
-        number, slot, indices = task
+        number, slot = TASK_HEADER.unpack_from(task)
+        indices = np.frombuffer(task, dtype="<i8", offset=TASK_HEADER.size)
         conn.send_bytes(
             pickle.dumps(_make_into_slot(recipe, ring, slot, number, indices), pickle.HIGHEST_PROTOCOL)
         )
@@ -399,7 +403,7 @@ class WorkerPool:
 
     def send(self, worker: int, number: int, slot: int, indices: np.ndarray) -> None:
         try:
-            self.conns[worker].send_bytes(pickle.dumps((number, slot, indices), pickle.HIGHEST_PROTOCOL))
+            self.conns[worker].send_bytes(TASK_HEADER.pack(number, slot) + indices.astype("<i8").tobytes())
         except OSError:  # a dead worker's pipe
             self.raise_if_dead(number)
             raise
@@ -409,8 +413,8 @@ class WorkerPool:
         conn = self.conns[worker]
         sentinels = [process.sentinel for process in self.processes]
         while True:
-            ready = multiprocessing.connection.wait([conn, *sentinels])
-            if conn in ready:
+            # A reply already there needs no wait (most of them, when the workers run ahead).
+            if conn.poll() or conn in multiprocessing.connection.wait([conn, *sentinels]):
                 try:
                     reply = pickle.loads(conn.recv_bytes())
                     if reply[1] != number:  # replies come in the order tasks went: anything else is a bug
@@ -440,7 +444,7 @@ class WorkerPool:
         """Ask every worker to stop, wait a little, then kill whatever is left."""
         for conn in self.conns:
             try:
-                conn.send_bytes(pickle.dumps(None))
+                conn.send_bytes(b"")
             except OSError:
                 pass
         for process in self.processes:
