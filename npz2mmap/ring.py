@@ -373,29 +373,32 @@ class WorkerPool:
         self.ring = Ring.allocate(num_slots, slot_nbytes)
         self.processes: list[Any] = []
         self.conns: list[Any] = []
-        with parallel.interrupts_blocked():  # workers start deaf to Ctrl-C, then ignore it
-            for worker_id in range(num_workers):
-                ours, theirs = context.Pipe(duplex=True)
-                process = context.Process(  # type: ignore[attr-defined]
-                    target=worker_main,
-                    args=(
-                        worker_id,
-                        theirs,
-                        self.ring.block,
-                        num_slots,
-                        slot_nbytes,
-                        recipe,
-                        seed + worker_id,
-                    ),
-                    name=f"npz2mmap-loader-{worker_id}",
-                    daemon=True,
-                )
-                self.processes.append(process)
-                self.conns.append(ours)
-                try:
-                    process.start()
-                finally:
-                    theirs.close()
+        try:
+            with parallel.interrupts_blocked():  # workers start deaf to Ctrl-C, then ignore it
+                for worker_id in range(num_workers):
+                    args = (worker_id, self.ring.block, num_slots, slot_nbytes, recipe, seed + worker_id)
+                    self._start(context, worker_id, args)
+        except BaseException:  # e.g. a transform that spawn cannot pickle: stop those started
+            self.close()
+            raise
+
+    def _start(self, context: BaseContext, worker_id: int, args: tuple[Any, ...]) -> None:
+        ours, theirs = context.Pipe(duplex=True)
+        process = context.Process(  # type: ignore[attr-defined]
+            target=worker_main,
+            args=(args[0], theirs, *args[1:]),
+            name=f"npz2mmap-loader-{worker_id}",
+            daemon=True,
+        )
+        try:
+            process.start()
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.processes.append(process)
+        self.conns.append(ours)
 
     @property
     def num_workers(self) -> int:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -573,3 +575,33 @@ def test_leaving_a_pass_early_lets_the_next_pass_start_clean(dataset_dir) -> Non
             next(iter(loader))
         assert loader.state_dict()["batches_yielded"] == 1  # the refused pass changed nothing
         assert [b.tolist() for b in first] == expected[1:]
+
+
+def test_a_transform_spawn_cannot_pickle_is_refused_and_leaves_no_worker(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", transform=lambda sample: sample)
+    loader = MmapLoader(ds, 4, num_workers=2, multiprocessing_context="spawn")
+    children = set(multiprocessing.active_children())
+    with pytest.raises((AttributeError, pickle.PicklingError), match="pickle"):
+        next(iter(loader))
+    assert loader._workers is None and set(multiprocessing.active_children()) == children
+    loader.close()
+
+
+def test_a_worker_that_cannot_start_stops_those_started(dataset_dir, monkeypatch) -> None:
+    fork_process = multiprocessing.get_context("fork").Process
+    started = []
+
+    def start_once(self) -> None:  # type: ignore[no-untyped-def]
+        if started:
+            raise OSError(11, "Resource temporarily unavailable")
+        multiprocessing.process.BaseProcess.start(self)
+        started.append(self)
+
+    monkeypatch.setattr(fork_process, "start", start_once)
+    loader = MmapLoader(
+        MmapDataset(dataset_dir / "dataset"), 4, num_workers=2, multiprocessing_context="fork"
+    )
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        next(iter(loader))
+    assert len(started) == 1 and started[0].exitcode is not None
+    assert loader._workers is None
