@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -408,8 +408,7 @@ class WorkerPool:
         try:
             self.conns[worker].send_bytes(TASK_HEADER.pack(number, slot) + indices.astype("<i8").tobytes())
         except OSError:  # a dead worker's pipe
-            self.raise_if_dead(number)
-            raise
+            self._raise_gone(worker, number)
 
     def receive(self, worker: int, number: int) -> tuple[Any, ...]:
         """The reply for batch ``number`` from ``worker``; WorkerError at once if any worker has died."""
@@ -417,7 +416,8 @@ class WorkerPool:
         sentinels = [process.sentinel for process in self.processes]
         while True:
             # A reply already there needs no wait (most of them, when the workers run ahead).
-            if conn.poll() or conn in multiprocessing.connection.wait([conn, *sentinels]):
+            ready = [] if conn.poll() else multiprocessing.connection.wait([conn, *sentinels])
+            if not ready or conn in ready:
                 try:
                     reply = pickle.loads(conn.recv_bytes())
                     if reply[1] != number:  # replies come in the order tasks went: anything else is a bug
@@ -425,13 +425,18 @@ class WorkerPool:
                             f"MmapLoader worker {worker} answered batch {reply[1]}, not {number}"
                         )
                     return reply  # type: ignore[no-any-return]
-                except (EOFError, OSError):  # the worker is gone: its exit code tells how
-                    multiprocessing.connection.wait([self.processes[worker].sentinel], STOP_TIMEOUT_S)
-                    self.raise_if_dead(number)
-                    raise WorkerError(
-                        f"MmapLoader worker {worker} closed its pipe while batch {number} was being loaded"
-                    ) from None
+                except (EOFError, OSError):
+                    self._raise_gone(worker, number)
+            for process in self.processes:
+                if process.sentinel in ready:
+                    process.join(STOP_TIMEOUT_S)  # reaped, so its exit code is known
             self.raise_if_dead(number)
+
+    def _raise_gone(self, worker: int, number: int) -> NoReturn:
+        """The worker's pipe broke: it is gone, and its exit code (once the kernel has it) tells how."""
+        self.processes[worker].join(STOP_TIMEOUT_S)
+        self.raise_if_dead(number)
+        raise WorkerError(f"MmapLoader worker {worker} closed its pipe while batch {number} was being loaded")
 
     def raise_if_dead(self, number: int) -> None:
         for worker, process in enumerate(self.processes):
