@@ -26,7 +26,16 @@ from numpy.typing import NDArray
 from .dataset import MmapDataset, as_tensors, collate
 from .parts import PartsReader
 from .reader import normalise_indices
-from .ring import BATCH, COLLATED, FIELDS, Recipe, RingWorkers, default_slot_nbytes, resolve_context
+from .ring import (
+    BATCH,
+    COLLATED,
+    FIELDS,
+    Recipe,
+    RingWorkers,
+    default_slot_nbytes,
+    resolve_context,
+    torch_dtype,
+)
 from .samplers import _state_int
 
 _END = object()
@@ -297,15 +306,6 @@ def _gather(reader: PartsReader, name: str, indices: np.ndarray, pin_memory: boo
     tensor = torch.empty((len(indices), *field.shape), dtype=dtype, pin_memory=pin_memory)
     reader.gather(name, indices, out=tensor.numpy())
     return tensor
-
-
-@functools.cache
-def torch_dtype(dtype: np.dtype) -> torch.dtype | None:
-    """The torch dtype of a numpy dtype, or None where torch has none (looked up once per dtype)."""
-    try:
-        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    except TypeError:
-        return None
 
 
 class _Position:

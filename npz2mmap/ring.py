@@ -14,6 +14,7 @@ with the last process that maps it, whatever way they end.
 
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -264,7 +265,7 @@ def write_collated(samples: Sequence[Any], writer: SlotWriter) -> Any:
 def _stackable(values: list[Any]) -> bool:
     """Plain numpy arrays of one shape and of one dtype that torch has (which collate would stack)."""
     first = values[0]
-    if type(first) is not np.ndarray or not first.dtype.isnative or torch_dtype_of(first.dtype) is None:
+    if type(first) is not np.ndarray or not first.dtype.isnative or torch_dtype(first.dtype) is None:
         return False
     return all(type(v) is np.ndarray and v.shape == first.shape and v.dtype == first.dtype for v in values)
 
@@ -272,16 +273,18 @@ def _stackable(values: list[Any]) -> bool:
 def _place_array(writer: SlotWriter, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[Leaf, np.ndarray]:
     """A numpy target in the slot; its leaf is read back as a tensor where torch has the dtype."""
     leaf, target = writer.place(dtype, shape, False)
-    tensor_dtype = torch_dtype_of(dtype)
+    tensor_dtype = torch_dtype(dtype)
     if tensor_dtype is not None:
         leaf = Leaf(leaf.offset, tensor_dtype, leaf.shape, True)
     return leaf, target
 
 
-def torch_dtype_of(dtype: np.dtype) -> torch.dtype | None:
+@functools.cache
+def torch_dtype(dtype: np.dtype) -> torch.dtype | None:
+    """The torch dtype of a numpy dtype, or None where torch has none (looked up once per dtype)."""
     try:
         return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    except TypeError:
+    except (TypeError, ValueError):  # ValueError: a byte order torch does not read
         return None
 
 
