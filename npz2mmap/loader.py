@@ -66,7 +66,8 @@ class MmapLoader:
     batches into a shared ring of ``max(N * prefetch, N + 1)`` slots of
     ``slot_nbytes`` each; the batches yielded are **views of the ring**: a
     batch stays valid until the next batch is requested (``.clone()`` what
-    you keep longer). See ring.py.
+    you keep longer); ``pin_memory`` page-locks the ring. See ring.py.
+    ``state_dict`` / ``load_state_dict`` resume a pass mid-way, with or without workers.
     """
 
     def __init__(
