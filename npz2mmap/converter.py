@@ -396,11 +396,10 @@ class _Copy:
     def run(
         self, sources: list[str], skipped: list[tuple[str, str]], part: tuple[int, int] | None
     ) -> tuple[Plan, Index]:
-        position = {path: k for k, path in enumerate(sources)}
         while True:
             crc32s, failed = self._copy_samples()
             if not failed:
-                skipped.sort(key=lambda item: position[item[0]])  # input order, as parts merge them
+                sort_in_input_order(skipped, sources)  # as parts merge them
                 return self.plan, writer.finish_dataset(self.staging, self.plan, crc32s, skipped, part)
             skipped.extend((self.plan.sources[k], reason) for k, reason in failed)
             kept = np.ones(len(self.plan.sources), dtype=bool)
@@ -427,6 +426,19 @@ class _Copy:
             failed.extend(result.failures)
             self.progress.advance(result.num_files, result.nbytes)
         return crc32s, failed
+
+
+def sort_in_input_order(skipped: list[tuple[str, str]], sources: Sequence[str]) -> None:
+    """Sort (path, reason) pairs by where their paths come in ``sources``.
+
+    Positions are kept for the skipped paths alone: a dict of every source
+    would cost a million files ~100 MB.
+    """
+    if not skipped:
+        return
+    wanted = {path for path, _ in skipped}
+    position = {path: k for k, path in enumerate(sources) if path in wanted}
+    skipped.sort(key=lambda item: position[item[0]])
 
 
 def _copy_batch(blob_path: str, skip_bad: bool, task: writer.BatchTask) -> writer.BatchResult:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Sequence as SequenceABC
 from typing import Any, overload
 
@@ -22,6 +22,7 @@ from torch.utils.data._utils.collate import collate as torch_collate
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from .parts import Parts, PartsReader
+from .ragged import RaggedRows
 from .reader import ADVICE, copy_bytes
 
 
@@ -115,9 +116,13 @@ class MmapDataset(Dataset[Any]):
             samples = [mark_transformed(self[i], self.ragged_fields, single) for i in indices]
             return SampleList(samples, self.ragged_fields, single)
         reader = self.reader
-        arrays = {name: reader.gather(name, indices) for name in self.fields}
+        idx = reader.sample_indices(indices)
+        fields = {
+            name: reader.ragged_rows(name, idx) if name in self.ragged_fields else reader.gather(name, idx)
+            for name in self.fields
+        }
         single = self.fields[0] if self.single else None
-        return GatheredBatch(arrays, single, len(indices), self.ragged_fields)
+        return GatheredBatch(fields, single, len(idx), self.ragged_fields)
 
     def lengths(self, field: str) -> np.ndarray:
         """Per-sample lengths of a field (int64 (N,) for 1-d samples, shapes (N, ndim) otherwise).
@@ -143,20 +148,49 @@ class GatheredBatch(SequenceABC[Any]):
     """Samples gathered field by field: ``arrays[field]`` holds the whole batch.
 
     Indexing gives per-sample views, so torch's default collate still works;
-    ``collate`` uses ``arrays`` directly.
+    ``collate`` uses ``arrays`` directly. A ragged field may come located but
+    not yet read (RaggedRows): ``PaddedCollate`` pads it straight from the
+    mapping, and anything else reading the field gets its per-sample copies,
+    made once, on first use. Pickling sends the copies, never the mapping.
     """
 
     def __init__(
         self,
-        arrays: dict[str, np.ndarray | list[np.ndarray]],
+        arrays: Mapping[str, np.ndarray | list[np.ndarray] | RaggedRows],
         single: str | None,
         length: int,
         ragged: frozenset[str] = frozenset(),
     ) -> None:
-        self.arrays = arrays
+        self._fields = dict(arrays)
         self.single = single
         self.length = length
         self.ragged = ragged
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray | list[np.ndarray]]:
+        """Every field: one array for a fixed field, a list of per-sample arrays for a ragged one."""
+        return {name: self.field(name) for name in self._fields}
+
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        return tuple(self._fields)
+
+    def field(self, name: str) -> np.ndarray | list[np.ndarray]:
+        """One field of the batch (see ``arrays``), read from the mapping now if it was only located."""
+        value = self._fields[name]
+        if isinstance(value, RaggedRows):
+            value = self._fields[name] = value.copies()
+        return value
+
+    def ragged_rows(self, name: str) -> RaggedRows | None:
+        """The field's samples as located in the mapping, if not read yet (see RaggedRows)."""
+        value = self._fields[name]
+        return value if isinstance(value, RaggedRows) else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_fields"] = self.arrays
+        return state
 
     def __len__(self) -> int:
         return self.length
@@ -172,11 +206,11 @@ class GatheredBatch(SequenceABC[Any]):
             return [self[k] for k in range(*j.indices(self.length))]
         if self.single is not None:
             return self._sample(self.single, j)
-        return {name: self._sample(name, j) for name in self.arrays}
+        return {name: self._sample(name, j) for name in self._fields}
 
     def _sample(self, name: str, j: int) -> np.ndarray:
         """One sample's array; a ragged field's is marked so torch's default collate lists it."""
-        array = self.arrays[name][j]
+        array = self.field(name)[j]
         return array.view(RaggedSample) if name in self.ragged else array
 
 

@@ -19,3 +19,7 @@ class FormatError(Npz2mmapError):
 
 class OutputError(Npz2mmapError):
     """The output location cannot be written as asked (exists, inside an input, ...)."""
+
+
+class WorkerError(Npz2mmapError, RuntimeError):
+    """A loader's worker process failed or died; the message names the worker and the batch."""

@@ -71,14 +71,19 @@ def open_regular(path: str) -> int:
     of the path) is refused instead of hanging or reading without end.
     Raises OSError from open(2), NotRegularFile naming what was found.
     """
+    return open_regular_sized(path)[0]
+
+
+def open_regular_sized(path: str) -> tuple[int, int]:
+    """open_regular's descriptor and the file's size, from the fstat that checked its type."""
     fd = os.open(path, _READ_FLAGS)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotRegularFile(f"{_file_type(mode)}, not a regular file")
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise NotRegularFile(f"{_file_type(status.st_mode)}, not a regular file")
         if _NONBLOCK and hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
-        return fd
+        return fd, status.st_size
     except BaseException:
         os.close(fd)
         raise

@@ -1,10 +1,12 @@
-"""MmapLoader: batches gathered straight from the mapping by a background thread.
+"""MmapLoader: batches gathered straight from the mapping, by a thread or by worker processes.
 
 A memory-mapped read needs no decoding, so DataLoader's worker processes add
-only their cost (pickling every batch through a pipe). This loader gathers
-each batch in one copy per field from the page cache into the output tensor,
-in a thread that runs ahead of the training loop (numpy copies release the
-GIL), and needs no worker processes at all.
+mostly their cost (every batch handed over through a new shared-memory
+segment). This loader gathers each batch in one copy per field from the page
+cache into the output tensor, in the training process (or a thread running
+ahead of it: numpy copies release the GIL); with ``num_workers``, worker
+processes run transforms in parallel and write batches into a shared ring
+that the trainer reads without a copy (ring.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from multiprocessing.context import BaseContext
 from typing import Any
 
 import numpy as np
@@ -23,6 +26,17 @@ from numpy.typing import NDArray
 from .dataset import MmapDataset, as_tensors, collate
 from .parts import PartsReader
 from .reader import normalise_indices
+from .ring import (
+    BATCH,
+    COLLATED,
+    FIELDS,
+    Recipe,
+    RingWorkers,
+    default_slot_nbytes,
+    resolve_context,
+    torch_dtype,
+)
+from .samplers import _state_int
 
 _END = object()
 
@@ -33,17 +47,27 @@ class _Failed:
 
 
 class MmapLoader:
-    """Iterate an MmapDataset in batches of torch tensors, without worker processes.
+    """Iterate an MmapDataset in batches of torch tensors, without or with worker processes.
 
     ``shuffle`` draws a new order each epoch from ``seed`` and the epoch
     (``set_epoch`` fixes it, as with DistributedSampler); ``sampler`` (any
     iterable of indices, e.g. a DistributedSampler or BlockShuffleSampler)
     replaces both, and ``batch_sampler`` (e.g. LengthGroupedSampler) replaces
     the batching too. ``collate_fn`` (e.g. PaddedCollate) turns each gathered
-    batch into the output instead. ``prefetch`` batches are prepared ahead by a background
+    batch into the output instead, and ``batch_transform`` then maps each batch.
+
+    With ``num_workers=0``, ``prefetch`` batches are prepared ahead by a background
     thread; with 0 there is no thread and each batch is gathered when asked
     for (fastest when nothing else runs between batches). ``pin_memory``
-    gathers into page-locked tensors where CUDA is available (ignored otherwise).
+    gathers into page-locked memory where CUDA is available (ignored otherwise).
+
+    With ``num_workers=N``, N processes (started on first iteration with
+    ``multiprocessing_context``, kept across epochs until ``close()``) write
+    batches into a shared ring of ``max(N * prefetch, N + 1)`` slots of
+    ``slot_nbytes`` each; the batches yielded are **views of the ring**: a
+    batch stays valid until the next batch is requested (``.clone()`` what
+    you keep longer); ``pin_memory`` page-locks the ring. See ring.py.
+    ``state_dict`` / ``load_state_dict`` resume a pass mid-way, with or without workers.
     """
 
     def __init__(
@@ -59,22 +83,37 @@ class MmapLoader:
         prefetch: int = 2,
         pin_memory: bool = False,
         seed: int = 0,
+        num_workers: int = 0,
+        batch_transform: Callable[[Any], Any] | None = None,
+        multiprocessing_context: BaseContext | str | None = None,
+        slot_nbytes: int | None = None,
     ) -> None:
-        if batch_size < 1 or prefetch < 0:
-            raise ValueError("batch_size must be at least 1 and prefetch at least 0")
+        if batch_size < 1 or prefetch < 0 or num_workers < 0:
+            raise ValueError("batch_size must be at least 1, prefetch and num_workers at least 0")
+        if slot_nbytes is not None and slot_nbytes < 1:
+            raise ValueError(f"slot_nbytes must be at least 1, got {slot_nbytes}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.sampler = sampler
         self.batch_sampler = batch_sampler
         self.collate_fn = collate_fn
+        self.batch_transform = batch_transform
         self.drop_last = drop_last
         self.prefetch = prefetch
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self.seed = seed
         self.epoch = 0
+        self.num_workers = num_workers
+        self.multiprocessing_context = multiprocessing_context
+        self.slot_nbytes = slot_nbytes
+        self._workers: RingWorkers | None = None
+        self._position = _Position()
 
     def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch (for the shuffle and the samplers'); another epoch drops a pending resume."""
+        if epoch != self.epoch:
+            self._position.resume_at, self._position.loaded = 0, None
         self.epoch = epoch
         for sampler in (self.sampler, self.batch_sampler):
             set_sampler_epoch = getattr(sampler, "set_epoch", None)
@@ -95,7 +134,9 @@ class MmapLoader:
         """
         num_samples = len(self.dataset)
         if self.batch_sampler is not None:
-            yield from (normalise_indices(batch, num_samples) for batch in self.batch_sampler)
+            batches = iter(self.batch_sampler)
+            self._position.note_sampler_states(self)
+            yield from (normalise_indices(batch, num_samples) for batch in batches)
             return
         for batch in self._batches_of_order(num_samples):
             if self.drop_last and len(batch) < self.batch_size:
@@ -106,6 +147,7 @@ class MmapLoader:
         """This epoch's order cut into batch-sized pieces, the last one maybe shorter."""
         if self.sampler is not None:
             indices = iter(self.sampler)
+            self._position.note_sampler_states(self)
             while batch := list(itertools.islice(indices, self.batch_size)):
                 yield batch
             return
@@ -117,19 +159,34 @@ class MmapLoader:
             yield order[start : start + self.batch_size]
 
     def __iter__(self) -> Iterator[Any]:
+        if self._workers is not None and self._workers.busy:  # one ring, so one pass at a time
+            raise RuntimeError(
+                "MmapLoader with workers runs one pass at a time: finish or close the other iterator first"
+            )
+        position = self._position
+        skip = position.start(self.epoch)
+        # Batches already yielded before a resume are skipped as indices, never loaded.
+        indices = itertools.islice(self.index_batches(), skip, None)
+        if self.num_workers > 0:
+            batches = self._from_workers(indices)
+        elif self.prefetch == 0:
+            batches = (self.load(batch) for batch in indices)
+        else:
+            batches = self._prefetched(indices)
         try:
-            if self.prefetch == 0:
-                yield from (self.load(indices) for indices in self.index_batches())
-            else:
-                yield from self._prefetched()
+            for batch in batches:
+                position.batches_yielded += 1
+                yield batch
+            position.finish()
         finally:
+            batches.close()  # type: ignore[attr-defined]
             if self.sampler is None and self.batch_sampler is None and self.shuffle:
                 self.epoch += 1
 
-    def _prefetched(self) -> Iterator[Any]:
+    def _prefetched(self, indices: Iterator[NDArray[np.int64]]) -> Iterator[Any]:
         batches: queue.Queue[Any] = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
-        thread = threading.Thread(target=self._produce, args=(batches, stop), daemon=True)
+        thread = threading.Thread(target=self._produce, args=(indices, batches, stop), daemon=True)
         thread.start()
         try:
             while (item := batches.get()) is not _END:
@@ -145,42 +202,170 @@ class MmapLoader:
                     pass
             thread.join()
 
-    def _produce(self, batches: queue.Queue[Any], stop: threading.Event) -> None:
+    def _produce(
+        self, indices: Iterator[NDArray[np.int64]], batches: queue.Queue[Any], stop: threading.Event
+    ) -> None:
         try:
-            for indices in self.index_batches():
+            for batch in indices:
                 if stop.is_set():
                     return
-                batches.put(self.load(indices))
+                batches.put(self.load(batch))
             batches.put(_END)
         except BaseException as exc:  # handed to the consuming thread, which re-raises it
             batches.put(_Failed(exc))
 
     def load(self, indices: np.ndarray) -> Any:
-        """One batch: each fixed field gathered straight into its output tensor."""
-        if self.collate_fn is not None:
-            return self.collate_fn(self.dataset.__getitems__(indices))
-        if self.dataset.transform is not None:
-            return collate(self.dataset.__getitems__(indices))
-        reader = self.dataset.reader
-        out = {name: self._gather(reader, name, indices) for name in self.dataset.fields}
-        return out[self.dataset.fields[0]] if self.dataset.single else out
+        """One batch, in this process: each fixed field gathered straight into its output tensor."""
+        return make_batch(self.dataset, self.collate_fn, self.batch_transform, indices, self.pin_memory)
 
-    def _gather(self, reader: PartsReader, name: str, indices: np.ndarray) -> Any:
-        field = reader.field(name)
-        if field.shape is None:
-            return as_tensors(reader.gather(name, indices))
-        dtype = torch_dtype(field.dtype)
-        if dtype is None:
-            return reader.gather(name, indices)  # a dtype torch lacks stays numpy
-        tensor = torch.empty((len(indices), *field.shape), dtype=dtype, pin_memory=self.pin_memory)
-        reader.gather(name, indices, out=tensor.numpy())
-        return tensor
+    def _from_workers(self, indices: Iterator[NDArray[np.int64]]) -> Iterator[Any]:
+        workers = self._start_workers()
+        try:
+            yield from workers.batches(indices, self._position.batches_yielded)
+        finally:
+            if workers.closed:  # a dead worker or Ctrl-C stopped them; the next pass starts new ones
+                self._workers = None
+
+    def _start_workers(self) -> RingWorkers:
+        if self._workers is None:
+            recipe = Recipe(
+                self.dataset,
+                functools.partial(make_batch, self.dataset, self.collate_fn, self.batch_transform),
+                self._worker_way(),
+            )
+            num_slots = max(self.num_workers * self.prefetch, self.num_workers + 1)
+            slot_nbytes = self.slot_nbytes or default_slot_nbytes(self.dataset, self.batch_size)
+            context = resolve_context(self.multiprocessing_context)
+            self._workers = RingWorkers(
+                recipe, self.num_workers, num_slots, slot_nbytes, context, self.pin_memory
+            )
+        return self._workers
+
+    def _worker_way(self) -> str:
+        """How workers make batches: the fewer steps the batch has, the fewer copies (ring.Recipe)."""
+        if self.collate_fn is not None or self.batch_transform is not None:
+            return BATCH
+        return FIELDS if self.dataset.transform is None else COLLATED
+
+    def close(self) -> None:
+        """Stop the worker processes (they start again on the next iteration); a no-op without."""
+        workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.close()
+
+    def __enter__(self) -> MmapLoader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where iteration stands: epoch, seed and batches yielded of the current pass.
+
+        Taken inside the loop (or after leaving it early), ``load_state_dict``
+        of it makes the next pass yield exactly the batches after the last one
+        yielded; taken between passes, the next pass starts its epoch from the
+        beginning. Samplers with a ``state_dict`` are saved as they stood when
+        the pass began.
+        """
+        return self._position.state(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a state_dict: the next pass skips the batches already yielded, loading none.
+
+        Raises ValueError for a state this loader did not write, or another seed.
+        """
+        self._position.load(self, state)
 
 
-@functools.cache
-def torch_dtype(dtype: np.dtype) -> torch.dtype | None:
-    """The torch dtype of a numpy dtype, or None where torch has none (looked up once per dtype)."""
-    try:
-        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    except TypeError:
-        return None
+def make_batch(
+    dataset: MmapDataset,
+    collate_fn: Callable[[Any], Any] | None,
+    batch_transform: Callable[[Any], Any] | None,
+    indices: np.ndarray,
+    pin_memory: bool = False,
+) -> Any:
+    """One batch as MmapLoader gives it, in whichever process runs it (the trainer or a worker)."""
+    if collate_fn is not None:
+        batch = collate_fn(dataset.__getitems__(indices))
+    elif dataset.transform is not None:
+        batch = collate(dataset.__getitems__(indices))
+    else:
+        reader = dataset.reader
+        out = {name: _gather(reader, name, indices, pin_memory) for name in dataset.fields}
+        batch = out[dataset.fields[0]] if dataset.single else out
+    return batch_transform(batch) if batch_transform is not None else batch
+
+
+def _gather(reader: PartsReader, name: str, indices: np.ndarray, pin_memory: bool) -> Any:
+    field = reader.field(name)
+    if field.shape is None:
+        return as_tensors(reader.gather(name, indices))
+    dtype = torch_dtype(field.dtype)
+    if dtype is None:
+        return reader.gather(name, indices)  # a dtype torch lacks stays numpy
+    tensor = torch.empty((len(indices), *field.shape), dtype=dtype, pin_memory=pin_memory)
+    reader.gather(name, indices, out=tensor.numpy())
+    return tensor
+
+
+class _Position:
+    """Where the loader stands in its current pass, for state_dict and resuming."""
+
+    def __init__(self) -> None:
+        self.pass_epoch: int | None = None  # None: no pass begun and left unfinished
+        self.batches_yielded = 0
+        self.sampler_states: dict[str, Any] = {}
+        self.resume_at = 0
+        self.loaded: dict[str, Any] | None = None
+
+    def start(self, epoch: int) -> int:
+        """Begin a pass; return how many batches it skips (those a loaded state had yielded)."""
+        skip, self.resume_at, self.loaded = self.resume_at, 0, None
+        self.pass_epoch, self.batches_yielded, self.sampler_states = epoch, skip, {}
+        return skip
+
+    def finish(self) -> None:
+        self.pass_epoch, self.batches_yielded = None, 0
+
+    def note_sampler_states(self, loader: MmapLoader) -> None:
+        """The samplers' states as this pass begins (they have just been iterated from the start)."""
+        for key, sampler in _samplers(loader):
+            if hasattr(sampler, "state_dict"):
+                self.sampler_states[key] = sampler.state_dict()
+
+    def state(self, loader: MmapLoader) -> dict[str, Any]:
+        if self.loaded is not None:
+            return dict(self.loaded)
+        if self.pass_epoch is None:
+            return {"epoch": loader.epoch, "seed": loader.seed, "batches_yielded": 0}
+        return {
+            "epoch": self.pass_epoch,
+            "seed": loader.seed,
+            "batches_yielded": self.batches_yielded,
+            **self.sampler_states,
+        }
+
+    def load(self, loader: MmapLoader, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict):
+            raise ValueError(f"loader state must be a dict, not {type(state).__name__}")
+        epoch, seed, batches_yielded = (
+            _state_int(state, key) for key in ("epoch", "seed", "batches_yielded")
+        )
+        if seed != loader.seed:
+            raise ValueError(f"loader state has seed {seed}, this loader has seed {loader.seed}")
+        if batches_yielded < 0:
+            raise ValueError(f"loader state: batches_yielded {batches_yielded} is negative")
+        loader.epoch = epoch  # samplers keep their own: in their state, or from the caller's set_epoch
+        for key, sampler in _samplers(loader):
+            if key in state and hasattr(sampler, "load_state_dict"):
+                sampler.load_state_dict(state[key])
+        self.resume_at, self.loaded = batches_yielded, dict(state)
+
+
+def _samplers(loader: MmapLoader) -> list[tuple[str, Any]]:
+    return [
+        (key, s)
+        for key, s in (("sampler", loader.sampler), ("batch_sampler", loader.batch_sampler))
+        if s is not None
+    ]

@@ -18,17 +18,17 @@ import re
 import struct
 import tokenize
 import warnings
-import zipfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO, Any, BinaryIO, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from . import fsutil
 from .errors import SourceError
 from .spec import NPY_MAGIC, brief, checked_nbytes, representable_nbytes
+from .zipdir import FileView, ZipEntry
 
 NPY_SUFFIX = ".npy"
 # .npy version -> (bytes of the header length, header text encoding), as numpy reads them.
@@ -37,7 +37,6 @@ NPY_VERSIONS = {(1, 0): (2, "latin1"), (2, 0): (4, "latin1"), (3, 0): (4, "utf-8
 MAX_NPY_HEADER_CHARS = 10_000
 CHUNK_NBYTES = 4 << 20
 HEADER_PIECE_NBYTES = 4096  # of a deflated member read at a time for its header
-PREFETCH_MAX_NBYTES = 4 << 20
 HEADER_KEYS = {"descr", "fortran_order", "shape"}
 # Accepted header texts remembered (see _parsed_header): at most this many, each at most this long.
 HEADER_CACHE_ENTRIES = 4096
@@ -57,22 +56,14 @@ DEFLATE_SLACK_NBYTES = 1024
 # A zip local file header: signature, version, flags, 18 bytes we do not need, name and extra lengths.
 ZIP_LOCAL_HEADER = struct.Struct("<4s2xH18xHH")
 ZIP_LOCAL_SIGNATURE = b"PK\x03\x04"
+ZIP_STORED, ZIP_DEFLATED = 0, 8
 ZIP_ENCRYPTED_FLAG = 0x1
 ZIP_PATCHED_FLAG = 0x20
 ZIP_STRONG_ENCRYPTION_FLAG = 0x40
 ZIP_UTF8_FLAG = 0x800
 
-# What a damaged or hostile zip can raise from the standard library.
-_ZIP_ERRORS = (
-    zipfile.BadZipFile,
-    zipfile.LargeZipFile,
-    zlib.error,
-    EOFError,
-    OSError,
-    NotImplementedError,
-    RuntimeError,
-    ValueError,
-)
+# What reading a damaged or hostile file can raise from the standard library.
+_READ_ERRORS = (zlib.error, OSError, ValueError)
 
 
 @dataclass(frozen=True)
@@ -117,82 +108,64 @@ def member_key(name: str) -> str:
 
 @contextlib.contextmanager
 def source_errors(where: str) -> Iterator[None]:
-    """Turn what zipfile and friends raise into a SourceError naming ``where``."""
+    """Turn what reading and inflating raise into a SourceError naming ``where``."""
     try:
         yield
-    except _ZIP_ERRORS as exc:
+    except _READ_ERRORS as exc:
         raise SourceError(f"{where}: {_describe(exc)}") from exc
 
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
-    if isinstance(exc, zipfile.BadZipFile):
-        return f"not a valid zip/npz file ({exc})"
     return str(exc) or type(exc).__name__
 
 
-def open_zip(fp: BinaryIO, file_nbytes: int) -> zipfile.ZipFile:
-    """Parse the zip directory of an open NPZ file of ``file_nbytes``; closing the ZipFile leaves
-    ``fp`` open (its owner's)."""
-    _prefetch_small_file(fp, file_nbytes)
-    return zipfile.ZipFile(fp)
-
-
-def open_regular_file(path: str) -> int:
-    """A read-only descriptor of ``path``, opened without blocking; SourceError unless it is a
-    regular file.
+def open_regular_file(path: str) -> tuple[int, int]:
+    """A read-only descriptor of ``path``, opened without blocking, and the file's size; SourceError
+    unless it is a regular file.
 
     The type is that of the open descriptor, not of the path, so a file
     replaced by a FIFO or a device after it was checked is still refused.
     """
     try:
-        return fsutil.open_regular(path)
+        return fsutil.open_regular_sized(path)
     except fsutil.NotRegularFile as exc:
         raise SourceError(f"{path}: {exc}") from None
 
 
-def _prefetch_small_file(fp: IO[bytes], size: int) -> None:
-    """Ask for a small file in one read before zipfile hops between its end and its start.
-
-    On a cold cache those hops cost a disk read each; the whole file is read
-    by the copy pass anyway. Larger files are left to the kernel's readahead.
-    """
-    if size <= PREFETCH_MAX_NBYTES:
-        fsutil.advise(fp.fileno(), size, "willneed")
-
-
-def members(zf: zipfile.ZipFile, path: str) -> dict[str, zipfile.ZipInfo]:
-    """Map key -> zip entry, refusing duplicate keys."""
-    found: dict[str, zipfile.ZipInfo] = {}
-    for info in zf.infolist():
-        if info.is_dir():
+def members(entries: list[ZipEntry], path: str) -> dict[str, ZipEntry]:
+    """Map key -> zip entry, refusing duplicate keys; directory entries are skipped."""
+    found: dict[str, ZipEntry] = {}
+    for entry in entries:
+        if entry.is_dir():
             continue
-        key = member_key(info.filename)
+        key = member_key(entry.filename)
         if key in found:
             raise SourceError(f"{path}: key {key!r} appears twice in the archive")
-        found[key] = info
+        found[key] = entry
     return found
 
 
-def read_member_header(
-    zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str, file_nbytes: int
-) -> tuple[MemberHeader, MemberLocation]:
+def read_member_header(view: FileView, entry: ZipEntry, path: str) -> tuple[MemberHeader, MemberLocation]:
     """Check a member's zip sizes, then read its .npy header; SourceError naming file and key.
 
-    ``file_nbytes`` is the size of the open file. The header is read from the
-    member's bytes where the zip says they are, inflated if need be, as
-    zipfile would read them, without its per-member stream objects.
+    The header is read from the member's bytes where the zip says they are,
+    inflated if need be, as zipfile would read them, without its per-member
+    stream objects.
     """
-    where = f"{path}[{member_key(info.filename)}]"
-    location = check_member_sizes(zf, info, where, file_nbytes)
-    with source_errors(where):
-        header = parse_npy_header(_MemberStart(_zip_file(zf), location), member_key(info.filename), where)
+    key = member_key(entry.filename)
+    where = f"{path}[{key}]"
+    location = check_member_sizes(view, entry, where)
+    try:
+        header = parse_npy_header(_MemberStart(view, location), key, where)
+    except zlib.error as exc:
+        raise SourceError(f"{where}: {exc}") from exc
     declared = header.header_nbytes + header.nbytes
-    if declared != info.file_size:
+    if declared != entry.file_size:
         raise SourceError(
             f"{where}: header declares {header.nbytes} data bytes but the member holds "
-            f"{info.file_size - header.header_nbytes}"
+            f"{entry.file_size - header.header_nbytes}"
         )
     return header, location
 
@@ -200,29 +173,41 @@ def read_member_header(
 class _MemberStart:
     """Reads from the start of a member's uncompressed bytes (enough for its .npy header).
 
-    The stored bytes are read through ``fp``'s own position, a piece at a
-    time, and inflated when the member is deflated; never past the member.
+    The stored bytes are read through ``view`` and inflated when the member
+    is deflated, a piece (HEADER_PIECE_NBYTES) ahead at most, so a header
+    takes one read; never past the member.
     """
 
-    def __init__(self, fp: IO[bytes], location: MemberLocation) -> None:
-        self.fp = fp
+    def __init__(self, view: FileView, location: MemberLocation) -> None:
+        self.view = view
         self.position = location.offset
         self.end = location.offset + location.stored_nbytes
         self.inflater = zlib.decompressobj(-zlib.MAX_WBITS) if location.flags & DEFLATED else None
         self.pending = b""
+        self.used = 0  # bytes of ``pending`` already returned
 
     def read(self, nbytes: int) -> bytes:
-        while len(self.pending) < nbytes:
-            more = self._more(nbytes - len(self.pending))
+        if len(self.pending) - self.used < nbytes:
+            self._fill(nbytes)
+        data = self.pending[self.used : self.used + nbytes]
+        self.used += len(data)
+        return data
+
+    def _fill(self, nbytes: int) -> None:
+        """Hold at least ``nbytes`` unread bytes, fewer only at the member's end."""
+        pieces = [self.pending[self.used :]]
+        wanted = nbytes - len(pieces[0])
+        while wanted > 0:
+            more = self._more(max(wanted, HEADER_PIECE_NBYTES))
             if not more:
                 break
-            self.pending += more
-        data, self.pending = self.pending[:nbytes], self.pending[nbytes:]
-        return data
+            pieces.append(more)
+            wanted -= len(more)
+        self.pending, self.used = b"".join(pieces), 0
 
     def _more(self, nbytes: int) -> bytes:
         if self.inflater is None:
-            return self._stored(nbytes)
+            return bytes(self._stored(nbytes))
         if self.inflater.unconsumed_tail:
             return self.inflater.decompress(self.inflater.unconsumed_tail, nbytes)
         while not self.inflater.eof:
@@ -234,90 +219,82 @@ class _MemberStart:
                 return data
         return b""
 
-    def _stored(self, nbytes: int) -> bytes:
-        self.fp.seek(self.position)
-        data = self.fp.read(max(0, min(nbytes, self.end - self.position)))
+    def _stored(self, nbytes: int) -> memoryview:
+        data = self.view.read(self.position, min(nbytes, self.end - self.position))
         self.position += len(data)
         return data
 
 
-def _zip_file(zf: zipfile.ZipFile) -> IO[bytes]:
-    if zf.fp is None:
-        raise ValueError("the archive is closed")
-    return zf.fp
-
-
-def check_member_sizes(
-    zf: zipfile.ZipFile, info: zipfile.ZipInfo, where: str, file_nbytes: int
-) -> MemberLocation:
+def check_member_sizes(view: FileView, entry: ZipEntry, where: str) -> MemberLocation:
     """Refuse zip sizes that no real member has, before anything is planned by them; say where it lies.
 
     A stored member occupies exactly its size, a deflated one at least
     1/1032 of it, and either lies inside the file. Other compressions (never
     written by numpy) have no such bound and are refused.
     """
-    if info.flag_bits & ZIP_ENCRYPTED_FLAG:
+    if entry.flag_bits & ZIP_ENCRYPTED_FLAG:
         raise SourceError(f"{where}: member is encrypted")
-    if info.compress_type == zipfile.ZIP_STORED:
-        if info.compress_size != info.file_size:
+    if entry.compress_type == ZIP_STORED:
+        if entry.compress_size != entry.file_size:
             raise SourceError(
-                f"{where}: stored member declares {info.file_size} bytes but occupies {info.compress_size}"
+                f"{where}: stored member declares {entry.file_size} bytes but occupies {entry.compress_size}"
             )
-    elif info.compress_type == zipfile.ZIP_DEFLATED:
-        limit = info.compress_size * DEFLATE_MAX_RATIO + DEFLATE_SLACK_NBYTES
-        if info.file_size > limit:
+    elif entry.compress_type == ZIP_DEFLATED:
+        limit = entry.compress_size * DEFLATE_MAX_RATIO + DEFLATE_SLACK_NBYTES
+        if entry.file_size > limit:
             raise SourceError(
-                f"{where}: member declares {info.file_size} bytes, more than its {info.compress_size} "
+                f"{where}: member declares {entry.file_size} bytes, more than its {entry.compress_size} "
                 f"deflated bytes can hold (at most {limit})"
             )
     else:
         raise SourceError(
-            f"{where}: compression method {info.compress_type} is not supported "
+            f"{where}: compression method {entry.compress_type} is not supported "
             "(numpy writes stored or deflated members)"
         )
-    offset = _check_member_inside_file(_zip_file(zf), info, where, file_nbytes)
-    flags = (DEFLATED if info.compress_type == zipfile.ZIP_DEFLATED else 0) | (
-        NAMED_NPY if info.filename.endswith(NPY_SUFFIX) else 0
+    offset = _check_member_inside_file(view, entry, where)
+    flags = (DEFLATED if entry.compress_type == ZIP_DEFLATED else 0) | (
+        NAMED_NPY if entry.filename.endswith(NPY_SUFFIX) else 0
     )
-    return MemberLocation(file_nbytes, offset, info.compress_size, info.file_size, info.CRC, flags)
+    return MemberLocation(view.file_nbytes, offset, entry.compress_size, entry.file_size, entry.crc32, flags)
 
 
-def _check_member_inside_file(fp: IO[bytes], info: zipfile.ZipInfo, where: str, file_nbytes: int) -> int:
+def _check_member_inside_file(view: FileView, entry: ZipEntry, where: str) -> int:
     """Where the member's stored bytes start, after its local header, which must name it as
     the zip directory does (as zipfile checks when it opens a member)."""
-    start = info.header_offset
+    start = entry.header_offset
+    file_nbytes = view.file_nbytes
     if not 0 <= start <= file_nbytes - ZIP_LOCAL_HEADER.size:
         raise SourceError(f"{where}: member header at byte {start} lies outside the {file_nbytes}-byte file")
-    fp.seek(start)
-    local = fp.read(ZIP_LOCAL_HEADER.size)
-    if len(local) != ZIP_LOCAL_HEADER.size or local[:4] != ZIP_LOCAL_SIGNATURE:
+    local = view.read(start, ZIP_LOCAL_HEADER.size)
+    if local[:4] != ZIP_LOCAL_SIGNATURE:
         raise SourceError(f"{where}: no zip member header at byte {start}")
     flags, name_nbytes, extra_nbytes = ZIP_LOCAL_HEADER.unpack(local)[1:]
-    _check_local_name(fp.read(name_nbytes), flags, info, where)
-    if info.flag_bits & ZIP_PATCHED_FLAG:
+    name_start = start + ZIP_LOCAL_HEADER.size
+    _check_local_name(bytes(view.read(name_start, name_nbytes)), flags, entry, where)
+    if entry.flag_bits & ZIP_PATCHED_FLAG:
         raise SourceError(f"{where}: compressed patched data (flag bit 5)")
-    if info.flag_bits & ZIP_STRONG_ENCRYPTION_FLAG:
+    if entry.flag_bits & ZIP_STRONG_ENCRYPTION_FLAG:
         raise SourceError(f"{where}: strong encryption (flag bit 6)")
-    offset = start + ZIP_LOCAL_HEADER.size + name_nbytes + extra_nbytes
-    end = offset + info.compress_size
+    offset = name_start + name_nbytes + extra_nbytes
+    end = offset + entry.compress_size
     if end > file_nbytes:
         raise SourceError(
-            f"{where}: member of {info.compress_size} bytes would end at byte {end}, "
+            f"{where}: member of {entry.compress_size} bytes would end at byte {end}, "
             f"past the end of the {file_nbytes}-byte file"
         )
     return offset
 
 
-def _check_local_name(name: bytes, flags: int, info: zipfile.ZipInfo, where: str) -> None:
+def _check_local_name(name: bytes, flags: int, entry: ZipEntry, where: str) -> None:
     """zipfile's own check, with its message, for members whose headers are read without it."""
     try:
-        text = name.decode("utf-8" if flags & ZIP_UTF8_FLAG else "cp437")
+        text = name.decode("utf-8" if flags & ZIP_UTF8_FLAG or name.isascii() else "cp437")
     except UnicodeDecodeError as exc:
         raise SourceError(f"{where}: {exc}") from None
-    if text != info.orig_filename:
+    if text != entry.orig_filename:
         raise SourceError(
             f"{where}: not a valid zip/npz file (File name in directory "
-            f"{info.orig_filename!r} and header {name!r} differ.)"
+            f"{entry.orig_filename!r} and header {name!r} differ.)"
         )
 
 
@@ -482,25 +459,15 @@ def read_exactly(stream: Readable, nbytes: int, where: str) -> bytes:
     return data
 
 
-def iter_data_chunks(
-    zf: zipfile.ZipFile, info: zipfile.ZipInfo, header: MemberHeader, where: str
-) -> Iterator[bytes]:
-    """Yield the member's array bytes in file order, in chunks of at most CHUNK_NBYTES.
-
-    Chunks may end inside an element: memory stays bounded whatever the
-    itemsize. Reads the entry to its end, so zipfile checks its CRC; raises
-    SourceError if the data is short, long or corrupt.
-    """
-    chunk_nbytes = CHUNK_NBYTES
-    with source_errors(where), zf.open(info) as stream:
-        read_exactly(stream, header.header_nbytes, where)
-        remaining = header.nbytes
-        while remaining:
-            chunk = read_exactly(stream, min(chunk_nbytes, remaining), where)
-            remaining -= len(chunk)
-            yield chunk
-        if stream.read(1):
-            raise SourceError(f"{where}: member holds more bytes than its header declares")
+def data_after_header(chunks: Iterator[bytes], header_nbytes: int) -> Iterator[bytes]:
+    """The chunks of a member's bytes (see located_bytes) without its first ``header_nbytes``."""
+    skip = header_nbytes
+    for chunk in chunks:
+        if skip >= len(chunk):
+            skip -= len(chunk)
+            continue
+        yield chunk[skip:] if skip else chunk
+        skip = 0
 
 
 def located_bytes(

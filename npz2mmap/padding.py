@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .dataset import GatheredBatch, as_tensors
-from .spec import representable_nbytes
+from .ragged import RaggedRows, check_padded_size, valid_mask_of
 
 
 class PaddedCollate:
@@ -21,8 +21,12 @@ class PaddedCollate:
     True on real elements). With ``nested``, a ragged field becomes one
     jagged nested tensor instead (``torch.nested``, ragged along the first
     dimension of each sample), with no padding. Fixed fields become tensors as
-    with ``collate``. One tensor per field also crosses from DataLoader workers
-    cheaply, where a list of tensors would cost a shared-memory handle each.
+    with ``collate``; dtypes torch lacks (records, strings, datetimes) stay
+    numpy arrays, padded ones too. One tensor per field also crosses from
+    DataLoader workers cheaply, where a list of tensors would cost a
+    shared-memory handle each. A batch from ``MmapDataset`` is padded straight
+    from the mapping, each sample copied once, with no per-sample arrays.
+    A batch whose padded array numpy cannot make raises ValueError.
 
     Which fields are ragged is a property of the dataset, never of one batch:
     a ragged field gets its lengths (and mask) even when every sample of a
@@ -45,16 +49,30 @@ class PaddedCollate:
         self.ragged = None if ragged is None else frozenset(ragged)
 
     def __call__(self, batch: Any) -> dict[str, Any]:
-        fields = batch.arrays if isinstance(batch, GatheredBatch) else _by_field(batch)
         ragged = self.ragged if self.ragged is not None else getattr(batch, "ragged", frozenset())
+        if not isinstance(batch, GatheredBatch):
+            batch = GatheredBatch(_by_field(batch), None, len(batch))
         out: dict[str, Any] = {}
-        for name, value in fields.items():
+        for name in batch.field_names:
+            rows = batch.ragged_rows(name)
+            if name in ragged and rows is not None and not self.nested:
+                out.update(self._collate_rows(rows))
+                continue
+            value = batch.field(name)
             if name in ragged:
                 out.update(self._collate_ragged(name, [np.asarray(v) for v in value]))
             elif isinstance(value, list):
                 out[name] = as_tensors(_stack(name, value))
             else:
                 out[name] = as_tensors(value)
+        return out
+
+    def _collate_rows(self, rows: RaggedRows) -> dict[str, Any]:
+        """A ragged field located in the mapping, padded with one copy per sample (no per-sample arrays)."""
+        padded = rows.padded(self.pad_value)
+        out = {rows.name: as_tensors(padded), f"{rows.name}_lengths": torch.from_numpy(rows.lengths())}
+        if self.mask:
+            out[f"{rows.name}_mask"] = torch.from_numpy(rows.mask())
         return out
 
     def _collate_ragged(self, name: str, arrays: list[np.ndarray]) -> dict[str, Any]:
@@ -67,7 +85,7 @@ class PaddedCollate:
             tensors = [torch.from_numpy(a) for a in arrays]
             return {name: torch.nested.nested_tensor(tensors, layout=torch.jagged)}
         padded, lengths = pad(arrays, self.pad_value, name)
-        out = {name: torch.from_numpy(padded), f"{name}_lengths": torch.from_numpy(lengths)}
+        out = {name: as_tensors(padded), f"{name}_lengths": torch.from_numpy(lengths)}
         if self.mask:
             out[f"{name}_mask"] = torch.from_numpy(valid_mask(arrays, padded.shape[1:]))
         return out
@@ -97,11 +115,7 @@ def pad(arrays: list[np.ndarray], pad_value: float = 0, name: str = "data") -> t
     """
     shapes = np.array([a.shape for a in arrays], dtype=np.int64).reshape(len(arrays), -1)
     largest = tuple(int(d) for d in shapes.max(axis=0)) if len(arrays) else ()
-    itemsize = arrays[0].dtype.itemsize if arrays else 4
-    if representable_nbytes((len(arrays), *largest), itemsize) is None:
-        raise ValueError(
-            f"field {name!r}: a batch padded to {(len(arrays), *largest)} is too large for numpy"
-        )
+    check_padded_size(name, (len(arrays), *largest), arrays[0].dtype.itemsize if arrays else 4)
     out = np.full((len(arrays), *largest), pad_value, dtype=arrays[0].dtype if arrays else np.float32)
     for row, array in zip(out, arrays, strict=True):
         row[tuple(slice(0, d) for d in array.shape)] = array
@@ -111,7 +125,5 @@ def pad(arrays: list[np.ndarray], pad_value: float = 0, name: str = "data") -> t
 
 def valid_mask(arrays: list[np.ndarray], padded_shape: tuple[int, ...]) -> np.ndarray:
     """True where a padded batch holds real elements."""
-    mask = np.zeros((len(arrays), *padded_shape), dtype=bool)
-    for row, array in zip(mask, arrays, strict=True):
-        row[tuple(slice(0, d) for d in array.shape)] = True
-    return mask
+    shapes = np.array([a.shape for a in arrays], dtype=np.int64).reshape(len(arrays), len(padded_shape))
+    return valid_mask_of(shapes, padded_shape)

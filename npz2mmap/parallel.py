@@ -87,7 +87,7 @@ def _ordered_map(
     def submit_next() -> None:
         chunk = list(itertools.islice(remaining, batch))
         if chunk:
-            with _interrupts_blocked():  # a submit may start worker processes
+            with interrupts_blocked():  # a submit may start worker processes
                 pending.append(executor.submit(_run_batch, fn, chunk))
 
     for _ in range(in_flight):
@@ -103,7 +103,7 @@ def _run_batch(fn: Callable[[T], R], chunk: list[T]) -> list[R]:
 
 
 @contextlib.contextmanager
-def _interrupts_blocked() -> Iterator[None]:
+def interrupts_blocked() -> Iterator[None]:
     """Hold SIGINT back from this thread, and so from processes it starts meanwhile.
 
     A worker inherits the mask and stays deaf to Ctrl-C until its initializer
@@ -122,13 +122,21 @@ def _interrupts_blocked() -> Iterator[None]:
 
 def _start_worker(forked: bool, close_in_workers: tuple[int, ...]) -> None:
     """Leave Ctrl-C to the main process, drop its private descriptors, die with it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    become_worker()
     if forked:  # only a forked worker has the parent's descriptors, under the same numbers
         for fd in close_in_workers:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def become_worker() -> None:
+    """In a worker process: leave Ctrl-C to the main process and exit when it is gone.
+
+    Shared by the conversion pool and MmapLoader's workers.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _exit_with_parent()
 
 

@@ -18,11 +18,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .errors import FormatError
+from .ragged import RaggedRows
 from .reader import (
     DatasetReader,
     as_raw,
     check_blob,
-    copy_bytes,
     normalise_index,
     normalise_indices,
 )
@@ -255,6 +255,22 @@ class PartsReader:
         part = int(np.searchsorted(self.parts.starts, i, side="right")) - 1
         return self.readers[part].view(name, i - int(self.parts.starts[part]))
 
+    def ragged_rows(self, name: str, indices: Sequence[int] | NDArray[np.integer]) -> RaggedRows:
+        """Where many samples of a field lie, in any parts, checked (see DatasetReader.ragged_rows)."""
+        if self._single is not None:
+            return self._single.ragged_rows(name, indices)
+        idx = self.sample_indices(indices)
+        part_of = np.searchsorted(self.parts.starts, idx, side="right") - 1
+        info = self.field(name)
+        starts = np.empty(len(idx), dtype=np.int64)
+        shapes = np.empty((len(idx), info.ndim), dtype=np.int64)
+        for part in np.unique(part_of):
+            chosen = part_of == part
+            local = idx[chosen] - self.parts.starts[part]
+            starts[chosen], shapes[chosen] = self.readers[int(part)].locate(name, local)
+        sources = [reader.data(name) for reader in self.readers]
+        return RaggedRows(name, info.dtype, sources, part_of.astype(np.intp), starts, shapes)
+
     def gather(
         self, name: str, indices: Sequence[int] | NDArray[np.integer], out: np.ndarray | None = None
     ) -> np.ndarray | list[np.ndarray]:
@@ -269,10 +285,7 @@ class PartsReader:
         part_of = np.searchsorted(self.parts.starts, idx, side="right") - 1
         info = self.field(name)
         if info.shape is None:
-            return [
-                copy_bytes(self.readers[p].view(name, int(i - self.parts.starts[p])))
-                for i, p in zip(idx, part_of, strict=True)
-            ]
+            return self.ragged_rows(name, idx).copies()
         if out is None:
             out = np.empty((len(idx), *info.shape), dtype=info.dtype)
         for part in np.unique(part_of):

@@ -19,6 +19,7 @@ from numpy.typing import NDArray
 
 from . import fsutil
 from .errors import FormatError
+from .ragged import RaggedRows
 from .spec import (
     BLOB_HEADER_NBYTES,
     BLOB_NAME,
@@ -35,6 +36,7 @@ from .spec import (
     open_regular,
     ragged_table_problem,
     representable_nbytes,
+    representable_row_nbytes,
 )
 
 ADVICE = {
@@ -158,7 +160,7 @@ class DatasetReader:
         idx = self.sample_indices(indices)
         view = self._field(name)
         if view.column is None:
-            return [copy_bytes(view.sample(int(i))) for i in idx]
+            return self.ragged_rows(name, idx).copies()
         if out is None:
             out = np.empty((len(idx), *view.column.shape[1:]), dtype=view.column.dtype)
         column, target = as_raw(view.column), as_raw(out)
@@ -168,6 +170,25 @@ class DatasetReader:
             # Indices are checked above; mode="raise" would buffer the whole batch once more.
             np.take(column, idx, axis=0, out=target, mode="clip")
         return out
+
+    def ragged_rows(self, name: str, indices: Sequence[int] | NDArray[np.integer]) -> RaggedRows:
+        """Where many samples of a field lie, their tables checked (FormatError as ``view`` raises it).
+
+        Reads no sample data: the result copies or pads them (see RaggedRows).
+        """
+        idx = self.sample_indices(indices)
+        starts, shapes = self.locate(name, idx)
+        f = self.index.field(name)
+        part = np.zeros(len(idx), dtype=np.intp)
+        return RaggedRows(name, f.dtype, [self.data(name)], part, starts, shapes)
+
+    def locate(self, name: str, indices: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """Byte offsets in ``data(name)`` and shapes of samples ``indices`` (normalised), checked."""
+        return self._field(name).locate(indices)
+
+    def data(self, name: str) -> NDArray[np.uint8]:
+        """A field's data region as read-only bytes of the mapping."""
+        return self._field(name).data
 
     def view_consecutive(self, name: str, first: int, count: int) -> np.ndarray:
         """Samples ``first`` to ``first + count - 1`` as one read-only (count, *shape) view.
@@ -219,11 +240,45 @@ class _FieldView:
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         shape = tuple(int(d) for d in self.shapes[i])
         if not self._extent_is_valid(start, end, shape):
-            raise FormatError(
-                f"field {self.field.name!r} sample {i}: tables are corrupt "
-                f"(bytes {start}..{end} of {len(self.data)}, shape {shape}); run npz2mmap verify"
-            )
+            raise self._corrupt(i)
         return self.data[start:end].view(self.field.dtype).reshape(shape)
+
+    def locate(self, idx: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """Byte offsets and shapes of samples ``idx``; FormatError, as ``sample`` raises it, for a bad one.
+
+        The checks of ``_extent_is_valid``, vectorised: extents are compared
+        before they are subtracted, and shapes whose product could wrap are
+        refused by representable_row_nbytes.
+        """
+        if self.column is not None:
+            stride = self.field.stride
+            shapes = np.tile(np.array(self.column.shape[1:], dtype=np.int64), (len(idx), 1))
+            return idx * stride, shapes
+        starts = self.offsets[idx].astype(np.int64)
+        ends = self.offsets[idx + 1].astype(np.int64)
+        shapes = self.shapes[idx].astype(np.int64).reshape(len(idx), self.field.ndim)
+        in_bounds = (starts >= 0) & (starts <= ends) & (ends <= len(self.data))
+        # Where a difference wraps, the extent is out of bounds anyway.
+        valid = in_bounds & (ends - starts == self._row_nbytes(shapes))
+        if not valid.all():
+            raise self._corrupt(int(idx[np.argmin(valid)]))
+        return starts, shapes
+
+    def _row_nbytes(self, shapes: NDArray[np.int64]) -> NDArray[np.int64]:
+        """Bytes of each shape, -1 for one numpy cannot make (never a wrapped product)."""
+        itemsize = self.field.dtype.itemsize
+        if shapes.shape[1] != 1:
+            return representable_row_nbytes(shapes, itemsize)
+        lengths = shapes[:, 0]  # representable_row_nbytes for one axis, without its float estimate
+        return np.where((lengths >= 0) & (lengths <= len(self.data) // itemsize), lengths * itemsize, -1)
+
+    def _corrupt(self, i: int) -> FormatError:
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        shape = tuple(int(d) for d in self.shapes[i])
+        return FormatError(
+            f"field {self.field.name!r} sample {i}: tables are corrupt "
+            f"(bytes {start}..{end} of {len(self.data)}, shape {shape}); run npz2mmap verify"
+        )
 
     def consecutive(self, first: int, count: int) -> np.ndarray:
         if self.column is not None:
@@ -306,6 +361,8 @@ def normalise_indices(indices: Sequence[int] | NDArray[np.integer], n: int) -> N
 
 def _within(idx: NDArray[np.integer], n: int) -> NDArray[np.int64]:
     """Integer indices checked in their own dtype, so unsigned ones never wrap to negative."""
+    if len(idx) and 0 <= idx.min() and idx.max() < n:  # the usual batch: two reductions, no copy
+        return idx.astype(np.int64, copy=False)
     too_low = idx < -n if idx.dtype.kind == "i" else np.zeros(idx.shape, dtype=bool)
     bad = np.flatnonzero(too_low | (idx >= n))
     if len(bad):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import zipfile
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO, Protocol
@@ -29,15 +28,15 @@ from .npzfile import (
     NPY_SUFFIX,
     MemberHeader,
     MemberLocation,
-    iter_data_chunks,
+    data_after_header,
     located_bytes,
     members,
     open_regular_file,
-    open_zip,
     parse_npy_header,
     read_member_header,
     source_errors,
 )
+from .zipdir import FileView, ZipEntry, read_entries
 
 NPY_FILE_KEY = "arr_0"
 
@@ -126,51 +125,41 @@ class _Npz:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        with source_errors(path):
-            self.fd = open_regular_file(path)
-        # Both made on first use: the copy reads members by location, with neither.
-        self.fp: BinaryIO | None = None
-        self.nbytes: int | None = None
-        self.opened: tuple[zipfile.ZipFile, dict[str, zipfile.ZipInfo]] | None = None
+        try:
+            self.fd, self.file_nbytes = open_regular_file(path)
+        except OSError as exc:
+            raise SourceError(f"{path}: {exc.strerror or exc}") from None
+        # Made on first use: the copy reads members by location, without them.
+        self.entries: dict[str, ZipEntry] | None = None
+        self.view: FileView | None = None
         self.locations: dict[str, MemberLocation] = {}
 
     def __enter__(self) -> _Npz:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.opened is not None:
-            self.opened[0].close()
-        if self.fp is not None:
-            self.fp.close()
         os.close(self.fd)
 
-    @property
-    def file_nbytes(self) -> int:
-        """The open file's size, taken once."""
-        if self.nbytes is None:
-            with source_errors(self.path):
-                self.nbytes = os.fstat(self.fd).st_size
-        return self.nbytes
-
-    def _zip(self) -> tuple[zipfile.ZipFile, dict[str, zipfile.ZipInfo]]:
-        if self.opened is None:
-            with source_errors(self.path):
-                self.fp = os.fdopen(self.fd, "rb", closefd=False)
-                zf = open_zip(self.fp, self.file_nbytes)
-            self.opened = zf, members(zf, self.path)
-        return self.opened
+    def _zip(self) -> tuple[FileView, dict[str, ZipEntry]]:
+        if self.view is None or self.entries is None:
+            self.view = FileView(self.fd, self.file_nbytes, self.path)
+            self.entries = members(read_entries(self.view), self.path)
+        return self.view, self.entries
 
     def keys(self) -> list[str]:
         return sorted(self._zip()[1])
 
     def header(self, key: str) -> MemberHeader:
-        zf, entries = self._zip()
-        header, self.locations[key] = read_member_header(zf, entries[key], self.path, self.file_nbytes)
+        view, entries = self._zip()
+        header, self.locations[key] = read_member_header(view, entries[key], self.path)
         return header
 
     def data_chunks(self, key: str, header: MemberHeader) -> Iterator[bytes]:
-        zf, entries = self._zip()
-        return iter_data_chunks(zf, entries[key], header, f"{self.path}[{key}]")
+        """Read by the location header() found, so the CRC-32 of the whole member is checked."""
+        if key not in self.locations:
+            self.header(key)
+        chunks = self.located_bytes(key, self.locations[key])
+        return data_after_header(chunks, header.header_nbytes)
 
     def location(self, key: str) -> MemberLocation:
         return self.locations[key]

@@ -285,6 +285,19 @@ def test_skip_bad_converts_the_good_files_and_records_the_bad(tmp_path, good_sou
     assert verify(tmp_path / "out", sources=True).ok
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_skipped_files_are_listed_in_input_order_whichever_pass_found_them(
+    tmp_path, good_sources, workers
+) -> None:
+    hostile.crc_mismatch(good_sources / "s00001.npz")  # found bad only while copying
+    hostile.zero_byte(good_sources / "s00002.npz")  # found bad while scanning
+    hostile.crc_mismatch(good_sources / "s00003.npz")
+    convert([good_sources], tmp_path / "out", skip_bad=True, workers=workers)
+    assert [s["path"] for s in read_skipped(tmp_path / "out")] == [
+        str(good_sources / f"s0000{k}.npz") for k in (1, 2, 3)
+    ]
+
+
 def test_skip_bad_with_nothing_usable_is_an_error(tmp_path) -> None:
     hostile.zero_byte(tmp_path / "a.npz")
     with pytest.raises(SourceError, match="no usable .npz files: every input was skipped"):

@@ -1,0 +1,218 @@
+"""A batch's samples of one ragged field: located in the mapping and checked, then copied or padded.
+
+No torch here. Readers locate the samples (``DatasetReader.ragged_rows``);
+nothing is read until ``copies``, ``padded`` or ``fill_padded`` copies each
+sample's bytes once, straight from the mapping into the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .spec import representable_nbytes
+
+# Mean elements per sample from which one memcpy per sample beats building
+# an element index for the whole batch (measured: a memcpy through memoryviews
+# costs about as much as indexing 30 elements).
+LOOP_MIN_ELEMENTS = 32
+
+
+class RaggedRows:
+    """Where each sample of a batch lies: its source, byte offset and shape, all checked.
+
+    ``sources`` are byte arrays (one per part, each a field's data region);
+    row ``j`` is ``shapes[j]`` elements of ``dtype`` at byte ``starts[j]`` of
+    ``sources[part[j]]``. Holds views of a mapping, so it is not picklable:
+    pickle its ``copies()`` instead.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        dtype: np.dtype,
+        sources: Sequence[NDArray[np.uint8]],
+        part: NDArray[np.intp],
+        starts: NDArray[np.int64],
+        shapes: NDArray[np.int64],
+    ) -> None:
+        self.name = name
+        self.dtype = dtype
+        self.sources = list(sources)
+        self.part = part
+        self.starts = starts
+        self.shapes = shapes
+        self._padded_shape: tuple[int, ...] | None = None
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getstate__(self) -> Any:
+        raise TypeError("RaggedRows holds views of a mapping; pickle its copies() instead")
+
+    def lengths(self) -> NDArray[np.int64]:
+        """Every sample's shape: int64 (n,) for 1-d samples, (n, ndim) otherwise (as ``pad`` gives)."""
+        return np.ascontiguousarray(self.shapes[:, 0] if self.shapes.shape[1] == 1 else self.shapes)
+
+    def padded_shape(self) -> tuple[int, ...]:
+        """(n, *largest shape of the batch)."""
+        if self._padded_shape is None:
+            largest = self.shapes.max(axis=0) if len(self) else np.zeros(self.shapes.shape[1], np.int64)
+            self._padded_shape = (len(self), *(int(d) for d in largest))
+        return self._padded_shape
+
+    def copies(self) -> list[np.ndarray]:
+        """Each sample as a fresh, writable array with every byte of it (record padding included)."""
+        nbytes = self._row_nbytes()
+        return [
+            np.array(self.sources[p][s : s + n]).view(self.dtype).reshape(shape)
+            for p, s, n, shape in zip(
+                self.part.tolist(), self.starts.tolist(), nbytes.tolist(), self.shapes.tolist(), strict=True
+            )
+        ]
+
+    def padded(self, pad_value: float = 0) -> np.ndarray:
+        """The samples in one new (n, *largest) array, the rest filled with ``pad_value``.
+
+        Raises ValueError, before allocating, when that array is larger than
+        numpy can make.
+        """
+        shape = self.padded_shape()
+        check_padded_size(self.name, shape, self.dtype.itemsize)
+        return self.fill_padded(np.empty(shape, dtype=self.dtype), pad_value)
+
+    def fill_padded(self, out: np.ndarray, pad_value: float = 0) -> np.ndarray:
+        """Write the padded batch into ``out`` (e.g. a preallocated shared buffer) and return it.
+
+        ``out`` must be a writable C-contiguous array of ``padded_shape()`` and
+        the field's dtype (ValueError otherwise). Every sample's bytes are
+        copied once from the mapping; padding elements are ``pad_value`` (cast
+        as ``np.full`` casts it), with zero bytes between a record's fields.
+        """
+        shape = self.padded_shape()
+        flags = out.flags
+        if out.shape != shape or out.dtype != self.dtype or not flags.c_contiguous or not flags.writeable:
+            raise ValueError(
+                f"field {self.name!r}: out must be a writable C-contiguous array of shape {shape} and "
+                f"dtype {self.dtype}, not {out.shape} {out.dtype}"
+            )
+        target = out.view(raw_unit(self.dtype))
+        target[...] = pad_element(self.dtype, pad_value)
+        if len(self) and self.shapes.shape[1] == 1:
+            self._copy_flat_rows(target)
+        else:
+            self._copy_rows(target)
+        return out
+
+    def mask(self) -> NDArray[np.bool_]:
+        """True where the padded batch holds real elements."""
+        return valid_mask_of(self.shapes, self.padded_shape()[1:])
+
+    def _row_nbytes(self) -> NDArray[np.int64]:
+        # Readers checked every row's extent, so these products do not overflow.
+        return np.prod(self.shapes, axis=1, dtype=np.int64) * self.dtype.itemsize
+
+    def _copy_flat_rows(self, target: np.ndarray) -> None:
+        """1-d samples into (n, width) ``target``: a memcpy per sample, or an element index for short ones."""
+        itemsize = self.dtype.itemsize
+        counts = self.shapes[:, 0]
+        if int(counts.sum()) >= LOOP_MIN_ELEMENTS * len(self):
+            _copy_by_slices(target.view(np.uint8), self.sources, self.part, self.starts, counts * itemsize)
+        elif (self.starts % itemsize == 0).all() and all(len(s) % itemsize == 0 for s in self.sources):
+            sources = [s.view(target.dtype) for s in self.sources]
+            _copy_by_element_index(target, sources, self.part, self.starts // itemsize, counts)
+        else:  # only a damaged offsets table puts a sample between elements
+            as_bytes = target.view(np.uint8)
+            _copy_by_element_index(as_bytes, self.sources, self.part, self.starts, counts * itemsize)
+
+    def _copy_rows(self, target: np.ndarray) -> None:
+        """Samples of any ndim, one slice copy per sample (no faster way for n-d is worth its code)."""
+        unit = target.dtype
+        for row, p, s, n, shape in zip(
+            target,
+            self.part.tolist(),
+            self.starts.tolist(),
+            self._row_nbytes().tolist(),
+            self.shapes.tolist(),
+            strict=True,
+        ):
+            row[tuple(slice(0, d) for d in shape)] = self.sources[p][s : s + n].view(unit).reshape(shape)
+
+
+def _copy_by_slices(
+    target: NDArray[np.uint8],
+    sources: list[NDArray[np.uint8]],
+    part: NDArray[np.intp],
+    starts: NDArray[np.int64],
+    nbytes: NDArray[np.int64],
+) -> None:
+    """One memcpy per row, through memoryviews: a numpy slice assignment costs twice as much per call."""
+    row_nbytes = target.shape[1]
+    if row_nbytes == 0:  # every sample is empty
+        return
+    views = [source.data for source in sources]
+    out = target.reshape(-1).data
+    firsts = range(0, len(target) * row_nbytes, row_nbytes)
+    if len(views) == 1:
+        source = views[0]
+        for first, s, n in zip(firsts, starts.tolist(), nbytes.tolist(), strict=True):
+            out[first : first + n] = source[s : s + n]
+        return
+    for first, p, s, n in zip(firsts, part.tolist(), starts.tolist(), nbytes.tolist(), strict=True):
+        out[first : first + n] = views[p][s : s + n]
+
+
+def _copy_by_element_index(
+    target: np.ndarray,
+    sources: list[np.ndarray],
+    part: NDArray[np.intp],
+    starts: NDArray[np.int64],
+    counts: NDArray[np.int64],
+) -> None:
+    """One element index per source for the whole batch: a fixed number of numpy calls, however many rows."""
+    flat = target.reshape(-1)
+    width = target.shape[1]
+    for p, source in enumerate(sources):
+        rows = np.flatnonzero(part == p) if len(sources) > 1 else np.arange(len(target))
+        row_counts = counts[rows]
+        total = int(row_counts.sum())
+        if total == 0:
+            continue
+        within = np.arange(total, dtype=np.int64)
+        within -= np.repeat(np.cumsum(row_counts) - row_counts, row_counts)  # position inside its row
+        gathered = source[np.repeat(starts[rows], row_counts) + within]
+        flat[np.repeat(rows * width, row_counts) + within] = gathered
+
+
+def raw_unit(dtype: np.dtype) -> np.dtype:
+    """A dtype of the same itemsize that numpy copies as plain bytes (records included)."""
+    if dtype.itemsize in (1, 2, 4, 8):
+        return np.dtype(f"u{dtype.itemsize}")
+    return np.dtype((np.void, dtype.itemsize))
+
+
+def pad_element(dtype: np.dtype, pad_value: float) -> Any:
+    """``pad_value`` as one element of ``dtype``, in raw_unit: cast as np.full casts, zero bytes elsewhere."""
+    element = np.zeros(1, dtype=dtype)
+    np.copyto(element, pad_value, casting="unsafe")  # what np.full does, so the same values raise
+    return element.view(raw_unit(dtype))[0]
+
+
+def check_padded_size(name: str, shape: tuple[int, ...], itemsize: int) -> None:
+    """Raise ValueError if numpy cannot make an array of ``shape`` (samples (2**60, 0) and (0, 2**60)
+    pad to 2**120 elements)."""
+    if representable_nbytes(shape, itemsize) is None:
+        raise ValueError(f"field {name!r}: a batch padded to {shape} is too large for numpy")
+
+
+def valid_mask_of(shapes: NDArray[np.int64], padded_shape: Sequence[int]) -> NDArray[np.bool_]:
+    """(n, *padded_shape) bools, True where a sample of ``shapes`` holds an element: one compare per axis."""
+    n, ndim = len(shapes), len(padded_shape)
+    mask = np.ones((n,) + (1,) * ndim, dtype=bool)
+    for axis, width in enumerate(padded_shape):
+        inside = np.arange(width) < shapes[:, axis, None]
+        mask = mask & inside.reshape((n,) + (1,) * axis + (width,) + (1,) * (ndim - axis - 1))
+    return mask

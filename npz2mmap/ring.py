@@ -1,0 +1,698 @@
+"""MmapLoader's worker processes: batches written into a shared ring of slots, read as views.
+
+Torch's DataLoader moves every batch from a worker through a fresh
+shared-memory segment whose handle crosses a socket; for data that needs no
+decoding that hand-off costs more than the work. Here the loader allocates
+one shared block of ``num_slots`` slots once; a worker writes its batch
+straight into the slot it is given and sends back a small descriptor
+(dtype, shape, offset per tensor), and the trainer hands out tensors that are
+views of the slot. The block is ``multiprocessing`` heap memory: on POSIX a
+temporary file unlinked at once (in /dev/shm on Linux) whose descriptor
+workers inherit or receive, so no name is left behind and the kernel frees it
+with the last process that maps it, whatever way they end.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.heap
+import os
+import pickle
+import random
+import signal
+import struct
+import traceback
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.context import BaseContext
+from typing import Any, NoReturn
+
+import numpy as np
+import torch
+
+from . import parallel
+from .dataset import MmapDataset, SampleList, collate
+from .errors import WorkerError
+from .reader import as_raw
+
+# Every array in a slot starts at a multiple of 64 bytes: aligned for any
+# dtype's view, and no two arrays share a cache line.
+SLOT_ALIGN = 64
+SLOT_SPARE_NBYTES = 1 << 20
+# A dataset with a huge ragged sample would otherwise ask for a huge ring;
+# batches larger than this travel pickled unless slot_nbytes says otherwise.
+MAX_DEFAULT_SLOT_NBYTES = 256 << 20
+STOP_TIMEOUT_S = 5.0
+INDICES_SHOWN = 10
+# A task is its batch number and slot, then the batch's sample indices (int64); empty: stop.
+TASK_HEADER = struct.Struct("<qq")
+
+
+def default_slot_nbytes(dataset: MmapDataset, batch_size: int) -> int:
+    """Room for the largest batch the dataset can give untransformed, twice, plus 1 MiB (256 MiB at most).
+
+    The largest sample of a ragged field comes from its shape table (checked
+    whole, once). Twice leaves room for a transform or collate that widens
+    dtypes or pads; a batch that still does not fit travels pickled.
+    """
+    reader = dataset.reader
+    total = 0
+    for name in dataset.fields:
+        field = reader.field(name)
+        if field.shape is not None:
+            largest = math.prod(field.shape)
+        else:  # every row is a shape numpy can make (checked), so its product fits an int64
+            shapes = reader.shapes(name)
+            largest = int(shapes.prod(axis=1).max()) if len(shapes) else 0
+        total += batch_size * (largest * field.dtype.itemsize + SLOT_ALIGN)
+    return aligned(min(2 * total + SLOT_SPARE_NBYTES, MAX_DEFAULT_SLOT_NBYTES))
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """Where one array of a batch lies in its slot; ``tensor`` says torch tensor or numpy array."""
+
+    offset: int
+    dtype: Any  # torch.dtype for a tensor, np.dtype for an array
+    shape: tuple[int, ...]
+    tensor: bool
+
+
+class SlotFull(Exception):
+    """A batch needs more bytes than its slot has (it then travels pickled)."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.nbytes = nbytes
+
+
+class Ring:
+    """The shared block as slots; both the trainer and the workers view it through this."""
+
+    def __init__(self, block: multiprocessing.heap.BufferWrapper, num_slots: int, slot_nbytes: int) -> None:
+        self.block = block  # what workers are given: it pickles as the memory's descriptor
+        self.num_slots = num_slots
+        self.slot_nbytes = slot_nbytes
+        memory = block.create_memoryview()
+        self.bytes_np = np.frombuffer(memory, dtype=np.uint8)
+        self.bytes_torch = torch.frombuffer(memory, dtype=torch.uint8)
+
+    @classmethod
+    def allocate(cls, num_slots: int, slot_nbytes: int) -> Ring:
+        """A new block (not touched here: pages are committed as batches are first written)."""
+        return cls(multiprocessing.heap.BufferWrapper(num_slots * slot_nbytes), num_slots, slot_nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.slot_nbytes
+
+    def address(self) -> int:
+        return int(self.bytes_np.ctypes.data)
+
+    def view(self, slot: int, leaf: Leaf) -> Any:
+        """The tensor or array ``leaf`` describes, sharing the slot's memory."""
+        start = slot * self.slot_nbytes + leaf.offset
+        end = start + math.prod(leaf.shape) * leaf.dtype.itemsize
+        if leaf.tensor:
+            return self.bytes_torch[start:end].view(leaf.dtype).view(leaf.shape)
+        return self.bytes_np[start:end].view(leaf.dtype).reshape(leaf.shape)
+
+    def materialise(self, slot: int, tree: Any) -> Any:
+        """A descriptor tree with every Leaf replaced by its view."""
+        if isinstance(tree, Leaf):
+            return self.view(slot, tree)
+        return map_tree(tree, lambda item: self.materialise(slot, item))
+
+
+def map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` applied to the items of a dict, list or tuple (named ones kept), else ``tree`` itself."""
+    if type(tree) is dict:
+        return {key: fn(value) for key, value in tree.items()}
+    if type(tree) is list:
+        return [fn(value) for value in tree]
+    if isinstance(tree, tuple):
+        items = [fn(value) for value in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    return tree
+
+
+class SlotWriter:
+    """Places arrays one after another in one slot, each aligned; raises SlotFull past its end."""
+
+    def __init__(self, ring: Ring, slot: int) -> None:
+        self.ring = ring
+        self.slot = slot
+        self.used = 0
+
+    def place(self, dtype: Any, shape: tuple[int, ...], tensor: bool) -> tuple[Leaf, Any]:
+        leaf = Leaf(self.used, dtype, shape, tensor)
+        self.used = aligned(self.used + math.prod(shape) * dtype.itemsize)
+        if self.used > self.ring.slot_nbytes:
+            raise SlotFull(self.used)
+        return leaf, self.ring.view(self.slot, leaf)
+
+    def write(self, tree: Any) -> Any:
+        """Copy every tensor and array of ``tree`` into the slot; return the descriptor tree.
+
+        Anything else (numbers, strings, nested or sparse tensors, object
+        arrays) stays in the tree and travels pickled with it.
+        """
+        if isinstance(tree, torch.Tensor) and _is_plain(tree):
+            leaf, target = self.place(tree.dtype, tuple(tree.shape), True)
+            target.copy_(tree)
+            return leaf
+        if isinstance(tree, np.ndarray) and not tree.dtype.hasobject and type(tree) is np.ndarray:
+            leaf, target = self.place(tree.dtype, tree.shape, False)
+            as_raw(target)[...] = as_raw(tree)
+            return leaf
+        return map_tree(tree, self.write)
+
+
+def _is_plain(tensor: torch.Tensor) -> bool:
+    return tensor.layout == torch.strided and tensor.device.type == "cpu" and not tensor.is_nested
+
+
+def tree_nbytes(tree: Any) -> int:
+    """The slot bytes ``tree`` would need (for the message when it does not fit)."""
+    if isinstance(tree, torch.Tensor) and _is_plain(tree):
+        return aligned(tree.numel() * tree.element_size())
+    if isinstance(tree, np.ndarray):
+        return aligned(tree.nbytes)
+    if type(tree) is dict:
+        return sum(tree_nbytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tree_nbytes(value) for value in tree)
+    return 0
+
+
+# How a worker makes a batch: FIELDS gathers the dataset's fields straight into
+# the slot (no transform, collate_fn or batch_transform); COLLATED stacks the
+# transformed samples into it as the default collate would (a transform, but no
+# collate_fn or batch_transform); BATCH makes the batch, then copies it in.
+FIELDS, COLLATED, BATCH = "fields", "collated", "batch"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a worker needs to make batches: the dataset, the loader's batch function, the way."""
+
+    dataset: MmapDataset
+    make_batch: Callable[[np.ndarray], Any]
+    way: str
+
+
+def write_fields_direct(dataset: MmapDataset, writer: SlotWriter, indices: np.ndarray) -> Any:
+    """The untransformed batch gathered from the mapping straight into the slot (one copy).
+
+    The same tensors as MmapLoader.load gives: a fixed field as one tensor
+    (numpy where torch lacks the dtype), a ragged one as a list of per-sample tensors.
+    Every place is taken before any byte is copied, so SlotFull leaves nothing half done.
+    """
+    reader = dataset.reader
+    idx = reader.sample_indices(indices)
+    plans: list[tuple[str, Any]] = []
+    for name in dataset.fields:
+        field = reader.field(name)
+        if field.shape is None:
+            views = [reader.view(name, int(i)) for i in idx]
+            plans.append((name, [(view, _place_array(writer, view.dtype, view.shape)) for view in views]))
+        else:
+            plans.append((name, _place_array(writer, field.dtype, (len(idx), *field.shape))))
+    out = {}
+    for name, plan in plans:
+        if isinstance(plan, list):
+            for view, (_, target) in plan:
+                as_raw(target)[...] = as_raw(view)
+            out[name] = [leaf for _, (leaf, _) in plan]
+        else:
+            leaf, target = plan
+            reader.gather(name, idx, out=target)
+            out[name] = leaf
+    return out[dataset.fields[0]] if dataset.single else out
+
+
+def write_collated(samples: Sequence[Any], writer: SlotWriter) -> Any:
+    """Transformed samples collated as ``npz2mmap.collate`` does, each stacked straight into the slot.
+
+    A field whose values are arrays of one shape and dtype is stacked there
+    with no intermediate tensor; anything else is collated by ``collate`` and
+    then copied in. Raises SlotFull when the slot is too small.
+    """
+    if not isinstance(samples, SampleList) or not samples or not isinstance(samples[0], dict):
+        return writer.write(collate(samples))
+    out = {}
+    for name in samples[0]:
+        values = [sample[name] for sample in samples]
+        if name not in samples.ragged and _stackable(values):
+            leaf, target = _place_array(writer, values[0].dtype, (len(values), *values[0].shape))
+            np.stack(values, out=target)
+            out[name] = leaf
+        else:
+            out[name] = writer.write(collate(SampleList([{name: v} for v in values], samples.ragged))[name])
+    return out
+
+
+def _stackable(values: list[Any]) -> bool:
+    """Plain numpy arrays of one shape and of one dtype that torch has (which collate would stack)."""
+    first = values[0]
+    if type(first) is not np.ndarray or not first.dtype.isnative or torch_dtype(first.dtype) is None:
+        return False
+    return all(type(v) is np.ndarray and v.shape == first.shape and v.dtype == first.dtype for v in values)
+
+
+def _place_array(writer: SlotWriter, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[Leaf, np.ndarray]:
+    """A numpy target in the slot; its leaf is read back as a tensor where torch has the dtype."""
+    leaf, target = writer.place(dtype, shape, False)
+    tensor_dtype = torch_dtype(dtype)
+    if tensor_dtype is not None:
+        leaf = Leaf(leaf.offset, tensor_dtype, leaf.shape, True)
+    return leaf, target
+
+
+@functools.cache
+def torch_dtype(dtype: np.dtype) -> torch.dtype | None:
+    """The torch dtype of a numpy dtype, or None where torch has none (looked up once per dtype)."""
+    try:
+        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    except (TypeError, ValueError):  # ValueError: a byte order torch does not read
+        return None
+
+
+def worker_main(
+    worker_id: int, conn: Any, block: Any, num_slots: int, slot_nbytes: int, recipe: Recipe, seed: int
+) -> None:
+    """A worker's life: make each batch it is sent into its slot, until told to stop or the pipe closes."""
+    parallel.become_worker()
+    torch.set_num_threads(1)  # the workers are the parallelism; threads inside each would compete
+    _seed_generators(seed)
+    ring = Ring(block, num_slots, slot_nbytes)
+    while True:
+        try:
+            task = conn.recv_bytes()
+        except EOFError:
+            return
+        if not task:
+            return
+        number, slot = TASK_HEADER.unpack_from(task)
+        indices = np.frombuffer(task, dtype="<i8", offset=TASK_HEADER.size)
+        conn.send_bytes(
+            pickle.dumps(_make_into_slot(recipe, ring, slot, number, indices), pickle.HIGHEST_PROTOCOL)
+        )
+
+
+def _seed_generators(seed: int) -> None:
+    """A distinct seed per worker (and per start), so forked workers do not draw the same augmentations."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def _make_into_slot(
+    recipe: Recipe, ring: Ring, slot: int, number: int, indices: np.ndarray
+) -> tuple[Any, ...]:
+    """One batch's reply: ("slot", tree), ("pickled", nbytes, batch) or ("error", exception, traceback)."""
+    try:
+        writer = SlotWriter(ring, slot)
+        if recipe.way == FIELDS:
+            try:
+                return ("slot", number, write_fields_direct(recipe.dataset, writer, indices))
+            except SlotFull:
+                batch = recipe.make_batch(indices)
+        elif recipe.way == COLLATED:
+            samples = recipe.dataset.__getitems__(indices)
+            try:
+                return ("slot", number, write_collated(samples, writer))
+            except SlotFull:
+                batch = collate(samples)
+        else:
+            batch = recipe.make_batch(indices)
+            try:
+                return ("slot", number, writer.write(batch))
+            except SlotFull:
+                pass
+        return ("pickled", number, tree_nbytes(batch), batch)
+    except Exception as exc:
+        return ("error", number, _pickled_or_none(exc), traceback.format_exc())
+
+
+def _pickled_or_none(exc: BaseException) -> bytes | None:
+    try:
+        data = pickle.dumps(exc, pickle.HIGHEST_PROTOCOL)
+        pickle.loads(data)
+    except Exception:
+        return None
+    return data
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker, as text (chained to what the trainer raises)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class WorkerPool:
+    """``num_workers`` processes and the ring they write into, started once and kept across epochs."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        num_workers: int,
+        num_slots: int,
+        slot_nbytes: int,
+        context: BaseContext,
+        seed: int,
+    ) -> None:
+        self.ring = Ring.allocate(num_slots, slot_nbytes)
+        self.processes: list[Any] = []
+        self.conns: list[Any] = []
+        try:
+            with parallel.interrupts_blocked():  # workers start deaf to Ctrl-C, then ignore it
+                for worker_id in range(num_workers):
+                    args = (worker_id, self.ring.block, num_slots, slot_nbytes, recipe, seed + worker_id)
+                    self._start(context, worker_id, args)
+        except BaseException:  # e.g. a transform that spawn cannot pickle: stop those started
+            self.close()
+            raise
+
+    def _start(self, context: BaseContext, worker_id: int, args: tuple[Any, ...]) -> None:
+        ours, theirs = context.Pipe(duplex=True)
+        process = context.Process(  # type: ignore[attr-defined]
+            target=worker_main,
+            args=(args[0], theirs, *args[1:]),
+            name=f"npz2mmap-loader-{worker_id}",
+            daemon=True,
+        )
+        try:
+            process.start()
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.processes.append(process)
+        self.conns.append(ours)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.processes)
+
+    def send(self, worker: int, number: int, slot: int, indices: np.ndarray) -> None:
+        try:
+            self.conns[worker].send_bytes(TASK_HEADER.pack(number, slot) + indices.astype("<i8").tobytes())
+        except OSError:  # a dead worker's pipe
+            self._raise_gone(worker, number)
+
+    def receive(self, worker: int, number: int) -> tuple[Any, ...]:
+        """The reply for batch ``number`` from ``worker``; WorkerError at once if any worker has died."""
+        conn = self.conns[worker]
+        sentinels = [process.sentinel for process in self.processes]
+        while True:
+            # A reply already there needs no wait (most of them, when the workers run ahead).
+            ready = [] if conn.poll() else multiprocessing.connection.wait([conn, *sentinels])
+            if not ready or conn in ready:
+                try:
+                    reply = pickle.loads(conn.recv_bytes())
+                    if reply[1] != number:  # replies come in the order tasks went: anything else is a bug
+                        raise WorkerError(
+                            f"MmapLoader worker {worker} answered batch {reply[1]}, not {number}"
+                        )
+                    return reply  # type: ignore[no-any-return]
+                except (EOFError, OSError):
+                    self._raise_gone(worker, number)
+            for process in self.processes:
+                if process.sentinel in ready:
+                    process.join(STOP_TIMEOUT_S)  # reaped, so its exit code is known
+            self.raise_if_dead(number)
+
+    def _raise_gone(self, worker: int, number: int) -> NoReturn:
+        """The worker's pipe broke: it is gone, and its exit code (once the kernel has it) tells how."""
+        self.processes[worker].join(STOP_TIMEOUT_S)
+        self.raise_if_dead(number)
+        raise WorkerError(f"MmapLoader worker {worker} closed its pipe while batch {number} was being loaded")
+
+    def raise_if_dead(self, number: int) -> None:
+        for worker, process in enumerate(self.processes):
+            if process.exitcode is not None:
+                killed = process.exitcode == -getattr(signal, "SIGKILL", 9)
+                hint = " (out of memory? see the kernel log)" if killed else ""
+                raise WorkerError(
+                    f"MmapLoader worker {worker} (pid {process.pid}) {describe_exit(process.exitcode)}{hint} "
+                    f"while batch {number} was being loaded; the workers were stopped"
+                )
+
+    def close(self) -> None:
+        """Ask every worker to stop, wait a little, then kill whatever is left."""
+        for conn in self.conns:
+            try:
+                conn.send_bytes(b"")
+            except OSError:
+                pass
+        for process in self.processes:
+            process.join(STOP_TIMEOUT_S)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        for conn in self.conns:
+            conn.close()
+        self.processes.clear()
+        self.conns.clear()
+
+
+def describe_exit(exitcode: int) -> str:
+    """'was killed by signal SIGKILL' or 'exited with code 3'."""
+    if exitcode < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+def worker_failure(worker: int, number: int, indices: np.ndarray, reply: tuple[Any, ...]) -> WorkerError:
+    """The trainer's error for a worker's exception: names worker, batch and samples, chains the original."""
+    _, _, pickled, text = reply
+    original: BaseException | None = None
+    if pickled is not None:
+        try:
+            original = pickle.loads(pickled)
+        except Exception:
+            original = None
+    remote = RemoteTraceback(f"\n\nTraceback in the worker:\n{text}")
+    shown = ", ".join(str(int(i)) for i in indices[:INDICES_SHOWN])
+    more = f", ... ({len(indices)} in all)" if len(indices) > INDICES_SHOWN else ""
+    summary = (
+        f"{type(original).__name__}: {original}" if original is not None else text.strip().splitlines()[-1]
+    )
+    error = WorkerError(
+        f"MmapLoader worker {worker} failed on batch {number} (samples {shown}{more}): {summary}"
+    )
+    if original is not None:
+        original.__cause__ = remote
+        error.__cause__ = original
+    else:
+        error.__cause__ = remote
+    return error
+
+
+def resolve_context(context: BaseContext | str | None) -> BaseContext:
+    """A multiprocessing context from a context, a start method's name, or None (the platform's default)."""
+    if context is None:
+        return multiprocessing.get_context()
+    if isinstance(context, str):
+        return multiprocessing.get_context(context)
+    return context
+
+
+def pin_ring(ring: Ring) -> Callable[[], None]:
+    """Register the ring page-locked with CUDA (once per loader); return the function undoing it.
+
+    Host-to-device copies from a pinned slot run asynchronously. Raises
+    WorkerError when CUDA refuses.
+    """
+    cudart = torch.cuda.cudart()
+    address, nbytes = ring.address(), ring.nbytes
+    status = cudart.cudaHostRegister(address, nbytes, 0)
+    if int(status) != 0:
+        raise WorkerError(
+            f"CUDA could not page-lock the loader's ring of {nbytes} bytes (error {int(status)})"
+        )
+    return lambda: cudart.cudaHostUnregister(address)
+
+
+def seed_base() -> int:
+    """A fresh seed for one start of the workers (as DataLoader draws one per iterator)."""
+    return int.from_bytes(os.urandom(4), "little")
+
+
+class RingWorkers:
+    """The trainer's side: batches sent to the workers round robin, yielded in order as slot views.
+
+    A batch stays valid until the next one is requested: only then is its
+    slot given to another batch. The workers and the ring live until
+    ``close()``, or until this object is dropped (a finalizer closes them).
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        num_workers: int,
+        num_slots: int,
+        slot_nbytes: int,
+        context: BaseContext,
+        pin_memory: bool,
+    ) -> None:
+        self.pool = WorkerPool(recipe, num_workers, num_slots, slot_nbytes, context, seed_base())
+        unpin = None
+        try:
+            unpin = pin_ring(self.pool.ring) if pin_memory else None
+        except BaseException:
+            self.pool.close()
+            raise
+        self._finalizer = weakref.finalize(self, _close, self.pool, unpin)
+        self.pinned = unpin is not None
+        # Slots no batch in hand or in flight uses, each with the event its reuse waits for.
+        self._free: deque[tuple[int, Any]] = deque((slot, None) for slot in range(num_slots))
+        self.warned_overflow = False
+        self.busy = False
+        self._next_worker = 0
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def batches(self, indices: Iterator[np.ndarray], first_number: int) -> Iterator[Any]:
+        """Load ``indices`` through the workers; yield each batch, in order, as views of its slot.
+
+        A worker's exception is raised as WorkerError once the batches before
+        it are yielded, and the workers stay; a worker's death, Ctrl-C or any
+        other exception stops them. Leaving early lets the batches in flight
+        finish (so their slots are free for the next pass).
+        """
+        self.busy = True
+        try:
+            yield from self._batches(indices, first_number)
+        finally:
+            self.busy = False
+
+    def _batches(self, indices: Iterator[np.ndarray], first_number: int) -> Iterator[Any]:
+        free = self._free
+        in_flight: deque[tuple[int, int, int, np.ndarray]] = deque()
+        numbered = enumerate(indices, start=first_number)
+        deferred: list[BaseException] = []  # an error of the index order, raised in its turn
+        failure: WorkerError | None = None
+        held: int | None = None
+        try:
+            while True:
+                self._dispatch(numbered, free, in_flight, deferred)
+                if not in_flight:
+                    break
+                number, slot, worker, batch_indices = in_flight.popleft()
+                reply = self.pool.receive(worker, number)
+                held = slot
+                if reply[0] == "error":
+                    self._drain(in_flight)
+                    failure = worker_failure(worker, number, batch_indices, reply)
+                    break
+                yield self._batch_of(reply, slot)
+                # The next batch is requested: this one's slot may be reused, once the
+                # device has copied it when pinned (the copy may still be queued).
+                free.append((slot, self._gpu_mark()))
+                held = None
+        except GeneratorExit:
+            self._drain(in_flight)
+            raise
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            if held is not None:
+                free.append((held, self._gpu_mark()))
+        if failure is not None:
+            raise failure
+        if deferred:
+            raise deferred[0]
+
+    def _dispatch(
+        self,
+        numbered: Iterator[tuple[int, np.ndarray]],
+        free: deque[tuple[int, Any]],
+        in_flight: deque[tuple[int, int, int, np.ndarray]],
+        deferred: list[BaseException],
+    ) -> None:
+        while free and not deferred:
+            mark = free[0][1]
+            if mark is not None and not mark.query():
+                if in_flight:
+                    return  # try again at the next request
+                mark.synchronize()
+            try:
+                number, batch_indices = next(numbered)
+            except StopIteration:
+                return
+            except Exception as exc:
+                deferred.append(exc)
+                return
+            slot, _ = free.popleft()
+            worker = self._next_worker
+            self._next_worker = (worker + 1) % self.pool.num_workers
+            self.pool.send(worker, number, slot, batch_indices)
+            in_flight.append((number, slot, worker, batch_indices))
+
+    def _gpu_mark(self) -> Any:
+        """A CUDA event after every copy queued so far, when the ring is pinned (else None).
+
+        A slot is refilled only once its event has passed, so a
+        ``.to(device, non_blocking=True)`` of a batch is never overwritten.
+        """
+        if not self.pinned:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _batch_of(self, reply: tuple[Any, ...], slot: int) -> Any:
+        if reply[0] == "slot":
+            return self.pool.ring.materialise(slot, reply[2])
+        _, number, nbytes, batch = reply
+        if not self.warned_overflow:
+            self.warned_overflow = True
+            warnings.warn(
+                f"MmapLoader: batch {number} needs {nbytes} bytes, more than a ring slot's "
+                f"{self.pool.ring.slot_nbytes}; such batches go through a pipe, pickled (slower): "
+                "pass a larger slot_nbytes",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return batch
+
+    def _drain(self, in_flight: deque[tuple[int, int, int, np.ndarray]]) -> None:
+        """Wait for the batches in flight, dropping them; a dead worker stops the workers instead."""
+        try:
+            while in_flight:
+                number, slot, worker, _ = in_flight.popleft()
+                self.pool.receive(worker, number)
+                self._free.append((slot, None))  # never handed out
+        except WorkerError:
+            self.close()
+
+
+def _close(pool: WorkerPool, unpin: Callable[[], None] | None) -> None:
+    try:
+        pool.close()
+    finally:
+        if unpin is not None:
+            unpin()

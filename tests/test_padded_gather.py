@@ -1,0 +1,242 @@
+"""PaddedCollate over batches from the mapping: padded straight from the blob, exact against np.load.
+
+The oracle pads the sources' own bytes (np.load's raw reading, tests/corpus.py)
+with plain numpy here, never with npz2mmap's ``pad``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import zlib
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from conftest import rewrite_blob, rewrite_index, write_samples
+from corpus import little_endian_bytes, load_raw
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from strategies import dtypes, padded_record_dtypes
+from torch.utils.data import DataLoader
+
+import npz2mmap.ragged as ragged
+from npz2mmap import MmapDataset, MmapLoader, PaddedCollate
+from npz2mmap.converter import convert
+from npz2mmap.errors import FormatError
+from npz2mmap.merge import merge
+from npz2mmap.reader import DatasetReader
+
+
+@st.composite
+def ragged_fields(draw: st.DrawFn) -> list[np.ndarray]:
+    """2..7 samples of one dtype and ndim (1..3) whose shapes differ, sides 0..4, any byte order."""
+    dtype = draw(st.one_of(dtypes(), padded_record_dtypes(depth=1)))
+    ndim = draw(st.integers(1, 3))
+    shapes = draw(
+        st.lists(
+            hnp.array_shapes(min_dims=ndim, max_dims=ndim, min_side=0, max_side=4), min_size=2, max_size=7
+        )
+    )
+    if len(set(shapes)) == 1:
+        shapes.append(tuple(d + 1 for d in shapes[0]))  # a field whose shapes never differ is not ragged
+    return [draw(hnp.arrays(dtype, shape)) for shape in shapes]
+
+
+def pad_value_for(dtype: np.dtype) -> st.SearchStrategy[Any]:
+    if dtype.kind in "biufc":
+        return st.sampled_from([0, 1, 7]) if dtype.kind in "bu" else st.sampled_from([0, -1, 7])
+    return st.just(0)
+
+
+def expected_padded(sources: list[Path], name: str, indices: list[int], pad_value: Any) -> np.ndarray:
+    """The padded batch as bytes (n, *largest, itemsize), built from np.load's raw bytes by plain numpy."""
+    arrays = [load_raw(sources[i], name) for i in indices]
+    dtype = arrays[0].dtype.newbyteorder("<")
+    largest = np.max([a.shape for a in arrays], axis=0)
+    pad_element = np.zeros(1, dtype)
+    pad_element[0] = pad_value
+    out = np.empty((len(arrays), *largest, dtype.itemsize), dtype=np.uint8)
+    out[...] = pad_element.view(np.uint8)
+    for row, array in zip(out, arrays, strict=True):
+        sample = np.frombuffer(little_endian_bytes(array), np.uint8).reshape(*array.shape, dtype.itemsize)
+        row[tuple(slice(0, d) for d in array.shape)] = sample
+    return out
+
+
+def raw_bytes(value: Any) -> bytes:
+    array = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).tobytes()
+
+
+def convert_in_parts(src: Path, out: Path, num_parts: int) -> Path:
+    if num_parts == 1:
+        convert([src], out, workers=1)
+        return out
+    parts = [out / f"p{k}" for k in range(num_parts)]
+    for k, part in enumerate(parts):
+        convert([src], part, part=(k, num_parts), workers=1)
+    merge(parts, out)
+    return out
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data(), arrays=ragged_fields())
+def test_padded_batches_from_the_mapping_are_the_sources_padded_by_numpy(
+    tmp_path_factory, data, arrays
+) -> None:
+    root = tmp_path_factory.mktemp("padded")
+    sources = write_samples(root / "src", [{"x": a, "label": np.int64(i)} for i, a in enumerate(arrays)])
+    num_parts = data.draw(st.integers(1, 3), label="parts")
+    dataset = convert_in_parts(root / "src", root / "ds", num_parts)
+    ds = MmapDataset(dataset)
+    indices = data.draw(st.lists(st.integers(0, len(arrays) - 1), min_size=1, max_size=8), label="indices")
+    pad_value = data.draw(pad_value_for(arrays[0].dtype), label="pad_value")
+    loop_min = data.draw(st.sampled_from([0, 10**9]), label="loop_min")  # memcpy per row, or element index
+    event(f"{num_parts} part(s), ndim {arrays[0].ndim}, dtype kind {arrays[0].dtype.kind}")
+    with mock.patch.object(ragged, "LOOP_MIN_ELEMENTS", loop_min):
+        batch = PaddedCollate(pad_value=pad_value, mask=True)(ds.__getitems__(indices))
+    expected = expected_padded(sources, "x", indices, pad_value)
+    assert tuple(batch["x"].shape) == expected.shape[:-1]
+    assert raw_bytes(batch["x"]) == expected.tobytes()
+    shapes = np.array([arrays[i].shape for i in indices])
+    assert batch["x_lengths"].tolist() == (shapes[:, 0] if shapes.shape[1] == 1 else shapes).tolist()
+    mask = np.zeros(expected.shape[:-1], dtype=bool)
+    for row, shape in zip(mask, shapes, strict=True):
+        row[tuple(slice(0, d) for d in shape)] = True
+    assert np.array_equal(batch["x_mask"].numpy(), mask)
+    assert batch["label"].tolist() == indices
+    copies = ds.__getitems__(indices).arrays["x"]  # the per-sample path reads the same bytes
+    assert [raw_bytes(a) for a in copies] == [little_endian_bytes(load_raw(sources[i], "x")) for i in indices]
+
+
+@pytest.fixture
+def tokens(tmp_path: Path) -> tuple[Path, list[np.ndarray]]:
+    """A 1-d int32 field long enough that a whole row moves in one copy, and a short uint8 one."""
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(-(2**31), 2**31, n, dtype=np.int32) for n in (40, 0, 300, 41, 40, 7)]
+    samples = [{"tokens": a, "mask": (a % 2 == 0).astype(np.uint8)} for a in arrays]
+    write_samples(tmp_path / "src", samples)
+    convert([tmp_path / "src"], tmp_path / "ds", workers=1)
+    return tmp_path / "ds", arrays
+
+
+def padded_by_numpy(arrays: list[np.ndarray], pad_value: int) -> np.ndarray:
+    out = np.full((len(arrays), max(len(a) for a in arrays)), pad_value, dtype=arrays[0].dtype)
+    for row, array in zip(out, arrays, strict=True):
+        row[: len(array)] = array
+    return out
+
+
+@pytest.mark.parametrize("loop_min", [0, 10**9])
+@pytest.mark.parametrize(
+    "indices",
+    [[2], [0, 4], [4, 0, 4, 1], [1, 1], [5, 3, 2, 1, 0, 4]],
+    ids=["one", "equal", "dup", "empty", "all"],
+)
+def test_mmap_loader_and_dataloader_pad_exactly(tokens, indices, loop_min) -> None:
+    dataset, arrays = tokens
+    ds = MmapDataset(dataset, fields=["tokens", "mask"])
+    expected = padded_by_numpy([arrays[i] for i in indices], 9)
+    with mock.patch.object(ragged, "LOOP_MIN_ELEMENTS", loop_min):
+        collate = PaddedCollate(pad_value=9, mask=True)
+        (through_loader,) = list(MmapLoader(ds, len(indices), batch_sampler=[indices], collate_fn=collate))
+        (through_dataloader,) = list(DataLoader(ds, batch_sampler=[indices], collate_fn=collate))
+    for batch in (through_loader, through_dataloader):
+        assert batch["tokens"].dtype == torch.int32 and np.array_equal(batch["tokens"].numpy(), expected)
+        assert batch["tokens_lengths"].tolist() == [len(arrays[i]) for i in indices]
+        assert batch["tokens_mask"].sum(dim=1).tolist() == [len(arrays[i]) for i in indices]
+
+
+def test_the_padded_batch_is_written_into_a_buffer_the_caller_gives(tokens) -> None:
+    dataset, arrays = tokens
+    rows = MmapDataset(dataset).reader.ragged_rows("tokens", [3, 1, 0])
+    assert rows.padded_shape() == (3, 41)
+    buffer = np.full(3 * 41 * 4 + 8, 0xAB, dtype=np.uint8)
+    out = buffer[:-8].view(np.int32).reshape(3, 41)
+    assert rows.fill_padded(out, pad_value=9) is out
+    assert np.array_equal(out, padded_by_numpy([arrays[3], arrays[1], arrays[0]], 9))
+    assert (buffer[-8:] == 0xAB).all()  # nothing written past the batch
+    with pytest.raises(
+        ValueError, match=re.escape("field 'tokens': out must be a writable C-contiguous array")
+    ):
+        rows.fill_padded(np.empty((3, 40), np.int32))
+    with pytest.raises(ValueError, match="out must be"):
+        rows.fill_padded(np.empty((3, 41), np.int64))
+
+
+def test_a_batch_too_large_to_pad_is_refused_before_allocating(tmp_path) -> None:
+    samples = [{"x": np.empty((2**40, 0), np.float32)}, {"x": np.empty((0, 2**40), np.float32)}]
+    write_samples(tmp_path / "src", samples)
+    convert([tmp_path / "src"], tmp_path / "ds", workers=1)
+    ds = MmapDataset(tmp_path / "ds")
+    message = re.escape(f"field 'x': a batch padded to (2, {2**40}, {2**40}) is too large for numpy")
+    with pytest.raises(ValueError, match=message):
+        PaddedCollate()(ds.__getitems__([0, 1]))
+    with pytest.raises(ValueError, match=message):
+        PaddedCollate(ragged=["x"])([ds[0], ds[1]])
+    assert PaddedCollate()(ds.__getitems__([0, 0]))["x"].shape == (2, 2**40, 0)
+
+
+def test_a_sample_between_elements_is_padded_from_its_own_bytes(tmp_path) -> None:
+    """An offsets table edited so a sample starts mid-element: the batch reads the bytes it names, as ``ds[i]`` does."""
+    write_samples(tmp_path / "src", [{"x": np.array([1], np.int32)}, {"x": np.array([2, 3], np.int32)}])
+    convert([tmp_path / "src"], tmp_path / "ds", workers=1)
+    region = DatasetReader(tmp_path / "ds").index.field("x").offsets
+    assert region is not None
+    offsets = np.array([0, 2, 10], dtype="<i8").tobytes()  # sample 1: bytes 2..10, still 2 elements
+    rewrite_blob(tmp_path / "ds", region.offset, offsets)
+
+    def record_crc(document: dict[str, Any]) -> None:
+        next(f for f in document["fields"] if f["name"] == "x")["offsets"]["crc32"] = zlib.crc32(offsets)
+
+    rewrite_index(tmp_path / "ds", record_crc)
+    ds = MmapDataset(tmp_path / "ds")
+    assert ds[1]["x"].tobytes() == np.array([1, 2, 3], "<i4").tobytes()[2:10]
+    for loop_min in (0, 10**9):
+        with mock.patch.object(ragged, "LOOP_MIN_ELEMENTS", loop_min):
+            batch = PaddedCollate()(ds.__getitems__([1, 1]))
+        assert raw_bytes(batch["x"]) == 2 * np.array([1, 2, 3], "<i4").tobytes()[2:10]
+    with pytest.raises(FormatError, match=re.escape("field 'x' sample 0: tables are corrupt (bytes 0..2")):
+        PaddedCollate()(ds.__getitems__([1, 0]))
+
+
+def as_it_is(batch: Any) -> Any:
+    return batch
+
+
+def test_a_batch_pickles_its_copies_never_the_mapping(tokens) -> None:
+    dataset, arrays = tokens
+    ds = MmapDataset(dataset, fields="tokens")
+    batch = ds.__getitems__([1, 3])
+    with pytest.raises(TypeError, match="pickle its copies"):
+        pickle.dumps(batch.ragged_rows("tokens"))
+    restored = pickle.loads(pickle.dumps(batch))
+    assert len(pickle.dumps(batch)) < 1000  # 41 int32 and the recipe, not the data region
+    assert [a.tolist() for a in restored.arrays["tokens"]] == [arrays[1].tolist(), arrays[3].tolist()]
+    through_workers = DataLoader(ds, batch_size=3, num_workers=1, collate_fn=as_it_is)
+    assert [a.tolist() for b in through_workers for a in b.arrays["tokens"]] == [a.tolist() for a in arrays]
+
+
+def test_padding_a_batch_from_the_mapping_makes_no_per_sample_arrays(tokens, monkeypatch) -> None:
+    """Each sample is copied once, from the mapping into the padded batch: no view, no copy of its own."""
+    dataset, arrays = tokens
+    ds = MmapDataset(dataset, fields=["tokens", "mask"])
+    assert ds.reader is not None  # opened before the per-sample readers are taken away
+
+    def forbidden(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a sample was read on its own")
+
+    monkeypatch.setattr("npz2mmap.reader._FieldView.sample", forbidden)
+    monkeypatch.setattr("npz2mmap.ragged.RaggedRows.copies", forbidden, raising=False)
+    batch = PaddedCollate(mask=True)(ds.__getitems__([2, 0, 5]))
+    assert np.array_equal(batch["tokens"].numpy(), padded_by_numpy([arrays[2], arrays[0], arrays[5]], 0))

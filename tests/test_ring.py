@@ -1,0 +1,609 @@
+"""MmapLoader with worker processes: batches written into a shared ring, read as views."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_samples
+
+from npz2mmap import BlockShuffleSampler, LengthGroupedSampler, MmapDataset, MmapLoader, PaddedCollate
+from npz2mmap.converter import convert
+from npz2mmap.errors import WorkerError
+
+NUM_SAMPLES = 37
+SHM_DIR = Path("/dev/shm")
+
+
+@pytest.fixture(scope="module")
+def dataset_dir(tmp_path_factory) -> Path:
+    """37 samples: a fixed float image, the sample's own index as label, ragged tokens."""
+    root = tmp_path_factory.mktemp("ring")
+    rng = np.random.default_rng(13)
+    samples = [
+        {
+            "input": rng.standard_normal((3, 4, 5)).astype(np.float32),
+            "label": np.int64(i),
+            "tokens": rng.integers(0, 1000, size=int(rng.integers(1, 9))).astype(np.int32),
+        }
+        for i in range(NUM_SAMPLES)
+    ]
+    write_samples(root / "src", samples)
+    convert([root / "src"], root / "dataset", workers=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def sources(dataset_dir) -> list[dict[str, np.ndarray]]:
+    """The oracle: every source file loaded whole into RAM with np.load, sample i = file i."""
+    out = []
+    for path in sorted((dataset_dir / "src").glob("*.npz")):
+        with np.load(path) as npz:
+            out.append({key: npz[key] for key in npz.files})
+    return out
+
+
+def flip_and_scale(sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A per-sample transform (module level, so spawn workers can import it)."""
+    return {**sample, "input": sample["input"][:, ::-1] * 2}
+
+
+def with_other_values(sample: dict[str, np.ndarray]) -> dict[str, Any]:
+    """A transform whose values are not all arrays of one shape: each is collated as torch would."""
+    label = int(sample["label"])
+    return {
+        "input": sample["input"].astype(np.float64) if label % 2 else sample["input"].astype(np.float32),
+        "label": sample["label"],
+        "tokens": sample["tokens"],
+        "scale": 0.5 * label,
+        "name": f"s{label}",
+        "pair": (np.arange(3) * label, label),
+    }
+
+
+def add_one_to_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    return {**batch, "input": batch["input"] + 1, "extra": ("kept", 7)}
+
+
+def labels_and_inputs(samples: Any) -> dict[str, Any]:
+    """A collate_fn: labels as one tensor, inputs as a list, plus a non-tensor leaf."""
+    return {
+        "label": torch.tensor([int(s["label"]) for s in samples]),
+        "inputs": [torch.from_numpy(np.array(s["input"])) for s in samples],
+        "note": "ok",
+    }
+
+
+class FailOn:
+    """A transform that raises on one sample (its label), as a user's augmentation might."""
+
+    def __init__(self, label: int, error: type[Exception] = ValueError) -> None:
+        self.label = label
+        self.error = error
+
+    def __call__(self, sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if int(sample["label"]) == self.label:
+            raise self.error(f"bad sample {self.label}")
+        return sample
+
+
+class Unpicklable(Exception):
+    def __init__(self, message: str, extra: object = None) -> None:  # pickling drops ``extra``: unpicklable
+        super().__init__(message)
+        self.extra = extra
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        raise TypeError("not picklable")
+
+
+def clone(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, np.ndarray):
+        return tree.copy()
+    if isinstance(tree, dict):
+        return {key: clone(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(clone(value) for value in tree)
+    return tree
+
+
+def assert_same(a: Any, b: Any) -> None:
+    """Exactly equal trees: same types, dtypes, shapes and values."""
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def epochs(loader: MmapLoader, count: int = 2, set_epoch: bool = False) -> list[Any]:
+    out = []
+    for epoch in range(count):
+        if set_epoch:
+            loader.set_epoch(epoch)
+        out.append([clone(batch) for batch in loader])
+    return out
+
+
+def check_against_sources(
+    batch: dict[str, Any], sources: list[dict[str, np.ndarray]], transformed: bool
+) -> None:
+    """Each row equals its source file's arrays (found by the label, which is the sample index)."""
+    for row, label in enumerate(batch["label"].tolist()):
+        source = sources[label]
+        expected = source["input"][:, ::-1] * 2 if transformed else source["input"]
+        assert batch["input"][row].numpy().tobytes() == np.ascontiguousarray(expected).tobytes()
+        if "tokens" in batch:
+            assert batch["tokens"][row].numpy().tobytes() == source["tokens"].tobytes()
+
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "shuffle": {"shuffle": True, "seed": 5},
+    "drop_last": {"shuffle": True, "drop_last": True},
+    "transform": {"shuffle": True, "dataset": {"transform": flip_and_scale}},
+    "other_values": {"dataset": {"transform": with_other_values}, "batch_size": 4},
+    "batch_transform": {"batch_transform": add_one_to_inputs, "dataset": {"fields": ["input", "label"]}},
+    "collate_fn": {"collate_fn": labels_and_inputs},
+    "padded": {"collate_fn": PaddedCollate(mask=True), "shuffle": True},
+}
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_batches_equal_the_single_process_loader_and_the_sources(
+    dataset_dir, sources, config, num_workers
+) -> None:
+    options = dict(CONFIGS[config])
+    ds = MmapDataset(dataset_dir / "dataset", **options.pop("dataset", {}))
+    batch_size = options.pop("batch_size", 5)
+    expected = epochs(MmapLoader(ds, batch_size, prefetch=0, **options))
+    with MmapLoader(
+        ds, batch_size, num_workers=num_workers, multiprocessing_context="fork", **options
+    ) as loader:
+        got = epochs(loader)
+    assert_same(got, expected)
+    expected_len = NUM_SAMPLES // batch_size if config == "drop_last" else -(-NUM_SAMPLES // batch_size)
+    assert len(got[0]) == expected_len
+    if config in ("shuffle", "drop_last", "transform"):
+        assert labels(got[0]) != labels(got[1])
+        for batch in got[0]:
+            check_against_sources(batch, sources, transformed=config == "transform")
+        seen = sorted(label for batch in labels(got[1]) for label in batch)
+        if config == "drop_last":
+            assert len(set(seen)) == len(seen) == NUM_SAMPLES // 5 * 5
+        else:
+            assert seen == list(range(NUM_SAMPLES))
+
+
+def labels(batches: list[dict[str, Any]]) -> list[list[int]]:
+    return [batch["label"].tolist() for batch in batches]
+
+
+def loader_with_sampler(ds: MmapDataset, option: str, **options: Any) -> MmapLoader:
+    if option == "sampler":
+        return MmapLoader(ds, 4, sampler=BlockShuffleSampler(len(ds), 8, seed=2), **options)
+    sampler = LengthGroupedSampler(ds.lengths("tokens"), 4, pool_batches=2, seed=2)
+    return MmapLoader(ds, 4, batch_sampler=sampler, collate_fn=PaddedCollate(), **options)
+
+
+@pytest.mark.parametrize("option", ["sampler", "batch_sampler"])
+def test_samplers_and_set_epoch_give_the_single_process_order(dataset_dir, sources, option) -> None:
+    ds = MmapDataset(dataset_dir / "dataset")
+    expected = epochs(loader_with_sampler(ds, option, prefetch=0), set_epoch=True)
+    with loader_with_sampler(ds, option, num_workers=2, multiprocessing_context="fork") as loader:
+        got = epochs(loader, set_epoch=True)
+    assert_same(got, expected)
+    assert labels(got[0]) != labels(got[1])
+    assert sorted(label for batch in labels(got[0]) for label in batch) == list(range(NUM_SAMPLES))
+    for batch in got[0]:
+        for row, label in enumerate(batch["label"].tolist()):
+            assert batch["input"][row].numpy().tobytes() == sources[label]["input"].tobytes()
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_spawn_and_forkserver_workers_give_the_same_batches(dataset_dir, method) -> None:
+    """Each worker imports torch: one worker, one small run."""
+    ds = MmapDataset(dataset_dir / "dataset", transform=flip_and_scale)
+    expected = epochs(MmapLoader(ds, 8, shuffle=True, prefetch=0), count=1)
+    before = shm_entries()
+    with MmapLoader(ds, 8, shuffle=True, num_workers=1, multiprocessing_context=method) as loader:
+        got = epochs(loader, count=1)
+        pids = worker_pids(loader)
+    assert_same(got, expected)
+    assert_no_shm_entry_of(before, [os.getpid(), *pids])
+
+
+def worker_pids(loader: MmapLoader) -> list[int]:
+    assert loader._workers is not None
+    return [process.pid for process in loader._workers.pool.processes]
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir(SHM_DIR)) if SHM_DIR.is_dir() else set()
+
+
+def assert_no_shm_entry_of(before: set[str], pids: list[int]) -> None:
+    """No new /dev/shm entry made by these processes (others' tests may add their own meanwhile)."""
+    new = shm_entries() - before
+    ours = [name for name in new if any(re.search(rf"(?<!\d){pid}(?!\d)", name) for pid in pids)]
+    assert ours == []
+
+
+def test_the_ring_is_an_unlinked_file_and_nothing_is_left_in_dev_shm(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset")
+    before = shm_entries()
+    loader = MmapLoader(ds, 4, num_workers=2, multiprocessing_context="fork")
+    for _ in loader:
+        pids = worker_pids(loader)
+        assert_no_shm_entry_of(before, [os.getpid(), *pids])
+        if sys.platform.startswith("linux"):  # the block is a file in /dev/shm, mapped, its name gone
+            maps = Path("/proc/self/maps").read_text().splitlines()
+            ring = [line for line in maps if f"/pym-{os.getpid()}-" in line]
+            assert ring and all(line.endswith("(deleted)") for line in ring)
+    with pytest.raises(WorkerError):
+        list(MmapLoader(MmapDataset(dataset_dir / "dataset", transform=FailOn(3)), 4, num_workers=1))
+    loader.close()
+    assert_no_shm_entry_of(before, [os.getpid(), *pids])
+
+
+def test_a_batch_stays_valid_until_the_next_is_requested_and_only_reused_slots_change(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields="input")
+    expected = [clone(b) for b in MmapLoader(ds, 3, shuffle=True, prefetch=0)]
+    with MmapLoader(ds, 3, shuffle=True, num_workers=2, prefetch=2, multiprocessing_context="fork") as loader:
+        held = []
+        for k, batch in enumerate(loader):
+            time.sleep(0.002)  # let the workers run ahead into the free slots
+            assert torch.equal(batch, expected[k])  # the batch in hand is never overwritten
+            held.append(batch)
+        num_slots = loader._workers.pool.ring.num_slots  # type: ignore[union-attr]
+    assert num_slots == 4
+    # The first batches' slots were reused by later batches; the last num_slots were not.
+    changed = [k for k, batch in enumerate(held) if not torch.equal(batch, expected[k])]
+    assert changed == list(range(len(held) - num_slots))
+    assert batch.data_ptr() != expected[-1].data_ptr()
+
+
+def test_a_worker_exception_names_worker_batch_and_samples_and_chains_the_original(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", transform=FailOn(label=11))
+    loader = MmapLoader(ds, 4, num_workers=2, multiprocessing_context="fork")
+    yielded = []
+    with pytest.raises(WorkerError) as caught:
+        for batch in loader:
+            yielded.append(batch["label"].tolist())
+    assert yielded == [[0, 1, 2, 3], [4, 5, 6, 7]]  # every batch before the failing one, in order
+    assert str(caught.value) == (
+        "MmapLoader worker 0 failed on batch 2 (samples 8, 9, 10, 11): ValueError: bad sample 11"
+    )
+    original = caught.value.__cause__
+    assert type(original) is ValueError and str(original) == "bad sample 11"
+    assert "in __call__" in str(original.__cause__) and "ValueError: bad sample 11" in str(original.__cause__)
+    pids = worker_pids(loader)  # the workers stay for the next pass
+    assert all(os.path.exists(f"/proc/{pid}") for pid in pids) or sys.platform != "linux"
+    loader.close()
+
+
+def test_an_unpicklable_worker_exception_comes_as_its_traceback(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", transform=FailOn(label=2, error=Unpicklable))
+    with MmapLoader(ds, 4, num_workers=1, multiprocessing_context="fork") as loader:
+        with pytest.raises(WorkerError, match=r"worker 0 failed on batch 0 \(samples 0, 1, 2, 3\)") as caught:
+            list(loader)
+    assert "Unpicklable: bad sample 2" in str(caught.value)
+    assert "Traceback" in str(caught.value.__cause__) and "Unpicklable: bad sample 2" in str(
+        caught.value.__cause__
+    )
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="no SIGKILL")
+def test_a_worker_killed_mid_epoch_raises_within_seconds_and_the_next_pass_starts_anew(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+    loader = MmapLoader(ds, 2, num_workers=2, multiprocessing_context="fork")
+    batches = iter(loader)
+    next(batches)
+    victim = worker_pids(loader)[1]
+    os.kill(victim, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(
+        RuntimeError, match=rf"MmapLoader worker 1 \(pid {victim}\) was killed by signal SIGKILL"
+    ):
+        for _ in batches:
+            pass
+    assert time.monotonic() - start < 10
+    assert loader._workers is None  # stopped; the next pass starts new workers
+    assert [b.tolist() for b in loader][:2] == [[0, 1], [2, 3]]
+    loader.close()
+
+
+def test_close_and_with_leave_no_process(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+    with MmapLoader(ds, 4, num_workers=2, multiprocessing_context="fork") as loader:
+        next(iter(loader))
+        processes = list(loader._workers.pool.processes)  # type: ignore[union-attr]
+        for batch in loader:  # a second pass keeps the same workers
+            assert list(loader._workers.pool.processes) == processes  # type: ignore[union-attr]
+            del batch
+    assert all(process.exitcode is not None for process in processes)
+    dropped = MmapLoader(ds, 4, num_workers=1, multiprocessing_context="fork")
+    next(iter(dropped))
+    processes = list(dropped._workers.pool.processes)  # type: ignore[union-attr]
+    del dropped
+    gc.collect()
+    assert all(process.exitcode is not None for process in processes)
+
+
+@pytest.mark.parametrize("num_workers,prefetch", [(0, 0), (0, 2), (2, 2)])
+def test_resume_from_state_dict_equals_the_tail_of_an_uninterrupted_run(
+    dataset_dir, num_workers, prefetch
+) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields=["input", "label"])
+    options = {"num_workers": num_workers, "prefetch": prefetch, "multiprocessing_context": "fork"}
+    with MmapLoader(ds, 4, shuffle=True, seed=1, **options) as whole:
+        uninterrupted = epochs(whole, count=3)
+    with MmapLoader(ds, 4, shuffle=True, seed=1, **options) as first:
+        list(first)
+        for k, _ in enumerate(first):
+            if k == 3:
+                state = first.state_dict()
+                break
+    assert state == {"epoch": 1, "seed": 1, "batches_yielded": 4}
+    with MmapLoader(ds, 4, shuffle=True, seed=1, **options) as resumed:
+        resumed.load_state_dict(state)
+        assert resumed.state_dict() == state
+        tail = epochs(resumed, count=2)
+    assert_same(tail, [uninterrupted[1][4:], uninterrupted[2]])
+
+
+def test_resume_skips_batches_without_loading_them_and_restores_sampler_state(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+    calls = []
+
+    def counting(batch: Any) -> Any:
+        calls.append(batch)
+        return batch
+
+    def sampler() -> BlockShuffleSampler:
+        return BlockShuffleSampler(len(ds), 8, seed=3)
+
+    uninterrupted = epochs(MmapLoader(ds, 4, sampler=sampler(), prefetch=0), count=2, set_epoch=True)
+    with MmapLoader(ds, 4, sampler=sampler(), num_workers=2, multiprocessing_context="fork") as interrupted:
+        interrupted.set_epoch(1)
+        for k, _ in enumerate(interrupted):
+            if k == 5:
+                break
+        state = interrupted.state_dict()
+    assert state == {
+        "epoch": 1,
+        "seed": 0,
+        "batches_yielded": 6,
+        "sampler": {"epoch": 1, "seed": 3, "yielded": 0},
+    }
+    resumed = MmapLoader(ds, 4, sampler=sampler(), prefetch=0, batch_transform=counting)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(1)  # as the training loop does again after resuming: the same epoch keeps the resume
+    tail = [clone(b) for b in resumed]
+    assert_same(tail, uninterrupted[1][6:])
+    assert len(calls) == len(tail)  # the skipped batches were never loaded
+    with pytest.raises(ValueError, match="loader state has seed 4, this loader has seed 0"):
+        resumed.load_state_dict({**state, "seed": 4})
+
+
+@pytest.mark.parametrize("way", [{}, {"transform": flip_and_scale}, {"collate": True}])
+def test_a_batch_larger_than_its_slot_goes_pickled_with_one_warning(dataset_dir, way) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", transform=way.get("transform"))
+    options = {"collate_fn": labels_and_inputs} if way.get("collate") else {}
+    expected = epochs(MmapLoader(ds, 5, prefetch=0, **options), count=1)
+    with pytest.warns(
+        RuntimeWarning, match="more than a ring slot's 128; .* pass a larger slot_nbytes"
+    ) as caught:
+        with MmapLoader(
+            ds, 5, num_workers=1, slot_nbytes=128, multiprocessing_context="fork", **options
+        ) as loader:
+            got = epochs(loader, count=1)
+    assert_same(got, expected)
+    assert len([w for w in caught if "ring slot" in str(w.message)]) == 1
+
+
+def test_a_bad_index_of_the_order_is_raised_in_its_turn(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+    order = [0, 1, 2, 3, 4, 5, NUM_SAMPLES, 6]
+    for num_workers in (0, 2):
+        loader = MmapLoader(ds, 2, sampler=order, num_workers=num_workers, multiprocessing_context="fork")
+        yielded = []
+        with pytest.raises(
+            IndexError, match=f"sample index {NUM_SAMPLES} is out of range for {NUM_SAMPLES} samples"
+        ):
+            for batch in loader:
+                yielded.append(batch.tolist())
+        assert yielded == [[0, 1], [2, 3], [4, 5]]
+        loader.close()
+
+
+def test_the_default_slot_holds_twice_the_largest_batch(dataset_dir) -> None:
+    from npz2mmap.ring import default_slot_nbytes
+
+    ds = MmapDataset(dataset_dir / "dataset")
+    longest = max(len(ds[i]["tokens"]) for i in range(len(ds)))
+    per_sample = (60 * 4 + 64) + (8 + 64) + (longest * 4 + 64)
+    assert default_slot_nbytes(ds, 10) == -(-(2 * 10 * per_sample + (1 << 20)) // 64) * 64
+
+
+class FakeCudart:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+        self.calls.append(("register", address, nbytes))
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
+        self.calls.append(("unregister", address, 0))
+        return 0
+
+
+class FakeEvent:
+    """A CUDA event that never passes by itself, as if the device lagged far behind: until
+    ``synchronize()``, the batch in hand when it was recorded may still be being copied."""
+
+    in_hand: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the batch, a copy of it)
+    synced: list[bool] = []
+
+    def record(self) -> None:
+        self.batch, self.copy = self.in_hand[-1]
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        self.synced.append(torch.equal(self.batch, self.copy))
+
+
+def test_pin_memory_registers_the_ring_once_and_refills_a_slot_only_after_its_copy(
+    dataset_dir, monkeypatch
+) -> None:
+    """No GPU here: torch.cuda is faked; the batches must lie inside the registered range."""
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    ds = MmapDataset(dataset_dir / "dataset", fields="input")
+    expected = [clone(b) for b in MmapLoader(ds, 4, prefetch=0)]
+    with MmapLoader(ds, 4, num_workers=2, pin_memory=True, multiprocessing_context="fork") as loader:
+        for _ in range(2):
+            for k, batch in enumerate(loader):
+                assert torch.equal(batch, expected[k])
+                FakeEvent.in_hand.append((batch, batch.clone()))
+                time.sleep(0.002)  # let the workers write into whatever slot they were given
+                (kind, address, nbytes), *_ = cudart.calls
+                assert address <= batch.data_ptr() < batch.data_ptr() + batch.nbytes <= address + nbytes
+    assert [c[0] for c in cudart.calls] == ["register", "unregister"]
+    assert cudart.calls[0][1] == cudart.calls[1][1]
+    assert len(FakeEvent.synced) >= len(expected) and all(FakeEvent.synced)
+
+
+TRAINER = """
+import os, sys, time
+from npz2mmap import MmapDataset, MmapLoader
+loader = MmapLoader(MmapDataset(sys.argv[1], fields="label"), 2, num_workers=2, multiprocessing_context="fork")
+for batch in loader:
+    print(os.getpid(), *[p.pid for p in loader._workers.pool.processes], flush=True)
+    time.sleep(60)
+"""
+
+
+def start_trainer(dataset_dir: Path) -> tuple[subprocess.Popen[str], list[int]]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, str(dataset_dir / "dataset")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert trainer.stdout is not None
+    pids = [int(pid) for pid in trainer.stdout.readline().split()]
+    assert len(pids) == 3, trainer.stderr.read() if trainer.stderr else ""
+    return trainer, pids
+
+
+def wait_gone(pids: list[int], timeout_s: float = 10) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return alive
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_exit_when_the_trainer_is_killed_and_leave_nothing_in_dev_shm(dataset_dir) -> None:
+    before = shm_entries()
+    trainer, pids = start_trainer(dataset_dir)
+    trainer.kill()
+    trainer.wait()
+    assert wait_gone(pids[1:]) == []
+    assert_no_shm_entry_of(before, pids)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_stops_the_trainer_and_its_workers_with_no_worker_traceback(dataset_dir) -> None:
+    trainer, pids = start_trainer(dataset_dir)
+    for pid in pids:  # as a terminal's Ctrl-C reaches the whole process group
+        os.kill(pid, signal.SIGINT)
+    _, stderr = trainer.communicate(timeout=30)
+    assert trainer.returncode != 0
+    assert stderr.count("Traceback") == 1 and stderr.rstrip().endswith("KeyboardInterrupt"), stderr
+    assert wait_gone(pids[1:]) == []
+
+
+def test_leaving_a_pass_early_lets_the_next_pass_start_clean(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+    expected = [b.tolist() for b in MmapLoader(ds, 3, prefetch=0)]
+    with MmapLoader(ds, 3, num_workers=2, multiprocessing_context="fork") as loader:
+        for k, _ in enumerate(loader):
+            if k == 1:
+                break  # batches still in flight finish into their slots, then are dropped
+        assert [b.tolist() for b in loader] == expected
+        first = iter(loader)
+        next(first)
+        with pytest.raises(RuntimeError, match="one pass at a time"):
+            next(iter(loader))
+        assert loader.state_dict()["batches_yielded"] == 1  # the refused pass changed nothing
+        assert [b.tolist() for b in first] == expected[1:]
+
+
+def test_a_transform_spawn_cannot_pickle_is_refused_and_leaves_no_worker(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", transform=lambda sample: sample)
+    loader = MmapLoader(ds, 4, num_workers=2, multiprocessing_context="spawn")
+    children = set(multiprocessing.active_children())
+    with pytest.raises((AttributeError, pickle.PicklingError), match="pickle"):
+        next(iter(loader))
+    assert loader._workers is None and set(multiprocessing.active_children()) == children
+    loader.close()
+
+
+def test_a_worker_that_cannot_start_stops_those_started(dataset_dir, monkeypatch) -> None:
+    fork_process = multiprocessing.get_context("fork").Process
+    started = []
+
+    def start_once(self) -> None:  # type: ignore[no-untyped-def]
+        if started:
+            raise OSError(11, "Resource temporarily unavailable")
+        multiprocessing.process.BaseProcess.start(self)
+        started.append(self)
+
+    monkeypatch.setattr(fork_process, "start", start_once)
+    loader = MmapLoader(
+        MmapDataset(dataset_dir / "dataset"), 4, num_workers=2, multiprocessing_context="fork"
+    )
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        next(iter(loader))
+    assert len(started) == 1 and started[0].exitcode is not None
+    assert loader._workers is None

@@ -1,0 +1,526 @@
+"""Our reader of the zip directory against zipfile, the oracle: same entries, or a one-line SourceError.
+
+Archives come from np.savez, np.savez_compressed and zipfile (comments,
+prepended bytes, zip64 extras, a ZIP64 end record, directory entries, UTF-8
+and cp437 names); mutants of them (flipped, truncated, inserted, overwritten
+bytes) must be refused or read exactly as zipfile reads them, with every read
+bounded by the file's size. NPZ2MMAP_LONG=1 runs many more examples.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import zipfile
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from npz2mmap import fsutil, zipdir
+from npz2mmap.cli import cli
+from npz2mmap.errors import SourceError
+from npz2mmap.sources import scan_source
+
+LONG = os.environ.get("NPZ2MMAP_LONG") == "1"
+EXAMPLES = 1500 if LONG else 60
+MUTANTS = 5000 if LONG else 150
+FIELDS = ("orig_filename", "filename", "flag_bits", "compress_type", "CRC", "compress_size", "file_size")
+END = struct.Struct("<4s4H2LH")
+ZIP64_END = struct.Struct("<4sQ2H2L4Q")
+ZIP64_LOCATOR = struct.Struct("<4sLQL")
+
+
+def oracle(data: bytes) -> list[tuple[object, ...]]:
+    """What zipfile reads: each entry's fields, in directory order (raises what zipfile raises).
+
+    From a real file: zipfile's seeks before the start fail there, where io.BytesIO would clamp them.
+    """
+    with tempfile.TemporaryFile() as fp:
+        fp.write(data)
+        fp.seek(0)
+        with zipfile.ZipFile(fp) as zf:
+            return [(*(getattr(i, f) for f in FIELDS), i.header_offset) for i in zf.infolist()]
+
+
+@contextmanager
+def opened(data: bytes) -> Iterator[int]:
+    with tempfile.TemporaryFile() as fp:
+        fp.write(data)
+        fp.flush()
+        yield fp.fileno()
+
+
+def ours(data: bytes, whole: bool = True) -> list[tuple[object, ...]]:
+    """What zipdir reads, whole or in windows; every read must lie inside the file."""
+    reads: list[tuple[int, int]] = []
+    real_read_at = fsutil.read_at
+
+    def bounded_read_at(fd: int, nbytes: int, offset: int) -> bytes:
+        reads.append((offset, nbytes))
+        return real_read_at(fd, nbytes, offset)
+
+    limit = zipdir.WHOLE_FILE_MAX_NBYTES if whole else 0
+    with (
+        opened(data) as fd,
+        mock.patch.object(fsutil, "read_at", bounded_read_at),
+        mock.patch.object(zipdir, "WHOLE_FILE_MAX_NBYTES", limit),
+        mock.patch.object(zipdir, "MIN_READ_NBYTES", zipdir.MIN_READ_NBYTES if whole else 64),
+        mock.patch.object(zipdir, "TAIL_NBYTES", zipdir.TAIL_NBYTES if whole else 100),
+    ):
+        try:
+            entries = zipdir.read_entries(zipdir.FileView(fd, len(data), "a.npz"))
+        finally:
+            assert all(
+                0 <= offset and 0 <= nbytes and offset + nbytes <= len(data) for offset, nbytes in reads
+            )
+    return [tuple(e) for e in entries]
+
+
+def assert_refused_in_one_line(data: bytes, whole: bool = True) -> str:
+    with pytest.raises(SourceError) as caught:
+        ours(data, whole)
+    message = str(caught.value)
+    assert message.startswith("a.npz: ") and "\n" not in message
+    return message
+
+
+# --- archives -------------------------------------------------------------------------------------
+
+names = st.one_of(
+    st.text(st.characters(codec="ascii", exclude_characters="\0/"), min_size=1, max_size=12),
+    st.text(st.characters(codec="cp437", exclude_characters="\0/"), min_size=1, max_size=12),
+    st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\0/"), min_size=1, max_size=12),
+)
+
+
+@st.composite
+def numpy_archives(draw: st.DrawFn) -> bytes:
+    keys = draw(st.lists(st.text("abcxyz_", min_size=1, max_size=6), max_size=4, unique=True))
+    arrays = {
+        k: np.arange(draw(st.integers(0, 300)), dtype=draw(st.sampled_from(["<i4", "u1", ">f8"])))
+        for k in keys
+    }
+    buffer = io.BytesIO()
+    (np.savez_compressed if draw(st.booleans()) else np.savez)(buffer, **arrays)
+    return buffer.getvalue()
+
+
+@st.composite
+def zipfile_archives(draw: st.DrawFn) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        for name in draw(st.lists(names, max_size=draw(st.sampled_from([3, 40])), unique=True)):
+            if draw(st.integers(0, 5)) == 0:
+                zf.writestr(name.rstrip("/") + "/", b"")  # a directory entry
+                continue
+            data = draw(st.binary(max_size=200))
+            method = draw(st.sampled_from([zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED]))
+            info = zipfile.ZipInfo(name)
+            info.compress_type = method
+            with zf.open(info, "w", force_zip64=draw(st.booleans())) as fp:
+                fp.write(data)
+        comment = draw(st.binary(max_size=300))
+        assume(b"PK\x05\x06" not in comment)
+        zf.comment = comment
+    return buffer.getvalue()
+
+
+def with_zip64_end(data: bytes) -> bytes:
+    """The archive with a ZIP64 end record and locator before its end record, as a large one has."""
+    end_offset = data.rindex(b"PK\x05\x06")
+    _, _, _, count_here, count, dir_nbytes, dir_offset, comment_nbytes = END.unpack_from(data, end_offset)
+    record = ZIP64_END.pack(b"PK\x06\x06", 44, 45, 45, 0, 0, count_here, count, dir_nbytes, dir_offset)
+    locator = ZIP64_LOCATOR.pack(b"PK\x06\x07", 0, end_offset, 1)
+    end = END.pack(b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, comment_nbytes)
+    return data[:end_offset] + record + locator + end + data[end_offset + END.size :]
+
+
+@st.composite
+def archives(draw: st.DrawFn) -> bytes:
+    data = draw(st.one_of(numpy_archives(), zipfile_archives()))
+    if draw(st.booleans()):
+        data = with_zip64_end(data)
+    if draw(st.booleans()):
+        data = draw(st.binary(min_size=1, max_size=100)) + data  # a self-extracting stub, say
+    return data
+
+
+# --- valid archives: the same entries as zipfile ------------------------------------------------
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=archives(), whole=st.booleans())
+def test_every_field_of_every_entry_is_zipfiles(data: bytes, whole: bool) -> None:
+    assert ours(data, whole) == oracle(data)
+
+
+def test_the_forms_the_strategies_promise_are_read_as_zipfile_reads_them() -> None:
+    """One of each, so a strategy that stopped producing one cannot hide it."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("d/", b"")
+        zf.writestr("é.npy", b"x" * 100)  # a UTF-8 name, flagged
+        with zf.open("z.npy", "w", force_zip64=True) as fp:
+            fp.write(b"zip64 extra")
+        zf.comment = b"a comment"
+    plain = buffer.getvalue()
+    for data in (plain, b"stub" + plain, with_zip64_end(plain), b"\0" * 50 + with_zip64_end(plain)):
+        for whole in (True, False):
+            assert ours(data, whole) == oracle(data)
+    entries = oracle(plain)
+    assert [e[0] for e in entries] == ["d/", "é.npy", "z.npy"]
+    assert entries[1][2] & 0x800  # the UTF-8 flag
+    zip64_extra = struct.pack("<HHQQ", 1, 16, 11, entries[2][5])  # z.npy's local header: both sizes
+    assert zip64_extra in plain
+
+
+def test_cp437_names_are_decoded_as_zipfile_decodes_them() -> None:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        zf.writestr("A.npy", b"")
+    data = buffer.getvalue().replace(b"A.npy", b"\x82.npy")
+    assert ours(data) == oracle(data)
+    assert ours(data)[0][0] == "é.npy"
+
+
+def test_an_archive_with_no_members_is_read_as_empty() -> None:
+    buffer = io.BytesIO()
+    zipfile.ZipFile(buffer, "w").close()
+    data = buffer.getvalue()
+    assert ours(data) == oracle(data) == []
+    assert ours(with_zip64_end(data)) == oracle(with_zip64_end(data)) == []
+
+
+def zipfile_with_zip64_end(path: Path, num_members: int) -> bytes:
+    """An archive zipfile writes with its own ZIP64 end record: it does for more than
+    ZIP_FILECOUNT_LIMIT members, a limit lowered here unless the test runs long."""
+    limit = zipfile.ZIP_FILECOUNT_LIMIT if LONG else num_members - 1
+    with mock.patch.object(zipfile, "ZIP_FILECOUNT_LIMIT", limit), zipfile.ZipFile(path, "w") as zf:
+        for i in range(num_members):
+            zf.writestr(f"{i}", b"")
+    return path.read_bytes()
+
+
+def test_many_members_are_read_from_zipfiles_own_zip64_end_record(tmp_path) -> None:
+    num_members = 65537 if LONG else 300
+    data = zipfile_with_zip64_end(tmp_path / "many.npz", num_members)
+    assert data[-22 - 20 : -22].startswith(b"PK\x06\x07")  # zipfile wrote a ZIP64 end record
+    assert ours(data) == oracle(data)
+    assert len(ours(data, whole=False)) == num_members
+
+
+# --- mutants: refused in one line, or read exactly as zipfile reads them --------------------------
+
+
+@st.composite
+def mutants(draw: st.DrawFn) -> bytes:
+    data = bytearray(draw(archives()))
+    end = data.rindex(b"PK\x05\x06")
+    regions = [(max(0, end - 120), len(data))]  # end records and the directory's tail
+    if b"PK\x01\x02" in data:
+        regions.append((data.index(b"PK\x01\x02"), end))
+    if b"PK\x03\x04" in data:
+        first = data.index(b"PK\x03\x04")
+        regions.append((first, first + 60))
+    for _ in range(draw(st.integers(1, 3))):
+        low, high = draw(st.sampled_from(regions))
+        at = min(draw(st.integers(low, max(low, high - 1))), len(data) - 1)
+        kind = draw(st.sampled_from(["flip", "truncate", "insert", "ff"]))
+        if kind == "flip":
+            data[at] ^= draw(st.integers(1, 255))
+        elif kind == "truncate":
+            del data[at:]
+        elif kind == "insert":
+            data[at:at] = draw(st.binary(min_size=1, max_size=8))
+        else:
+            data[at : at + draw(st.integers(1, 8))] = b"\xff" * draw(st.integers(1, 8))
+        if not data:
+            break
+    return bytes(data)
+
+
+@settings(max_examples=MUTANTS, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=mutants(), whole=st.booleans())
+def test_a_damaged_archive_is_refused_in_one_line_or_read_as_zipfile_reads_it(
+    data: bytes, whole: bool
+) -> None:
+    try:
+        entries = ours(data, whole)
+    except SourceError as exc:
+        assert str(exc).startswith("a.npz: ") and "\n" not in str(exc)
+        return
+    assert entries == oracle(data)
+
+
+# --- hostile numbers --------------------------------------------------------------------------------
+
+
+def one_member() -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        zf.writestr("x.npy", b"data")
+    return buffer.getvalue()
+
+
+def with_end(data: bytes, **fields: int) -> bytes:
+    """``data`` with fields of its end record replaced."""
+    end_offset = data.rindex(b"PK\x05\x06")
+    values = dict(
+        zip(
+            ["disk", "dir_disk", "count_here", "count", "dir_nbytes", "dir_offset", "comment"],
+            END.unpack_from(data, end_offset)[1:],
+            strict=True,
+        )
+    )
+    values.update(fields)
+    return data[:end_offset] + END.pack(b"PK\x05\x06", *values.values())
+
+
+def with_zip64_fields(data: bytes, **fields: int) -> bytes:
+    """``data`` (with a ZIP64 end record) with fields of that record replaced."""
+    at = data.rindex(b"PK\x06\x06")
+    values = list(ZIP64_END.unpack_from(data, at))
+    names = [
+        "sig",
+        "size",
+        "made",
+        "needed",
+        "disk",
+        "dir_disk",
+        "count_here",
+        "count",
+        "dir_nbytes",
+        "dir_offset",
+    ]
+    for name, value in fields.items():
+        values[names.index(name)] = value
+    return data[:at] + ZIP64_END.pack(*values) + data[at + ZIP64_END.size :]
+
+
+def test_a_directory_claiming_65535_entries_in_a_112_byte_file_is_refused() -> None:
+    data = with_end(one_member(), count_here=65535, count=65535)
+    assert len(data) == 112
+    message = assert_refused_in_one_line(data)
+    assert (
+        message
+        == "a.npz: not a valid zip/npz file (65535 entries cannot fit in a central directory of 51 bytes)"
+    )
+    assert len(oracle(data)) == 1  # zipfile ignores the count
+
+
+@pytest.mark.parametrize("whole", [True, False])
+@pytest.mark.parametrize(
+    "fields, problem",
+    [
+        ({"count_here": 2**64 - 1, "count": 2**64 - 1}, "18446744073709551615 entries cannot fit"),
+        ({"count_here": 2**32, "count": 2**32}, "4294967296 entries cannot fit"),
+        ({"dir_nbytes": 2**64 - 1}, "Bad offset for central directory"),
+        ({"dir_nbytes": 2**32 + 51}, "Bad offset for central directory"),
+        ({"disk": 1}, "span multiple disks"),
+        ({"count_here": 0}, "span multiple disks"),
+        ({"count_here": 0, "count": 0}, "holds 1 entries, not the 0 recorded"),
+    ],
+)
+def test_hostile_numbers_in_a_zip64_end_record_are_refused_in_one_line(fields, problem, whole) -> None:
+    data = with_zip64_fields(with_zip64_end(one_member()), **fields)
+    assert problem in assert_refused_in_one_line(data, whole)
+
+
+@pytest.mark.parametrize("dir_offset", [2**32, 2**64 - 1])
+def test_a_directory_offset_past_the_file_shifts_member_offsets_as_in_zipfile_and_the_scan_refuses_them(
+    tmp_path, dir_offset
+) -> None:
+    """The directory lies before the end records whatever its offset says; the difference is
+    taken for bytes prepended to the archive, so member offsets fall before the file's start."""
+    data = with_zip64_fields(with_zip64_end(one_member()), dir_offset=dir_offset)
+    entries = ours(data)
+    assert entries == oracle(data) and entries[0][-1] == 39 - dir_offset
+    path = tmp_path / "a.npz"
+    path.write_bytes(data)
+    with pytest.raises(SourceError) as caught:
+        scan_source(str(path))
+    assert (
+        str(caught.value)
+        == f"{path}[x]: member header at byte {39 - dir_offset} lies outside the {len(data)}-byte file"
+    )
+
+
+def test_a_zip64_locator_with_no_room_for_its_record_is_refused_as_zipfile_refuses_it() -> None:
+    data = ZIP64_LOCATOR.pack(b"PK\x06\x07", 0, 0, 1) + END.pack(b"PK\x05\x06", 0, 0, 0, 0, 0, 0, 0)
+    with pytest.raises(zipfile.BadZipFile, match="File is not a zip file"):
+        oracle(data)
+    assert assert_refused_in_one_line(data) == "a.npz: not a valid zip/npz file (File is not a zip file)"
+
+
+def test_multi_disk_archives_are_refused_as_zipfile_refuses_them() -> None:
+    data = with_zip64_end(one_member())
+    at = data.rindex(b"PK\x06\x07")
+    data = data[:at] + ZIP64_LOCATOR.pack(b"PK\x06\x07", 0, 0, 2) + data[at + ZIP64_LOCATOR.size :]
+    with pytest.raises(zipfile.BadZipFile, match="span multiple disks"):
+        oracle(data)
+    assert "span multiple disks are not supported" in assert_refused_in_one_line(data)
+
+
+@pytest.mark.parametrize("size", [0, 1, 21])
+def test_files_too_small_for_an_end_record_are_not_zip_files(size) -> None:
+    assert (
+        assert_refused_in_one_line(b"P" * size)[len("a.npz: ") :]
+        == "not a valid zip/npz file (File is not a zip file)"
+    )
+
+
+def test_a_zip64_extra_field_is_taken_only_for_marked_values_and_must_hold_them() -> None:
+    data = one_member()
+    at = data.rindex(b"PK\x01\x02")
+    central = bytearray(data[at:])
+    struct.pack_into("<L", central, 42, 0xFFFFFFFF)  # the local header offset, moved to the extra
+    extra = struct.pack("<HHQ", 1, 8, 0)
+    name_end = 46 + 5
+    struct.pack_into("<H", central, 30, len(extra))
+    patched = bytes(central[:name_end]) + extra + bytes(central[name_end:])
+    end = patched.rindex(b"PK\x05\x06")
+    good = data[:at] + patched[:end] + END.pack(b"PK\x05\x06", 0, 0, 1, 1, end, at, 0)
+    assert ours(good) == oracle(good) and ours(good)[0][-1] == 0
+    short = good.replace(extra, struct.pack("<HHL", 1, 4, 0) + b"\0" * 4)
+    with pytest.raises(zipfile.BadZipFile, match="Header offset not found"):
+        oracle(short)
+    assert "Corrupt zip64 extra field. Header offset not found." in assert_refused_in_one_line(short)
+    corrupt = good.replace(extra, struct.pack("<HH", 1, 20) + b"\0" * 8)
+    assert "Corrupt extra field 0001 (size=20)" in assert_refused_in_one_line(corrupt)
+
+
+def test_an_entry_reaching_past_the_directory_is_refused_where_zipfile_cuts_its_name() -> None:
+    data = one_member()
+    at = data.rindex(b"PK\x01\x02")
+    data = data[: at + 28] + struct.pack("<H", 6) + data[at + 30 :]  # a name 1 byte longer
+    assert [e[0] for e in oracle(data)] == ["x.npy"]  # zipfile reads it short, silently
+    assert assert_refused_in_one_line(data) == "a.npz: not a valid zip/npz file (Truncated central directory)"
+
+
+# --- the scan, end to end -----------------------------------------------------------------------------
+
+
+def corpus(directory: Path) -> list[Path]:
+    directory.mkdir()
+    rng = np.random.default_rng(0)
+    arrays = {
+        "tokens": rng.integers(0, 50_000, 700).astype(np.int32),
+        "mask": rng.integers(0, 2, 700).astype(np.uint8),
+    }
+    paths = []
+    for name, save in (("plain", np.savez), ("deflated", np.savez_compressed)):
+        for size in (10, 100_000):  # read whole, and in windows
+            paths.append(directory / f"{name}{size}.npz")
+            save(paths[-1], **{k: np.resize(v, size) for k, v in arrays.items()})
+    stub = directory / "stub.npz"
+    stub.write_bytes(b"#!/bin/sh\nexit 0\n" + paths[0].read_bytes())
+    zip64 = directory / "zip64.npz"
+    zip64.write_bytes(with_zip64_end(paths[1].read_bytes()))
+    return [*paths, stub, zip64]
+
+
+def test_the_scan_finds_each_members_header_and_bytes_where_numpy_and_zipfile_do(tmp_path) -> None:
+    for path in corpus(tmp_path / "src"):
+        headers, locations = scan_source(str(path))
+        data = path.read_bytes()
+        with zipfile.ZipFile(path) as zf:
+            assert sorted(headers) == sorted(name.removesuffix(".npy") for name in zf.namelist())
+            for key, header in headers.items():
+                with zf.open(key + ".npy") as member:
+                    array = np.lib.format.read_array(member)
+                assert (header.dtype, header.shape, header.nbytes) == (array.dtype, array.shape, array.nbytes)
+                info = zf.getinfo(key + ".npy")
+                local = data[info.header_offset : info.header_offset + 30]
+                name_nbytes, extra_nbytes = struct.unpack("<HH", local[26:30])
+                location = locations[key]
+                assert location.offset == info.header_offset + 30 + name_nbytes + extra_nbytes
+                assert (location.stored_nbytes, location.nbytes, location.crc32) == (
+                    info.compress_size,
+                    info.file_size,
+                    info.CRC,
+                )
+                stored = data[location.offset : location.offset + location.stored_nbytes]
+                raw = zlib.decompress(stored, -15) if info.compress_type == zipfile.ZIP_DEFLATED else stored
+                assert raw == zf.read(info)
+
+
+def test_a_member_with_an_empty_name_is_a_one_line_error_not_a_crash(tmp_path) -> None:
+    """zipfile's ZipInfo.is_dir() raised IndexError on it, which escaped as a traceback."""
+    path = tmp_path / "src" / "bad.npz"
+    path.parent.mkdir()
+    buffer = io.BytesIO()
+    np.savez(buffer, x=np.arange(3))
+    data = buffer.getvalue().replace(b"x.npy", b"\0.npy")
+    path.write_bytes(data)
+    result = CliRunner().invoke(
+        cli, ["convert", str(path.parent), "-o", str(tmp_path / "out"), "--workers", "1"]
+    )
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f"Error: {path}") and result.output.count("\n") == 1, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_converting_and_verifying_sources_never_use_zipfile(tmp_path) -> None:
+    """The library reads zip files with its own bounded reader; zipfile stays the tests' oracle."""
+    corpus(tmp_path / "src")
+    code = (
+        "import zipfile\n"
+        "def refuse(*args, **kwargs): raise AssertionError('zipfile.ZipFile was used')\n"
+        "zipfile.ZipFile = refuse\n"
+        "from npz2mmap.cli import cli\n"
+        f"cli(['convert', {str(tmp_path / 'src')!r}, '-o', {str(tmp_path / 'out')!r}, '-q', '--workers', '1'], standalone_mode=False)\n"
+        f"cli(['verify', {str(tmp_path / 'out')!r}, '--sources'], standalone_mode=False)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "6 samples verified" in done.stdout
+
+
+def test_a_header_longer_than_one_window_is_read_from_a_large_file(tmp_path) -> None:
+    """A file above WHOLE_FILE_MAX_NBYTES is read in windows; a long .npy header spans several."""
+    dtype = np.dtype([(f"field_with_a_long_name_{i:03d}", "u1") for i in range(200)])
+    array = np.frombuffer(np.random.default_rng(1).bytes(200 * 1500), dtype)
+    path = tmp_path / "large.npz"
+    np.savez(path, x=array)
+    assert path.stat().st_size > zipdir.WHOLE_FILE_MAX_NBYTES
+    headers, locations = scan_source(str(path))
+    assert headers["x"].header_nbytes > zipdir.MIN_READ_NBYTES
+    assert (headers["x"].dtype, headers["x"].shape) == (array.dtype, array.shape)
+    with zipfile.ZipFile(path) as zf:
+        stored = path.read_bytes()[locations["x"].offset :][: locations["x"].stored_nbytes]
+        assert stored == zf.read("x.npy")
+
+
+def test_a_small_npz_file_is_scanned_with_one_read_and_one_fstat(tmp_path, monkeypatch) -> None:
+    """Its end records, directory, local headers and .npy headers all come from one read of the whole file."""
+    path = tmp_path / "small.npz"
+    np.savez(path, tokens=np.arange(700, dtype=np.int32), mask=np.ones(700, np.uint8))
+    reads: list[tuple[int, int]] = []
+    fstats: list[int] = []
+    real_read_at, real_fstat = fsutil.read_at, os.fstat
+
+    def counted_read_at(fd: int, nbytes: int, offset: int) -> bytes:
+        reads.append((offset, nbytes))
+        return real_read_at(fd, nbytes, offset)
+
+    def counted_fstat(fd: int) -> os.stat_result:
+        fstats.append(fd)
+        return real_fstat(fd)
+
+    monkeypatch.setattr(fsutil, "read_at", counted_read_at)
+    monkeypatch.setattr(os, "fstat", counted_fstat)
+    headers, _ = scan_source(str(path))
+    assert sorted(headers) == ["mask", "tokens"]
+    assert reads == [(0, path.stat().st_size)] and len(fstats) == 1
