@@ -41,6 +41,17 @@ def test_quick_benchmark_writes_table_json_and_chart(tmp_path) -> None:
     report = json.loads((tmp_path / "out" / "results.json").read_text())
     assert {row["workload"] for row in report["throughput"]} == {"fixed", "ragged", "compressed"}
     assert all(row["warm_per_s"] > 0 and row["peak_pss_bytes"] > 0 for row in report["throughput"])
+    for workload, loader in [
+        ("fixed", "in-RAM gather (bound)"),
+        ("fixed", "DataLoader, ready-made batches (hand-off alone)"),
+        ("fixed", "MmapLoader, 2 workers (ring)"),
+        ("fixed", "light transform: MmapLoader, 2 workers (ring)"),
+        ("fixed", "heavy transform: MmapLoader, 2 workers (ring)"),
+        ("ragged", "in-RAM padded gather (bound)"),
+        ("ragged", "PaddedCollate: MmapLoader, 2 workers (ring)"),
+    ]:
+        assert f"| {workload} | {loader} |" in table, loader
+    assert report["loaders"] and all(row["warm_per_s"] > 0 for row in report["loaders"])
     assert (tmp_path / "out" / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Conversion against copying the same files, dirty pages written back and " in table
     conversions = {row["workload"]: row for row in report["conversions"]}
