@@ -28,6 +28,7 @@ from .npzfile import (
     NPY_SUFFIX,
     MemberHeader,
     MemberLocation,
+    check_no_overlap,
     data_after_header,
     located_bytes,
     members,
@@ -36,7 +37,7 @@ from .npzfile import (
     read_member_header,
     source_errors,
 )
-from .zipdir import FileView, ZipEntry, read_entries
+from .zipdir import FileView, ZipEntry, read_directory
 
 NPY_FILE_KEY = "arr_0"
 
@@ -143,7 +144,9 @@ class _Npz:
     def _zip(self) -> tuple[FileView, dict[str, ZipEntry]]:
         if self.view is None or self.entries is None:
             self.view = FileView(self.fd, self.file_nbytes, self.path)
-            self.entries = members(read_entries(self.view), self.path)
+            entries, directory_offset = read_directory(self.view)
+            self.entries = members(entries, self.path)
+            check_no_overlap(self.view, entries, directory_offset, self.path)
         return self.view, self.entries
 
     def keys(self) -> list[str]:
