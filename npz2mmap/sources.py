@@ -163,8 +163,9 @@ class _Npz:
         if self.view is None or self.entries is None:
             self.view = FileView(self.fd, self.file_nbytes, self.path)
             entries, directory_offset = read_directory(self.view)
-            self.entries = members(entries, self.path)
+            by_key = members(entries, self.path)
             check_no_overlap(self.view, entries, directory_offset, self.path)
+            self.entries = by_key  # only once every check passed: a refused file stays refused
         return self.view, self.entries
 
     def keys(self) -> list[str]:

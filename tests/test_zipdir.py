@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from npz2mmap import fsutil, zipdir
 from npz2mmap.cli import cli
 from npz2mmap.errors import SourceError
-from npz2mmap.sources import scan_source
+from npz2mmap.sources import open_source, scan_source
 
 LONG = os.environ.get("NPZ2MMAP_LONG") == "1"
 EXAMPLES = 1500 if LONG else 60
@@ -686,3 +686,18 @@ def test_numpys_own_archives_never_overlap(data: bytes) -> None:
             assert {key: (h.dtype, h.shape) for key, h in headers.items()} == {
                 key: (npz[key].dtype, npz[key].shape) for key in npz.files
             }
+
+
+def test_an_overlapping_archive_stays_refused_when_asked_again(tmp_path) -> None:
+    """verify asks an open source for its keys, then its headers: each must meet the refusal."""
+    _, b_written, b_npy = running_into(b"PK\x01\x02")
+    data = stored_zip({"a.npy": npy_bytes(np.arange(3)), "b.npy": b_written})
+    data = patch_central_entry(
+        data, "b.npy", crc32=zlib.crc32(b_npy), compress_size=len(b_npy), file_size=len(b_npy)
+    )
+    path = tmp_path / "into-directory.npz"
+    path.write_bytes(data)
+    with open_source(str(path)) as source:
+        for ask in (source.keys, lambda: source.header("a")):
+            with pytest.raises(SourceError, match=r"member 'b' runs into the central directory"):
+                ask()
