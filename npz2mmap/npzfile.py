@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import itertools
 import math
 import re
 import struct
@@ -147,6 +148,35 @@ def members(entries: list[ZipEntry], path: str) -> dict[str, ZipEntry]:
     return found
 
 
+def check_no_overlap(view: FileView, entries: list[ZipEntry], directory_offset: int, path: str) -> None:
+    """Refuse a file whose members share bytes or reach into the central directory; SourceError
+    naming the file and both keys.
+
+    Entries pointing at the same or overlapping bytes let a small file expand
+    into a large dataset (a zip bomb by overlap). Each entry spans its local
+    header and its stored data; sorted by start, no span may pass the next
+    one's start (zipfile's ``_end_offset`` rule, which it applies to each member
+    it opens), nor the directory's. Every entry is checked, not only the keys
+    asked for; the sort is bounded as the entry count is, by the directory's size.
+    """
+    spans = sorted(
+        (entry.header_offset, _stored_end(view, entry, path), n) for n, entry in enumerate(entries)
+    )
+    for (_, end, n), (next_start, next_end, next_n) in itertools.pairwise(spans):
+        if end > next_start:
+            keys = member_key(entries[n].filename), member_key(entries[next_n].filename)
+            raise SourceError(
+                f"{path}: not a valid zip/npz file (members {keys[0]!r} and {keys[1]!r} overlap, "
+                f"bytes {next_start} to {min(end, next_end)}: a possible zip bomb)"
+            )
+    if spans and spans[-1][1] > directory_offset:
+        key = member_key(entries[spans[-1][2]].filename)
+        raise SourceError(
+            f"{path}: not a valid zip/npz file (member {key!r} runs into the central "
+            f"directory at byte {directory_offset}: a possible zip bomb)"
+        )
+
+
 def read_member_header(view: FileView, entry: ZipEntry, path: str) -> tuple[MemberHeader, MemberLocation]:
     """Check a member's zip sizes, then read its .npy header; SourceError naming file and key.
 
@@ -156,7 +186,7 @@ def read_member_header(view: FileView, entry: ZipEntry, path: str) -> tuple[Memb
     """
     key = member_key(entry.filename)
     where = f"{path}[{key}]"
-    location = check_member_sizes(view, entry, where)
+    location = check_member_sizes(view, entry, path)
     try:
         header = parse_npy_header(_MemberStart(view, location), key, where)
     except zlib.error as exc:
@@ -225,13 +255,14 @@ class _MemberStart:
         return data
 
 
-def check_member_sizes(view: FileView, entry: ZipEntry, where: str) -> MemberLocation:
+def check_member_sizes(view: FileView, entry: ZipEntry, path: str) -> MemberLocation:
     """Refuse zip sizes that no real member has, before anything is planned by them; say where it lies.
 
     A stored member occupies exactly its size, a deflated one at least
     1/1032 of it, and either lies inside the file. Other compressions (never
-    written by numpy) have no such bound and are refused.
+    written by numpy) have no such bound and are refused. SourceError naming the file and key.
     """
+    where = f"{path}[{member_key(entry.filename)}]"
     if entry.flag_bits & ZIP_ENCRYPTED_FLAG:
         raise SourceError(f"{where}: member is encrypted")
     if entry.compress_type == ZIP_STORED:
@@ -251,38 +282,54 @@ def check_member_sizes(view: FileView, entry: ZipEntry, where: str) -> MemberLoc
             f"{where}: compression method {entry.compress_type} is not supported "
             "(numpy writes stored or deflated members)"
         )
-    offset = _check_member_inside_file(view, entry, where)
+    offset = _check_member_inside_file(view, entry, path, where)
     flags = (DEFLATED if entry.compress_type == ZIP_DEFLATED else 0) | (
         NAMED_NPY if entry.filename.endswith(NPY_SUFFIX) else 0
     )
     return MemberLocation(view.file_nbytes, offset, entry.compress_size, entry.file_size, entry.crc32, flags)
 
 
-def _check_member_inside_file(view: FileView, entry: ZipEntry, where: str) -> int:
+def _check_member_inside_file(view: FileView, entry: ZipEntry, path: str, where: str) -> int:
     """Where the member's stored bytes start, after its local header, which must name it as
     the zip directory does (as zipfile checks when it opens a member)."""
-    start = entry.header_offset
-    file_nbytes = view.file_nbytes
-    if not 0 <= start <= file_nbytes - ZIP_LOCAL_HEADER.size:
-        raise SourceError(f"{where}: member header at byte {start} lies outside the {file_nbytes}-byte file")
-    local = view.read(start, ZIP_LOCAL_HEADER.size)
-    if local[:4] != ZIP_LOCAL_SIGNATURE:
-        raise SourceError(f"{where}: no zip member header at byte {start}")
-    flags, name_nbytes, extra_nbytes = ZIP_LOCAL_HEADER.unpack(local)[1:]
-    name_start = start + ZIP_LOCAL_HEADER.size
+    flags, name_nbytes, offset = _local_header(view, entry, path)
+    name_start = entry.header_offset + ZIP_LOCAL_HEADER.size
     _check_local_name(bytes(view.read(name_start, name_nbytes)), flags, entry, where)
     if entry.flag_bits & ZIP_PATCHED_FLAG:
         raise SourceError(f"{where}: compressed patched data (flag bit 5)")
     if entry.flag_bits & ZIP_STRONG_ENCRYPTION_FLAG:
         raise SourceError(f"{where}: strong encryption (flag bit 6)")
-    offset = name_start + name_nbytes + extra_nbytes
+    return offset
+
+
+def _stored_end(view: FileView, entry: ZipEntry, path: str) -> int:
+    """Where the entry's stored bytes end, by the lengths its local header gives."""
+    return _local_header(view, entry, path)[2] + entry.compress_size
+
+
+def _local_header(view: FileView, entry: ZipEntry, path: str) -> tuple[int, int, int]:
+    """The flags and name length of the entry's local header, which must be one, and where its
+    stored bytes start; they must end inside the file. SourceError naming the file and key."""
+    start = entry.header_offset
+    file_nbytes = view.file_nbytes
+    if not 0 <= start <= file_nbytes - ZIP_LOCAL_HEADER.size:
+        raise SourceError(
+            f"{path}[{member_key(entry.filename)}]: member header at byte {start} "
+            f"lies outside the {file_nbytes}-byte file"
+        )
+    signature, flags, name_nbytes, extra_nbytes = ZIP_LOCAL_HEADER.unpack(
+        view.read(start, ZIP_LOCAL_HEADER.size)
+    )
+    if signature != ZIP_LOCAL_SIGNATURE:
+        raise SourceError(f"{path}[{member_key(entry.filename)}]: no zip member header at byte {start}")
+    offset = start + ZIP_LOCAL_HEADER.size + name_nbytes + extra_nbytes
     end = offset + entry.compress_size
     if end > file_nbytes:
         raise SourceError(
-            f"{where}: member of {entry.compress_size} bytes would end at byte {end}, "
-            f"past the end of the {file_nbytes}-byte file"
+            f"{path}[{member_key(entry.filename)}]: member of {entry.compress_size} bytes would end "
+            f"at byte {end}, past the end of the {file_nbytes}-byte file"
         )
-    return offset
+    return flags, name_nbytes, offset
 
 
 def _check_local_name(name: bytes, flags: int, entry: ZipEntry, where: str) -> None:

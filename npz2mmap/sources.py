@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO, Protocol
@@ -28,6 +29,7 @@ from .npzfile import (
     NPY_SUFFIX,
     MemberHeader,
     MemberLocation,
+    check_no_overlap,
     data_after_header,
     located_bytes,
     members,
@@ -36,7 +38,7 @@ from .npzfile import (
     read_member_header,
     source_errors,
 )
-from .zipdir import FileView, ZipEntry, read_entries
+from .zipdir import FileView, ZipEntry, read_directory
 
 NPY_FILE_KEY = "arr_0"
 
@@ -71,9 +73,21 @@ SAMPLE_DIR, NPY, NPZ = "a directory of .npy files", "a .npy file", "an NPZ file"
 def kind_now(path: str) -> str:
     """What a source is: a directory is a sample directory, a ``*.npy`` file one array, anything
     else an NPZ file."""
-    if os.path.isdir(path):
+    return _kind(path, _mode_now(path))
+
+
+def _kind(path: str, mode: int) -> str:
+    if stat.S_ISDIR(mode):
         return SAMPLE_DIR
     return NPY if is_npy_path(path) else NPZ
+
+
+def _mode_now(path: str) -> int:
+    """The st_mode of what ``path`` names, links followed; 0 if there is none (opening it says why)."""
+    try:
+        return os.stat(path).st_mode
+    except (OSError, ValueError):
+        return 0
 
 
 def kind_scanned(location: MemberLocation) -> str:
@@ -87,9 +101,14 @@ def kind_scanned(location: MemberLocation) -> str:
 def open_source(path: str, scanned: str | None = None) -> Iterator[Source]:
     """Open a source by what it is (see kind_now). Raises SourceError naming the path, also when
     it is no longer what the scan found (``scanned``, one of kind_now's answers)."""
-    kind = kind_now(path)
+    mode = _mode_now(path)
+    kind = _kind(path, mode)
     if scanned is not None and kind != scanned:
         raise SourceError(f"{path}: changed since it was scanned ({scanned} then, {kind} now)")
+    if kind != SAMPLE_DIR and mode:
+        # Never open a pipe or a device (opening one may have effects); one swapped in after
+        # this check is refused by the type of the descriptor opened.
+        _check_regular(path, mode)
     if kind == SAMPLE_DIR:
         with _SampleDir(path) as sample_dir:
             yield sample_dir
@@ -143,7 +162,10 @@ class _Npz:
     def _zip(self) -> tuple[FileView, dict[str, ZipEntry]]:
         if self.view is None or self.entries is None:
             self.view = FileView(self.fd, self.file_nbytes, self.path)
-            self.entries = members(read_entries(self.view), self.path)
+            entries, directory_offset = read_directory(self.view)
+            by_key = members(entries, self.path)
+            check_no_overlap(self.view, entries, directory_offset, self.path)
+            self.entries = by_key  # only once every check passed: a refused file stays refused
         return self.view, self.entries
 
     def keys(self) -> list[str]:
@@ -327,6 +349,13 @@ def _is_dir(entry: os.DirEntry[str]) -> bool:
         return entry.is_dir()
     except OSError:
         return False
+
+
+def _check_regular(path: str, mode: int) -> None:
+    try:
+        fsutil.check_regular(mode)
+    except fsutil.NotRegularFile as exc:
+        raise SourceError(f"{path}: {exc}") from None
 
 
 def _open_npy(path: str) -> BinaryIO:

@@ -113,6 +113,12 @@ class FileView:
 
 def read_entries(view: FileView) -> list[ZipEntry]:
     """Every entry of the central directory, in directory order; SourceError naming the file."""
+    return read_directory(view)[0]
+
+
+def read_directory(view: FileView) -> tuple[list[ZipEntry], int]:
+    """read_entries' entries and where the central directory starts in the file (no member's
+    bytes may reach it)."""
     end_offset, fields = _end_record(view)
     disk, dir_disk, count_here, count, dir_nbytes, dir_offset = fields
     if disk != 0 or dir_disk != 0 or count_here != count:
@@ -127,7 +133,7 @@ def read_entries(view: FileView) -> list[ZipEntry]:
     entries = _central_entries(view, view.read(dir_start, dir_nbytes), dir_start - dir_offset)
     if len(entries) != count:
         _refuse(view, f"the central directory holds {len(entries)} entries, not the {count} recorded")
-    return entries
+    return entries, dir_start
 
 
 def _refuse(view: FileView, problem: str) -> NoReturn:

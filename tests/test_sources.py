@@ -6,13 +6,16 @@ the sources untouched.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import zipfile
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import hostile
@@ -21,12 +24,13 @@ import pytest
 from click.testing import CliRunner, Result
 from conftest import write_npz
 
-from npz2mmap import publish
+from npz2mmap import fsutil, publish
 from npz2mmap.cli import cli
 from npz2mmap.errors import SourceError
 from npz2mmap.npzfile import MemberHeader
 from npz2mmap.plan import MAX_NUM_SAMPLES, build_plan, lay_out
 from npz2mmap.reader import DatasetReader
+from npz2mmap.sources import scan_source
 from npz2mmap.spec import MAX_NBYTES, MAX_PAYLOAD_NBYTES, checked_nbytes, representable_nbytes
 
 
@@ -296,3 +300,108 @@ def test_a_source_replaced_after_the_scan_by_a_pipe_or_device_is_refused(tmp_pat
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if publish.STAGING_MARK in p.name]
     assert os.path.islink(victim) or victim.is_fifo()
+
+
+# --- what the scan opens, and how -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def no_hang(seconds: int = 60) -> Iterator[None]:
+    """Fail, rather than wait forever, if something blocks (an open of a pipe without O_NONBLOCK)."""
+
+    def interrupt(*_: object) -> None:
+        raise TimeoutError(f"blocked for {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def recorded(monkeypatch, module: object, name: str) -> list[tuple[object, ...]]:
+    """Record every call of ``module.name`` (still made) by its arguments."""
+    calls: list[tuple[object, ...]] = []
+    real = getattr(module, name)
+
+    def record(*args: object, **kwargs: object) -> object:
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, record)
+    return calls
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/null"), reason="POSIX only")
+@pytest.mark.parametrize("suffix", [".npz", ".npy"])
+@pytest.mark.parametrize(("kind", "message"), [("fifo", "a pipe (FIFO)"), ("device", "a character device")])
+def test_a_source_that_is_a_pipe_or_a_device_is_refused_without_being_opened(
+    tmp_path, monkeypatch, suffix, kind, message
+) -> None:
+    """Opening a device may act (a tape rewinds, a watchdog starts): the stat before the open refuses it."""
+    path = tmp_path / f"source{suffix}"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/null")
+    opened = recorded(monkeypatch, os, "open")
+    with no_hang(), pytest.raises(SourceError) as caught:
+        scan_source(str(path))
+    assert str(caught.value) == f"{path}: {message}, not a regular file"
+    assert opened == []
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo") or not os.path.exists("/dev/zero"), reason="POSIX only")
+@pytest.mark.parametrize("suffix", [".npz", ".npy"])
+@pytest.mark.parametrize(
+    ("replacement", "message"),
+    [("fifo", "a pipe (FIFO)"), ("/dev/zero", "a character device"), ("directory", "a directory")],
+)
+def test_a_pipe_device_or_directory_swapped_in_after_the_stat_is_refused_by_the_opened_descriptor(
+    tmp_path, monkeypatch, suffix, replacement, message
+) -> None:
+    path = tmp_path / f"source{suffix}"
+    if suffix == ".npy":
+        np.save(path, np.arange(5))
+    else:
+        write_npz(path, x=np.arange(5))
+    real_stat = os.stat
+
+    def stat_then_swap(target: object, *args: object, **kwargs: object) -> os.stat_result:
+        status = real_stat(target, *args, **kwargs)  # type: ignore[arg-type]
+        if os.fspath(target) == str(path):  # type: ignore[arg-type]
+            monkeypatch.setattr(os, "stat", real_stat)
+            path.unlink()
+            if replacement == "fifo":
+                os.mkfifo(path)
+            elif replacement == "directory":
+                path.mkdir()
+            else:
+                path.symlink_to(replacement)
+        return status
+
+    monkeypatch.setattr(os, "stat", stat_then_swap)
+    with no_hang(), pytest.raises(SourceError) as caught:
+        scan_source(str(path))
+    assert str(caught.value) == f"{path}: {message}, not a regular file"
+    assert os.stat is real_stat  # the swap did happen between the checks
+
+
+def test_an_npz_file_is_scanned_with_one_stat_one_open_one_fstat_and_one_read(tmp_path, monkeypatch) -> None:
+    """Its descriptor, only ever read at an offset, keeps O_NONBLOCK: clearing it would change nothing."""
+    path = tmp_path / "small.npz"
+    write_npz(path, tokens=np.arange(700, dtype=np.int32), mask=np.ones(700, np.uint8))
+    size = path.stat().st_size
+    calls = {name: recorded(monkeypatch, os, name) for name in ("stat", "open", "fstat", "set_blocking")}
+    reads = recorded(monkeypatch, fsutil, "read_at")
+    headers, _ = scan_source(str(path))
+    assert sorted(headers) == ["mask", "tokens"]
+    assert {name: len(made) for name, made in calls.items()} == {
+        "stat": 1,
+        "open": 1,
+        "fstat": 1,
+        "set_blocking": 0,
+    }
+    assert [args[1:] for args in reads] == [(size, 0)]

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from npz2mmap import fsutil, zipdir
 from npz2mmap.cli import cli
 from npz2mmap.errors import SourceError
-from npz2mmap.sources import scan_source
+from npz2mmap.sources import open_source, scan_source
 
 LONG = os.environ.get("NPZ2MMAP_LONG") == "1"
 EXAMPLES = 1500 if LONG else 60
@@ -524,3 +524,180 @@ def test_a_small_npz_file_is_scanned_with_one_read_and_one_fstat(tmp_path, monke
     headers, _ = scan_source(str(path))
     assert sorted(headers) == ["mask", "tokens"]
     assert reads == [(0, path.stat().st_size)] and len(fstats) == 1
+
+
+# --- overlapping members (a zip bomb by overlap) ---------------------------------------------------
+
+FIXED_TIME = (2020, 1, 1, 0, 0, 0)
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def stored_zip(members: dict[str, bytes]) -> bytes:
+    """A zip of stored members, in order, with a fixed time (so a member's local header is reproducible)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(zipfile.ZipInfo(name, FIXED_TIME), data)
+    return buffer.getvalue()
+
+
+def patch_central_entry(data: bytes, name: str, **fields: int) -> bytes:
+    """Rewrite fields (crc32, compress_size, file_size, header_offset) of the central entry of ``name``."""
+    offsets = {"crc32": 16, "compress_size": 20, "file_size": 24, "header_offset": 42}
+    start = data.index(b"PK\x01\x02")
+    while data[start + 46 : start + 46 + len(name)] != name.encode():
+        start = data.index(b"PK\x01\x02", start + 4)
+    patched = bytearray(data)
+    for field, value in fields.items():
+        struct.pack_into("<L", patched, start + offsets[field], value)
+    return bytes(patched)
+
+
+def running_into(following: bytes) -> tuple[np.ndarray, bytes, bytes]:
+    """An array whose .npy bytes end in ``following``; the member bytes written (all but those), and
+    the whole .npy bytes, which a reader gets by reading past the member into what follows it."""
+    array = np.frombuffer(b"\x07" * 60 + following, np.uint8)
+    whole = npy_bytes(array)
+    return array, whole[: -len(following)], whole
+
+
+def refused_as_overlap(path: Path) -> str:
+    with pytest.raises(SourceError) as caught:
+        scan_source(str(path))
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_member_lying_inside_another_ones_bytes_is_refused(tmp_path) -> None:
+    """b.npy's local header and data are also a.npy's data: two arrays from one set of bytes."""
+    b_array = np.arange(10, dtype=np.int64)
+    b_alone = stored_zip({"b.npy": npy_bytes(b_array)})
+    b_local = b_alone[: b_alone.index(b"PK\x01\x02")]  # b's local header and data
+    a_npy = npy_bytes(np.frombuffer(b_local, np.uint8))
+    data = stored_zip({"a.npy": a_npy, "b.npy": npy_bytes(b_array)})
+    inner_offset = 30 + len("a.npy") + (len(a_npy) - len(b_local))
+    data = patch_central_entry(data, "b.npy", header_offset=inner_offset)
+    path = tmp_path / "shared.npz"
+    path.write_bytes(data)
+    with np.load(path) as npz:  # what numpy reads (without newer zipfile's check): both arrays
+        assert np.array_equal(npz["b"], b_array) and npz["a"].tobytes() == b_local
+    assert refused_as_overlap(path) == (
+        f"{path}: not a valid zip/npz file (members 'a' and 'b' overlap, bytes {inner_offset} "
+        f"to {inner_offset + len(b_local)}: a possible zip bomb)"
+    )
+
+
+def test_a_member_whose_bytes_run_into_the_next_local_header_is_refused(tmp_path) -> None:
+    a_array, a_written, a_npy = running_into(b"PK\x03\x04")
+    data = stored_zip({"a.npy": a_written, "b.npy": npy_bytes(np.arange(3))})
+    data = patch_central_entry(
+        data, "a.npy", crc32=zlib.crc32(a_npy), compress_size=len(a_npy), file_size=len(a_npy)
+    )
+    path = tmp_path / "into-next.npz"
+    path.write_bytes(data)
+    with np.load(path) as npz:
+        assert np.array_equal(npz["a"], a_array)
+    b_start = 30 + len("a.npy") + len(a_written)
+    assert refused_as_overlap(path) == (
+        f"{path}: not a valid zip/npz file (members 'a' and 'b' overlap, bytes {b_start} "
+        f"to {b_start + 4}: a possible zip bomb)"
+    )
+
+
+def test_a_member_whose_bytes_run_into_the_central_directory_is_refused(tmp_path) -> None:
+    b_array, b_written, b_npy = running_into(b"PK\x01\x02")
+    data = stored_zip({"a.npy": npy_bytes(np.arange(3)), "b.npy": b_written})
+    data = patch_central_entry(
+        data, "b.npy", crc32=zlib.crc32(b_npy), compress_size=len(b_npy), file_size=len(b_npy)
+    )
+    path = tmp_path / "into-directory.npz"
+    path.write_bytes(data)
+    with np.load(path) as npz:
+        assert np.array_equal(npz["b"], b_array)
+    directory_offset = data.index(b"PK\x01\x02")
+    assert refused_as_overlap(path) == (
+        f"{path}: not a valid zip/npz file (member 'b' runs into the central directory "
+        f"at byte {directory_offset}: a possible zip bomb)"
+    )
+
+
+def test_a_member_that_is_not_asked_for_is_checked_too(tmp_path) -> None:
+    _, b_written, b_npy = running_into(b"PK\x01\x02")
+    data = stored_zip({"a.npy": npy_bytes(np.arange(3)), "b.npy": b_written})
+    data = patch_central_entry(
+        data, "b.npy", crc32=zlib.crc32(b_npy), compress_size=len(b_npy), file_size=len(b_npy)
+    )
+    path = tmp_path / "into-directory.npz"
+    path.write_bytes(data)
+    with pytest.raises(SourceError, match=r"member 'b' runs into the central directory"):
+        scan_source(str(path), ["a"])
+
+
+def unseekable_zip(arrays: dict[str, np.ndarray], compress: int) -> bytes:
+    """Written as to a pipe: zipfile then follows each member with a data descriptor (flag bit 3)."""
+
+    class Unseekable(io.RawIOBase):
+        def __init__(self) -> None:
+            self.buffer = bytearray()
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data) -> int:  # type: ignore[no-untyped-def, override]
+            self.buffer += data
+            return len(data)
+
+    sink = Unseekable()
+    with zipfile.ZipFile(sink, "w", compression=compress) as zf:
+        for key, array in arrays.items():
+            zf.writestr(key + ".npy", npy_bytes(array))
+    return bytes(sink.buffer)
+
+
+@pytest.mark.parametrize("compress", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+def test_gaps_between_members_are_accepted(tmp_path, compress) -> None:
+    """Data descriptors after each member's data and a stub before the archive leave gaps, no overlap."""
+    arrays = {"x": np.arange(50, dtype=np.float32), "y": np.arange(7, dtype=np.uint8)}
+    data = b"#!stub\n" * 40 + unseekable_zip(arrays, compress)
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        assert all(info.flag_bits & 0x8 for info in zf.infolist())
+    path = tmp_path / "gaps.npz"
+    path.write_bytes(data)
+    headers, _ = scan_source(str(path))
+    assert {key: (h.dtype, h.shape) for key, h in headers.items()} == {
+        key: (array.dtype, array.shape) for key, array in arrays.items()
+    }
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=numpy_archives())
+def test_numpys_own_archives_never_overlap(data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "a.npz"
+        path.write_bytes(data)
+        headers, _ = scan_source(str(path))
+        with np.load(path) as npz:
+            assert {key: (h.dtype, h.shape) for key, h in headers.items()} == {
+                key: (npz[key].dtype, npz[key].shape) for key in npz.files
+            }
+
+
+def test_an_overlapping_archive_stays_refused_when_asked_again(tmp_path) -> None:
+    """verify asks an open source for its keys, then its headers: each must meet the refusal."""
+    _, b_written, b_npy = running_into(b"PK\x01\x02")
+    data = stored_zip({"a.npy": npy_bytes(np.arange(3)), "b.npy": b_written})
+    data = patch_central_entry(
+        data, "b.npy", crc32=zlib.crc32(b_npy), compress_size=len(b_npy), file_size=len(b_npy)
+    )
+    path = tmp_path / "into-directory.npz"
+    path.write_bytes(data)
+    with open_source(str(path)) as source:
+        for ask in (source.keys, lambda: source.header("a")):
+            with pytest.raises(SourceError, match=r"member 'b' runs into the central directory"):
+                ask()
