@@ -24,12 +24,14 @@ import torch
 from numpy.typing import NDArray
 
 from .dataset import MmapDataset, as_tensors, collate
+from .padding import PaddedCollate
 from .parts import PartsReader
 from .reader import normalise_indices
 from .ring import (
     BATCH,
     COLLATED,
     FIELDS,
+    PADDED,
     Recipe,
     RingWorkers,
     default_slot_nbytes,
@@ -232,6 +234,7 @@ class MmapLoader:
                 self.dataset,
                 functools.partial(make_batch, self.dataset, self.collate_fn, self.batch_transform),
                 self._worker_way(),
+                self.collate_fn,
             )
             num_slots = max(self.num_workers * self.prefetch, self.num_workers + 1)
             slot_nbytes = self.slot_nbytes or default_slot_nbytes(self.dataset, self.batch_size)
@@ -243,9 +246,21 @@ class MmapLoader:
 
     def _worker_way(self) -> str:
         """How workers make batches: the fewer steps the batch has, the fewer copies (ring.Recipe)."""
-        if self.collate_fn is not None or self.batch_transform is not None:
+        if self.batch_transform is not None:
             return BATCH
+        if self.collate_fn is not None:
+            return PADDED if self._pads_from_the_mapping() else BATCH
         return FIELDS if self.dataset.transform is None else COLLATED
+
+    def _pads_from_the_mapping(self) -> bool:
+        """Is collate_fn a plain PaddedCollate of untransformed batches (which a worker pads in its slot)?"""
+        pad = self.collate_fn
+        return (
+            type(pad) is PaddedCollate
+            and not pad.nested
+            and pad.ragged in (None, self.dataset.ragged_fields)
+            and self.dataset.transform is None
+        )
 
     def close(self) -> None:
         """Stop the worker processes (they start again on the next iteration); a no-op without."""
