@@ -22,6 +22,7 @@ import multiprocessing.heap
 import os
 import pickle
 import random
+import selectors
 import signal
 import struct
 import traceback
@@ -485,6 +486,7 @@ class WorkerPool:
         self.ring = Ring.allocate(num_slots, slot_nbytes)
         self.processes: list[Any] = []
         self.conns: list[Any] = []
+        self._selectors: dict[int, selectors.BaseSelector] = {}
         try:
             with parallel.interrupts_blocked():  # workers start deaf to Ctrl-C, then ignore it
                 for worker_id in range(num_workers):
@@ -525,11 +527,9 @@ class WorkerPool:
     def receive(self, worker: int, number: int) -> tuple[Any, ...]:
         """The reply for batch ``number`` from ``worker``; WorkerError at once if any worker has died."""
         conn = self.conns[worker]
-        sentinels = [process.sentinel for process in self.processes]
         while True:
-            # A reply already there needs no wait (most of them, when the workers run ahead).
-            ready = [] if conn.poll() else multiprocessing.connection.wait([conn, *sentinels])
-            if not ready or conn in ready:
+            ready = self._wait(worker)
+            if conn in ready:
                 try:
                     reply = pickle.loads(conn.recv_bytes())
                     if reply[1] != number:  # replies come in the order tasks went: anything else is a bug
@@ -543,6 +543,27 @@ class WorkerPool:
                 if process.sentinel in ready:
                     process.join(STOP_TIMEOUT_S)  # reaped, so its exit code is known
             self.raise_if_dead(number)
+
+    def _wait(self, worker: int) -> list[Any]:
+        """Wait for ``worker``'s reply or any worker's end; return those ready (its pipe, sentinels).
+
+        On POSIX a selector made once per worker does it in one system call
+        (``multiprocessing.connection.wait`` builds one per call); Windows
+        pipes are not selectable, so there it is that function.
+        """
+        if os.name != "posix":
+            sentinels = [process.sentinel for process in self.processes]
+            return multiprocessing.connection.wait([self.conns[worker], *sentinels])
+        selector = self._selectors.get(worker)
+        if selector is None:
+            selector = self._selectors[worker] = selectors.DefaultSelector()
+            selector.register(self.conns[worker], selectors.EVENT_READ)
+            for process in self.processes:
+                selector.register(process.sentinel, selectors.EVENT_READ)
+        while True:
+            ready = selector.select()
+            if ready:  # empty only when a signal interrupted the wait
+                return [key.fileobj for key, _ in ready]
 
     def _raise_gone(self, worker: int, number: int) -> NoReturn:
         """The worker's pipe broke: it is gone, and its exit code (once the kernel has it) tells how."""
@@ -572,6 +593,9 @@ class WorkerPool:
             if process.exitcode is None:
                 process.kill()
                 process.join()
+        for selector in self._selectors.values():
+            selector.close()
+        self._selectors.clear()
         for conn in self.conns:
             conn.close()
         self.processes.clear()
