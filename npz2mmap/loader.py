@@ -179,7 +179,7 @@ class MmapLoader:
             for batch in batches:
                 position.batches_yielded += 1
                 yield batch
-            position.finish()
+            position.finish(self)
         finally:
             batches.close()  # type: ignore[attr-defined]
             if self.sampler is None and self.batch_sampler is None and self.shuffle:
@@ -281,7 +281,7 @@ class MmapLoader:
         of it makes the next pass yield exactly the batches after the last one
         yielded; taken between passes, the next pass starts its epoch from the
         beginning. Samplers with a ``state_dict`` are saved as they stood when
-        the pass began.
+        the pass began (between passes: as the next pass will begin them).
         """
         return self._position.state(self)
 
@@ -333,6 +333,8 @@ class _Position:
         self.sampler_states: dict[str, Any] = {}
         self.resume_at = 0
         self.loaded: dict[str, Any] | None = None
+        # Per sampler, after a finished pass: its state then, and as that pass began.
+        self.ended_sampler_states: dict[str, tuple[Any, Any]] = {}
 
     def start(self, epoch: int) -> int:
         """Begin a pass; return how many batches it skips (those a loaded state had yielded)."""
@@ -340,8 +342,14 @@ class _Position:
         self.pass_epoch, self.batches_yielded, self.sampler_states = epoch, skip, {}
         return skip
 
-    def finish(self) -> None:
+    def finish(self, loader: MmapLoader) -> None:
+        """The pass is over: remember the samplers' states at its start and end (see ``state``)."""
         self.pass_epoch, self.batches_yielded = None, 0
+        self.ended_sampler_states = {
+            key: (sampler.state_dict(), self.sampler_states.get(key))
+            for key, sampler in _samplers(loader)
+            if hasattr(sampler, "state_dict")
+        }
 
     def note_sampler_states(self, loader: MmapLoader) -> None:
         """The samplers' states as this pass begins (they have just been iterated from the start)."""
@@ -353,13 +361,33 @@ class _Position:
         if self.loaded is not None:
             return dict(self.loaded)
         if self.pass_epoch is None:
-            return {"epoch": loader.epoch, "seed": loader.seed, "batches_yielded": 0}
+            return {
+                "epoch": loader.epoch,
+                "seed": loader.seed,
+                "batches_yielded": 0,
+                **self._next_pass_sampler_states(loader),
+            }
         return {
             "epoch": self.pass_epoch,
             "seed": loader.seed,
             "batches_yielded": self.batches_yielded,
             **self.sampler_states,
         }
+
+    def _next_pass_sampler_states(self, loader: MmapLoader) -> dict[str, Any]:
+        """Between passes, each sampler's state as the next pass will begin it.
+
+        A sampler untouched since it finished a pass begins the next one as it
+        began that one (its own state counts the items it yielded); one given
+        another epoch or state since then says so itself.
+        """
+        states = {}
+        for key, sampler in _samplers(loader):
+            if hasattr(sampler, "state_dict"):
+                now = sampler.state_dict()
+                at_end, at_start = self.ended_sampler_states.get(key, (None, None))
+                states[key] = at_start if at_start is not None and now == at_end else now
+        return states
 
     def load(self, loader: MmapLoader, state: dict[str, Any]) -> None:
         if not isinstance(state, dict):

@@ -740,6 +740,37 @@ def test_a_padded_or_ragged_batch_larger_than_its_slot_still_comes_exactly(datas
     assert_same(got, expected)
 
 
+def test_state_dict_between_passes_carries_the_sampler_state(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+
+    def loader_of(sampler: BlockShuffleSampler) -> MmapLoader:
+        return MmapLoader(ds, 4, sampler=sampler, prefetch=0)
+
+    first = loader_of(BlockShuffleSampler(len(ds), 8, seed=3))
+    assert first.state_dict()["sampler"] == {"epoch": 0, "seed": 3, "yielded": 0}
+    first.set_epoch(2)
+    list(first)
+    state = first.state_dict()
+    assert state == {
+        "epoch": 2,
+        "seed": 0,
+        "batches_yielded": 0,
+        "sampler": {"epoch": 2, "seed": 3, "yielded": 0},
+    }
+    next_pass = [b.tolist() for b in first]  # no set_epoch: the same epoch again
+    resumed = loader_of(BlockShuffleSampler(len(ds), 8, seed=3))
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == next_pass
+    assert next_pass != [b.tolist() for b in loader_of(BlockShuffleSampler(len(ds), 8, seed=3))]
+    first.set_epoch(3)  # after a pass, before the next: that epoch, from its start
+    state = first.state_dict()
+    assert state["sampler"] == {"epoch": 3, "seed": 3, "yielded": 0}
+    resumed = loader_of(BlockShuffleSampler(len(ds), 8, seed=3))
+    resumed.load_state_dict(state)
+    resumed.set_epoch(3)
+    assert [b.tolist() for b in resumed] == [b.tolist() for b in first]
+
+
 def test_ragged_samples_of_any_ndim_and_dtypes_torch_lacks_are_packed_exactly(tmp_path) -> None:
     rng = np.random.default_rng(4)
     samples = [
