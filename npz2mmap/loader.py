@@ -24,12 +24,14 @@ import torch
 from numpy.typing import NDArray
 
 from .dataset import MmapDataset, as_tensors, collate
+from .padding import PaddedCollate
 from .parts import PartsReader
 from .reader import normalise_indices
 from .ring import (
     BATCH,
     COLLATED,
     FIELDS,
+    PADDED,
     Recipe,
     RingWorkers,
     default_slot_nbytes,
@@ -177,7 +179,7 @@ class MmapLoader:
             for batch in batches:
                 position.batches_yielded += 1
                 yield batch
-            position.finish()
+            position.finish(self)
         finally:
             batches.close()  # type: ignore[attr-defined]
             if self.sampler is None and self.batch_sampler is None and self.shuffle:
@@ -232,6 +234,7 @@ class MmapLoader:
                 self.dataset,
                 functools.partial(make_batch, self.dataset, self.collate_fn, self.batch_transform),
                 self._worker_way(),
+                self.collate_fn,
             )
             num_slots = max(self.num_workers * self.prefetch, self.num_workers + 1)
             slot_nbytes = self.slot_nbytes or default_slot_nbytes(self.dataset, self.batch_size)
@@ -243,9 +246,21 @@ class MmapLoader:
 
     def _worker_way(self) -> str:
         """How workers make batches: the fewer steps the batch has, the fewer copies (ring.Recipe)."""
-        if self.collate_fn is not None or self.batch_transform is not None:
+        if self.batch_transform is not None:
             return BATCH
+        if self.collate_fn is not None:
+            return PADDED if self._pads_from_the_mapping() else BATCH
         return FIELDS if self.dataset.transform is None else COLLATED
+
+    def _pads_from_the_mapping(self) -> bool:
+        """Is collate_fn a plain PaddedCollate of untransformed batches (which a worker pads in its slot)?"""
+        pad = self.collate_fn
+        return (
+            type(pad) is PaddedCollate
+            and not pad.nested
+            and pad.ragged in (None, self.dataset.ragged_fields)
+            and self.dataset.transform is None
+        )
 
     def close(self) -> None:
         """Stop the worker processes (they start again on the next iteration); a no-op without."""
@@ -266,7 +281,7 @@ class MmapLoader:
         of it makes the next pass yield exactly the batches after the last one
         yielded; taken between passes, the next pass starts its epoch from the
         beginning. Samplers with a ``state_dict`` are saved as they stood when
-        the pass began.
+        the pass began (between passes: as the next pass will begin them).
         """
         return self._position.state(self)
 
@@ -318,6 +333,8 @@ class _Position:
         self.sampler_states: dict[str, Any] = {}
         self.resume_at = 0
         self.loaded: dict[str, Any] | None = None
+        # Per sampler, after a finished pass: its state then, and as that pass began.
+        self.ended_sampler_states: dict[str, tuple[Any, Any]] = {}
 
     def start(self, epoch: int) -> int:
         """Begin a pass; return how many batches it skips (those a loaded state had yielded)."""
@@ -325,8 +342,14 @@ class _Position:
         self.pass_epoch, self.batches_yielded, self.sampler_states = epoch, skip, {}
         return skip
 
-    def finish(self) -> None:
+    def finish(self, loader: MmapLoader) -> None:
+        """The pass is over: remember the samplers' states at its start and end (see ``state``)."""
         self.pass_epoch, self.batches_yielded = None, 0
+        self.ended_sampler_states = {
+            key: (sampler.state_dict(), self.sampler_states.get(key))
+            for key, sampler in _samplers(loader)
+            if hasattr(sampler, "state_dict")
+        }
 
     def note_sampler_states(self, loader: MmapLoader) -> None:
         """The samplers' states as this pass begins (they have just been iterated from the start)."""
@@ -338,13 +361,33 @@ class _Position:
         if self.loaded is not None:
             return dict(self.loaded)
         if self.pass_epoch is None:
-            return {"epoch": loader.epoch, "seed": loader.seed, "batches_yielded": 0}
+            return {
+                "epoch": loader.epoch,
+                "seed": loader.seed,
+                "batches_yielded": 0,
+                **self._next_pass_sampler_states(loader),
+            }
         return {
             "epoch": self.pass_epoch,
             "seed": loader.seed,
             "batches_yielded": self.batches_yielded,
             **self.sampler_states,
         }
+
+    def _next_pass_sampler_states(self, loader: MmapLoader) -> dict[str, Any]:
+        """Between passes, each sampler's state as the next pass will begin it.
+
+        A sampler untouched since it finished a pass begins the next one as it
+        began that one (its own state counts the items it yielded); one given
+        another epoch or state since then says so itself.
+        """
+        states = {}
+        for key, sampler in _samplers(loader):
+            if hasattr(sampler, "state_dict"):
+                now = sampler.state_dict()
+                at_end, at_start = self.ended_sampler_states.get(key, (None, None))
+                states[key] = at_start if at_start is not None and now == at_end else now
+        return states
 
     def load(self, loader: MmapLoader, state: dict[str, Any]) -> None:
         if not isinstance(state, dict):

@@ -66,7 +66,7 @@ class RaggedRows:
 
     def copies(self) -> list[np.ndarray]:
         """Each sample as a fresh, writable array with every byte of it (record padding included)."""
-        nbytes = self._row_nbytes()
+        nbytes = self.row_nbytes()
         return [
             np.array(self.sources[p][s : s + n]).view(self.dtype).reshape(shape)
             for p, s, n, shape in zip(
@@ -107,20 +107,40 @@ class RaggedRows:
             self._copy_rows(target)
         return out
 
+    def row_nbytes(self) -> NDArray[np.int64]:
+        """Every sample's size in bytes."""
+        # Readers checked every row's extent, so these products do not overflow.
+        return np.prod(self.shapes, axis=1, dtype=np.int64) * self.dtype.itemsize
+
+    def fill_packed(self, out: NDArray[np.uint8], offsets: NDArray[np.int64]) -> None:
+        """Copy sample ``j``'s bytes to ``out[offsets[j]:]`` (e.g. a shared slot), one memcpy per sample.
+
+        ``out`` must be a writable 1-d C-contiguous uint8 array that holds every
+        sample at its offset (ValueError otherwise).
+        """
+        nbytes = self.row_nbytes()
+        flags = out.flags
+        if out.dtype != np.uint8 or out.ndim != 1 or not flags.c_contiguous or not flags.writeable:
+            raise ValueError(f"field {self.name!r}: out must be a writable C-contiguous 1-d uint8 array")
+        inside = len(offsets) == len(self) and bool(((offsets >= 0) & (offsets + nbytes <= len(out))).all())
+        if not inside:
+            raise ValueError(f"field {self.name!r}: the {len(self)} samples do not lie inside out at offsets")
+        _copy_by_slices(out.data, offsets.tolist(), self.sources, self.part, self.starts, nbytes)
+
     def mask(self) -> NDArray[np.bool_]:
         """True where the padded batch holds real elements."""
         return valid_mask_of(self.shapes, self.padded_shape()[1:])
-
-    def _row_nbytes(self) -> NDArray[np.int64]:
-        # Readers checked every row's extent, so these products do not overflow.
-        return np.prod(self.shapes, axis=1, dtype=np.int64) * self.dtype.itemsize
 
     def _copy_flat_rows(self, target: np.ndarray) -> None:
         """1-d samples into (n, width) ``target``: a memcpy per sample, or an element index for short ones."""
         itemsize = self.dtype.itemsize
         counts = self.shapes[:, 0]
         if int(counts.sum()) >= LOOP_MIN_ELEMENTS * len(self):
-            _copy_by_slices(target.view(np.uint8), self.sources, self.part, self.starts, counts * itemsize)
+            row_nbytes = target.shape[1] * itemsize
+            if row_nbytes:  # else every sample is empty
+                firsts = range(0, len(target) * row_nbytes, row_nbytes)
+                out = target.view(np.uint8).reshape(-1).data
+                _copy_by_slices(out, firsts, self.sources, self.part, self.starts, counts * itemsize)
         elif (self.starts % itemsize == 0).all() and all(len(s) % itemsize == 0 for s in self.sources):
             sources = [s.view(target.dtype) for s in self.sources]
             _copy_by_element_index(target, sources, self.part, self.starts // itemsize, counts)
@@ -135,7 +155,7 @@ class RaggedRows:
             target,
             self.part.tolist(),
             self.starts.tolist(),
-            self._row_nbytes().tolist(),
+            self.row_nbytes().tolist(),
             self.shapes.tolist(),
             strict=True,
         ):
@@ -143,19 +163,16 @@ class RaggedRows:
 
 
 def _copy_by_slices(
-    target: NDArray[np.uint8],
+    out: memoryview,
+    firsts: Sequence[int],
     sources: list[NDArray[np.uint8]],
     part: NDArray[np.intp],
     starts: NDArray[np.int64],
     nbytes: NDArray[np.int64],
 ) -> None:
-    """One memcpy per row, through memoryviews: a numpy slice assignment costs twice as much per call."""
-    row_nbytes = target.shape[1]
-    if row_nbytes == 0:  # every sample is empty
-        return
+    """Row ``j`` to ``out[firsts[j]:]``, one memcpy per row through memoryviews (a numpy slice
+    assignment costs twice as much per call)."""
     views = [source.data for source in sources]
-    out = target.reshape(-1).data
-    firsts = range(0, len(target) * row_nbytes, row_nbytes)
     if len(views) == 1:
         source = views[0]
         for first, s, n in zip(firsts, starts.tolist(), nbytes.tolist(), strict=True):

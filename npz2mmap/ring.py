@@ -22,6 +22,7 @@ import multiprocessing.heap
 import os
 import pickle
 import random
+import selectors
 import signal
 import struct
 import traceback
@@ -39,6 +40,7 @@ import torch
 from . import parallel
 from .dataset import MmapDataset, SampleList, collate
 from .errors import WorkerError
+from .ragged import RaggedRows, check_padded_size
 from .reader import as_raw
 
 # Every array in a slot starts at a multiple of 64 bytes: aligned for any
@@ -88,6 +90,21 @@ class Leaf:
     tensor: bool
 
 
+@dataclass(frozen=True, eq=False)
+class RowsLeaf:
+    """A ragged field's samples packed one after another from ``offset``, read back as a list."""
+
+    offset: int
+    dtype: Any  # as Leaf's
+    tensor: bool
+    shapes: np.ndarray  # int64 (n, ndim)
+
+    def offsets(self) -> np.ndarray:
+        """Each sample's offset in the slot (a multiple of its itemsize: the region starts aligned)."""
+        nbytes = np.prod(self.shapes, axis=1, dtype=np.int64) * self.dtype.itemsize
+        return self.offset + np.cumsum(nbytes) - nbytes
+
+
 class SlotFull(Exception):
     """A batch needs more bytes than its slot has (it then travels pickled)."""
 
@@ -106,6 +123,7 @@ class Ring:
         memory = block.create_memoryview()
         self.bytes_np = np.frombuffer(memory, dtype=np.uint8)
         self.bytes_torch = torch.frombuffer(memory, dtype=torch.uint8)
+        self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     @classmethod
     def allocate(cls, num_slots: int, slot_nbytes: int) -> Ring:
@@ -119,18 +137,49 @@ class Ring:
     def address(self) -> int:
         return int(self.bytes_np.ctypes.data)
 
+    def slot_bytes(self, slot: int) -> np.ndarray:
+        """The slot as a writable uint8 array."""
+        return self.bytes_np[slot * self.slot_nbytes : (slot + 1) * self.slot_nbytes]
+
+    def typed(self, slot: int, dtype: torch.dtype) -> torch.Tensor:
+        """The whole slot as a 1-d tensor of ``dtype``, made once (then a view of it costs one slice)."""
+        base = self._typed.get((slot, dtype))
+        if base is None:
+            start = slot * self.slot_nbytes  # slot_nbytes is a multiple of SLOT_ALIGN, so of any itemsize
+            base = self._typed[slot, dtype] = self.bytes_torch[start : start + self.slot_nbytes].view(dtype)
+        return base
+
     def view(self, slot: int, leaf: Leaf) -> Any:
         """The tensor or array ``leaf`` describes, sharing the slot's memory."""
-        start = slot * self.slot_nbytes + leaf.offset
-        end = start + math.prod(leaf.shape) * leaf.dtype.itemsize
-        if leaf.tensor:
-            return self.bytes_torch[start:end].view(leaf.dtype).view(leaf.shape)
-        return self.bytes_np[start:end].view(leaf.dtype).reshape(leaf.shape)
+        return self._view(slot, leaf.dtype, leaf.tensor, leaf.offset, leaf.shape)
+
+    def _view(self, slot: int, dtype: Any, tensor: bool, offset: int, shape: Sequence[int]) -> Any:
+        numel = math.prod(shape)
+        if tensor:
+            first = offset // dtype.itemsize  # offsets are multiples of the itemsize
+            flat = self.typed(slot, dtype)[first : first + numel]
+            return flat if len(shape) == 1 else flat.view(shape)
+        start = slot * self.slot_nbytes + offset
+        return self.bytes_np[start : start + numel * dtype.itemsize].view(dtype).reshape(shape)
+
+    def rows(self, slot: int, leaf: RowsLeaf) -> list[Any]:
+        """The samples ``leaf`` describes, each a view of the slot (1-d ones split off in one call)."""
+        dtype, tensor, shapes = leaf.dtype, leaf.tensor, leaf.shapes
+        if tensor and shapes.shape[1] == 1:
+            first = leaf.offset // dtype.itemsize
+            lengths = shapes[:, 0].tolist()
+            return list(self.typed(slot, dtype)[first : first + sum(lengths)].split(lengths))
+        return [
+            self._view(slot, dtype, tensor, offset, shape)
+            for offset, shape in zip(leaf.offsets().tolist(), shapes.tolist(), strict=True)
+        ]
 
     def materialise(self, slot: int, tree: Any) -> Any:
-        """A descriptor tree with every Leaf replaced by its view."""
+        """A descriptor tree with every leaf replaced by its views (new tensors, of the same memory)."""
         if isinstance(tree, Leaf):
             return self.view(slot, tree)
+        if isinstance(tree, RowsLeaf):
+            return self.rows(slot, tree)
         return map_tree(tree, lambda item: self.materialise(slot, item))
 
 
@@ -155,11 +204,25 @@ class SlotWriter:
         self.used = 0
 
     def place(self, dtype: Any, shape: tuple[int, ...], tensor: bool) -> tuple[Leaf, Any]:
-        leaf = Leaf(self.used, dtype, shape, tensor)
-        self.used = aligned(self.used + math.prod(shape) * dtype.itemsize)
+        leaf = Leaf(self.reserve(math.prod(shape) * dtype.itemsize), dtype, shape, tensor)
+        return leaf, self.ring.view(self.slot, leaf)
+
+    def reserve(self, nbytes: int) -> int:
+        """The offset of ``nbytes`` more bytes in the slot (the next place starts aligned after them)."""
+        offset = self.used
+        self.used = aligned(self.used + nbytes)
         if self.used > self.ring.slot_nbytes:
             raise SlotFull(self.used)
-        return leaf, self.ring.view(self.slot, leaf)
+        return offset
+
+    def place_rows(self, rows: RaggedRows) -> tuple[RowsLeaf, np.ndarray]:
+        """Room for a ragged field's samples one after another; the leaf and the samples' offsets."""
+        tensor_dtype = torch_dtype(rows.dtype)
+        dtype = rows.dtype if tensor_dtype is None else tensor_dtype
+        leaf = RowsLeaf(
+            self.reserve(int(rows.row_nbytes().sum())), dtype, tensor_dtype is not None, rows.shapes
+        )
+        return leaf, leaf.offsets()
 
     def write(self, tree: Any) -> Any:
         """Copy every tensor and array of ``tree`` into the slot; return the descriptor tree.
@@ -196,10 +259,12 @@ def tree_nbytes(tree: Any) -> int:
 
 
 # How a worker makes a batch: FIELDS gathers the dataset's fields straight into
-# the slot (no transform, collate_fn or batch_transform); COLLATED stacks the
-# transformed samples into it as the default collate would (a transform, but no
-# collate_fn or batch_transform); BATCH makes the batch, then copies it in.
-FIELDS, COLLATED, BATCH = "fields", "collated", "batch"
+# the slot (no transform, collate_fn or batch_transform); PADDED pads them
+# straight into it as a plain PaddedCollate would (no transform or batch_transform);
+# COLLATED stacks the transformed samples into it as the default collate would
+# (a transform, but no collate_fn or batch_transform); BATCH makes the batch,
+# then copies it in.
+FIELDS, PADDED, COLLATED, BATCH = "fields", "padded", "collated", "batch"
 
 
 @dataclass(frozen=True)
@@ -209,36 +274,72 @@ class Recipe:
     dataset: MmapDataset
     make_batch: Callable[[np.ndarray], Any]
     way: str
+    collate_fn: Any = None  # the PaddedCollate of the PADDED way
 
 
 def write_fields_direct(dataset: MmapDataset, writer: SlotWriter, indices: np.ndarray) -> Any:
     """The untransformed batch gathered from the mapping straight into the slot (one copy).
 
     The same tensors as MmapLoader.load gives: a fixed field as one tensor
-    (numpy where torch lacks the dtype), a ragged one as a list of per-sample tensors.
-    Every place is taken before any byte is copied, so SlotFull leaves nothing half done.
+    (numpy where torch lacks the dtype), a ragged one as a list of per-sample
+    tensors, packed in the slot with one memcpy each. Every place is taken
+    before any byte is copied, so SlotFull leaves nothing half done.
     """
     reader = dataset.reader
     idx = reader.sample_indices(indices)
-    plans: list[tuple[str, Any]] = []
+    fills: list[Callable[[], object]] = []
+    out: dict[str, Any] = {}
+    for name in dataset.fields:
+        shape = reader.field(name).shape
+        if shape is None:
+            rows = reader.ragged_rows(name, idx)
+            out[name], offsets = writer.place_rows(rows)
+            fills.append(functools.partial(rows.fill_packed, writer.ring.slot_bytes(writer.slot), offsets))
+        else:
+            out[name], target = _place_array(writer, reader.field(name).dtype, (len(idx), *shape))
+            fills.append(functools.partial(reader.gather, name, idx, out=target))
+    for fill in fills:
+        fill()
+    return out[dataset.fields[0]] if dataset.single else out
+
+
+def write_padded_direct(
+    dataset: MmapDataset, writer: SlotWriter, indices: np.ndarray, collate_fn: Any
+) -> dict[str, Any]:
+    """What ``collate_fn`` (a PaddedCollate, not nested) makes of the batch, written straight into the slot.
+
+    Each ragged field is padded from the mapping into the slot (each sample
+    copied once), its lengths (and mask) beside it; fixed fields are
+    gathered there. Every place is taken before any byte is copied.
+    """
+    reader = dataset.reader
+    idx = reader.sample_indices(indices)
+    fills: list[Callable[[], object]] = []
+    out: dict[str, Any] = {}
     for name in dataset.fields:
         field = reader.field(name)
-        if field.shape is None:
-            views = [reader.view(name, int(i)) for i in idx]
-            plans.append((name, [(view, _place_array(writer, view.dtype, view.shape)) for view in views]))
-        else:
-            plans.append((name, _place_array(writer, field.dtype, (len(idx), *field.shape))))
-    out = {}
-    for name, plan in plans:
-        if isinstance(plan, list):
-            for view, (_, target) in plan:
-                as_raw(target)[...] = as_raw(view)
-            out[name] = [leaf for _, (leaf, _) in plan]
-        else:
-            leaf, target = plan
-            reader.gather(name, idx, out=target)
-            out[name] = leaf
-    return out[dataset.fields[0]] if dataset.single else out
+        if field.shape is not None:
+            out[name], target = _place_array(writer, field.dtype, (len(idx), *field.shape))
+            fills.append(functools.partial(reader.gather, name, idx, out=target))
+            continue
+        rows = reader.ragged_rows(name, idx)
+        shape = rows.padded_shape()
+        check_padded_size(name, shape, field.dtype.itemsize)
+        out[name], padded = _place_array(writer, field.dtype, shape)
+        fills.append(functools.partial(rows.fill_padded, padded, collate_fn.pad_value))
+        lengths = rows.lengths()
+        out[f"{name}_lengths"], lengths_target = _place_array(writer, lengths.dtype, lengths.shape)
+        fills.append(functools.partial(np.copyto, lengths_target, lengths))
+        if collate_fn.mask:
+            out[f"{name}_mask"], mask_target = _place_array(writer, np.dtype(np.bool_), shape)
+            fills.append(functools.partial(_fill_mask, rows, mask_target))
+    for fill in fills:
+        fill()
+    return out
+
+
+def _fill_mask(rows: RaggedRows, target: np.ndarray) -> None:
+    target[...] = rows.mask()
 
 
 def write_collated(samples: Sequence[Any], writer: SlotWriter) -> Any:
@@ -323,26 +424,35 @@ def _make_into_slot(
     """One batch's reply: ("slot", tree), ("pickled", nbytes, batch) or ("error", exception, traceback)."""
     try:
         writer = SlotWriter(ring, slot)
-        if recipe.way == FIELDS:
+        if recipe.way in (FIELDS, PADDED):
             try:
-                return ("slot", number, write_fields_direct(recipe.dataset, writer, indices))
+                if recipe.way == FIELDS:
+                    tree = write_fields_direct(recipe.dataset, writer, indices)
+                else:
+                    tree = write_padded_direct(recipe.dataset, writer, indices, recipe.collate_fn)
+                return ("slot", number, _layout(tree))
             except SlotFull:
                 batch = recipe.make_batch(indices)
         elif recipe.way == COLLATED:
             samples = recipe.dataset.__getitems__(indices)
             try:
-                return ("slot", number, write_collated(samples, writer))
+                return ("slot", number, _layout(write_collated(samples, writer)))
             except SlotFull:
                 batch = collate(samples)
         else:
             batch = recipe.make_batch(indices)
             try:
-                return ("slot", number, writer.write(batch))
+                return ("slot", number, _layout(writer.write(batch)))
             except SlotFull:
                 pass
         return ("pickled", number, tree_nbytes(batch), batch)
     except Exception as exc:
         return ("error", number, _pickled_or_none(exc), traceback.format_exc())
+
+
+def _layout(tree: Any) -> bytes:
+    """A slot's descriptor tree, pickled apart, so the trainer can tell a layout it has seen by its bytes."""
+    return pickle.dumps(tree, pickle.HIGHEST_PROTOCOL)
 
 
 def _pickled_or_none(exc: BaseException) -> bytes | None:
@@ -376,6 +486,7 @@ class WorkerPool:
         self.ring = Ring.allocate(num_slots, slot_nbytes)
         self.processes: list[Any] = []
         self.conns: list[Any] = []
+        self._selectors: dict[int, selectors.BaseSelector] = {}
         try:
             with parallel.interrupts_blocked():  # workers start deaf to Ctrl-C, then ignore it
                 for worker_id in range(num_workers):
@@ -416,11 +527,9 @@ class WorkerPool:
     def receive(self, worker: int, number: int) -> tuple[Any, ...]:
         """The reply for batch ``number`` from ``worker``; WorkerError at once if any worker has died."""
         conn = self.conns[worker]
-        sentinels = [process.sentinel for process in self.processes]
         while True:
-            # A reply already there needs no wait (most of them, when the workers run ahead).
-            ready = [] if conn.poll() else multiprocessing.connection.wait([conn, *sentinels])
-            if not ready or conn in ready:
+            ready = self._wait(worker)
+            if conn in ready:
                 try:
                     reply = pickle.loads(conn.recv_bytes())
                     if reply[1] != number:  # replies come in the order tasks went: anything else is a bug
@@ -434,6 +543,27 @@ class WorkerPool:
                 if process.sentinel in ready:
                     process.join(STOP_TIMEOUT_S)  # reaped, so its exit code is known
             self.raise_if_dead(number)
+
+    def _wait(self, worker: int) -> list[Any]:
+        """Wait for ``worker``'s reply or any worker's end; return those ready (its pipe, sentinels).
+
+        On POSIX a selector made once per worker does it in one system call
+        (``multiprocessing.connection.wait`` builds one per call); Windows
+        pipes are not selectable, so there it is that function.
+        """
+        if os.name != "posix":
+            sentinels = [process.sentinel for process in self.processes]
+            return multiprocessing.connection.wait([self.conns[worker], *sentinels])
+        selector = self._selectors.get(worker)
+        if selector is None:
+            selector = self._selectors[worker] = selectors.DefaultSelector()
+            selector.register(self.conns[worker], selectors.EVENT_READ)
+            for process in self.processes:
+                selector.register(process.sentinel, selectors.EVENT_READ)
+        while True:
+            ready = selector.select()
+            if ready:  # empty only when a signal interrupted the wait
+                return [key.fileobj for key, _ in ready]
 
     def _raise_gone(self, worker: int, number: int) -> NoReturn:
         """The worker's pipe broke: it is gone, and its exit code (once the kernel has it) tells how."""
@@ -463,6 +593,9 @@ class WorkerPool:
             if process.exitcode is None:
                 process.kill()
                 process.join()
+        for selector in self._selectors.values():
+            selector.close()
+        self._selectors.clear()
         for conn in self.conns:
             conn.close()
         self.processes.clear()
@@ -565,6 +698,7 @@ class RingWorkers:
         self._free: deque[tuple[int, Any]] = deque((slot, None) for slot in range(num_slots))
         self.warned_overflow = False
         self.busy = False
+        self._layouts: dict[int, tuple[bytes, Any]] = {}  # per slot: the last layout's bytes and its tree
         self._next_worker = 0
 
     @property
@@ -666,7 +800,7 @@ class RingWorkers:
 
     def _batch_of(self, reply: tuple[Any, ...], slot: int) -> Any:
         if reply[0] == "slot":
-            return self.pool.ring.materialise(slot, reply[2])
+            return self.pool.ring.materialise(slot, self._tree_of(slot, reply[2]))
         _, number, nbytes, batch = reply
         if not self.warned_overflow:
             self.warned_overflow = True
@@ -678,6 +812,15 @@ class RingWorkers:
                 stacklevel=4,
             )
         return batch
+
+    def _tree_of(self, slot: int, layout: bytes) -> Any:
+        """The descriptor tree of ``layout``, unpickled only when it differs from the slot's last one."""
+        seen = self._layouts.get(slot)
+        if seen is not None and seen[0] == layout:
+            return seen[1]
+        tree = pickle.loads(layout)
+        self._layouts[slot] = (layout, tree)
+        return tree
 
     def _drain(self, in_flight: deque[tuple[int, int, int, np.ndarray]]) -> None:
         """Wait for the batches in flight, dropping them; a dead worker stops the workers instead."""

@@ -32,9 +32,9 @@ class _Resumable:
         raise NotImplementedError
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch's order; a different epoch drops a pending resume."""
+        """Choose the epoch's order; a different epoch drops a pending resume (and has yielded nothing)."""
         if epoch != self.epoch:
-            self._resume_at = 0
+            self._resume_at = self._yielded = 0
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, int]:

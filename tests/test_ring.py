@@ -22,6 +22,8 @@ from conftest import write_samples
 from npz2mmap import BlockShuffleSampler, LengthGroupedSampler, MmapDataset, MmapLoader, PaddedCollate
 from npz2mmap.converter import convert
 from npz2mmap.errors import WorkerError
+from npz2mmap.parts import PartsReader
+from npz2mmap.ragged import RaggedRows
 
 NUM_SAMPLES = 37
 SHM_DIR = Path("/dev/shm")
@@ -125,6 +127,8 @@ def assert_same(a: Any, b: Any) -> None:
     assert type(a) is type(b), (type(a), type(b))
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
     elif isinstance(a, dict):
         assert list(a) == list(b)
         for key in a:
@@ -607,3 +611,186 @@ def test_a_worker_that_cannot_start_stops_those_started(dataset_dir, monkeypatch
         next(iter(loader))
     assert len(started) == 1 and started[0].exitcode is not None
     assert loader._workers is None
+
+
+# Batches written straight into the slot: PaddedCollate, and ragged fields with the default collate.
+
+
+@pytest.fixture(scope="module")
+def parts_dir(tmp_path_factory, sources) -> list[Path]:
+    """The same 37 samples as two parts (0..19, 20..36), read as one dataset."""
+    root = tmp_path_factory.mktemp("ring-parts")
+    out = []
+    for name, chosen in (("a", sources[:20]), ("b", sources[20:])):
+        write_samples(root / f"src-{name}", chosen)
+        convert([root / f"src-{name}"], root / name, workers=1)
+        out.append(root / name)
+    return out
+
+
+def padded_oracle(
+    sources: list[dict[str, np.ndarray]], indices: list[int], pad_value: int, mask: bool
+) -> dict[str, np.ndarray]:
+    """What PaddedCollate must give for ``indices``, padded from np.load's arrays by plain numpy."""
+    tokens = [sources[i]["tokens"] for i in indices]
+    width = max(len(t) for t in tokens)
+    padded = np.full((len(indices), width), pad_value, dtype=np.int32)
+    for row, t in zip(padded, tokens, strict=True):
+        row[: len(t)] = t
+    lengths = np.array([len(t) for t in tokens], dtype=np.int64)
+    out = {
+        "input": np.stack([sources[i]["input"] for i in indices]),
+        "label": np.array([sources[i]["label"] for i in indices], dtype=np.int64),
+        "tokens": padded,
+        "tokens_lengths": lengths,
+    }
+    if mask:
+        out["tokens_mask"] = np.arange(width) < lengths[:, None]
+    return out
+
+
+def assert_padded_equals_oracle(batch: dict[str, Any], expected: dict[str, np.ndarray]) -> None:
+    assert sorted(batch) == sorted(expected)
+    for key, array in expected.items():
+        got = batch[key].numpy()
+        assert got.dtype == array.dtype and got.shape == array.shape, key
+        assert got.tobytes() == array.tobytes(), key
+
+
+def in_ring(loader: MmapLoader, tensor: torch.Tensor) -> bool:
+    ring = loader._workers.pool.ring  # type: ignore[union-attr]
+    start = ring.address()
+    return start <= tensor.data_ptr() and tensor.data_ptr() + tensor.nbytes <= start + ring.nbytes
+
+
+def refuse(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("a worker made a private copy of the batch")
+
+
+# Duplicates, and the longest sample (index 2 has 8 tokens) beside short ones.
+ORDER_WITH_DUPLICATES = [3, 3, 0, 36, 3, 17, 2, 2, 20, 19, 21, 5, 5, 5]
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+@pytest.mark.parametrize("options", [{}, {"mask": True}, {"pad_value": -7, "mask": True}])
+@pytest.mark.parametrize("parts", [False, True])
+def test_padded_batches_are_written_straight_into_the_slot_exactly(
+    dataset_dir, parts_dir, sources, monkeypatch, num_workers, options, parts
+) -> None:
+    path = parts_dir if parts else dataset_dir / "dataset"
+    ds = MmapDataset(path, fields=["input", "label", "tokens"])
+    collate_fn = PaddedCollate(**options)
+    loader_options = {"sampler": ORDER_WITH_DUPLICATES, "collate_fn": collate_fn}
+    expected = epochs(MmapLoader(ds, 4, prefetch=0, **loader_options), count=1)[0]
+    # Forked workers inherit this: a worker that pads into its own memory first fails.
+    monkeypatch.setattr(RaggedRows, "padded", refuse)
+    with MmapLoader(
+        ds, 4, num_workers=num_workers, multiprocessing_context="fork", **loader_options
+    ) as loader:
+        got = []
+        for batch in loader:
+            assert all(in_ring(loader, tensor) for tensor in batch.values())
+            got.append(clone(batch))
+    assert_same(got, expected)
+    for k, batch in enumerate(got):
+        indices = ORDER_WITH_DUPLICATES[4 * k : 4 * k + 4]
+        expected_batch = padded_oracle(
+            sources, indices, options.get("pad_value", 0), options.get("mask", False)
+        )
+        assert_padded_equals_oracle(batch, expected_batch)
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+@pytest.mark.parametrize("parts", [False, True])
+def test_ragged_samples_are_packed_into_the_slot_one_copy_each(
+    dataset_dir, parts_dir, sources, monkeypatch, num_workers, parts
+) -> None:
+    path = parts_dir if parts else dataset_dir / "dataset"
+    ds = MmapDataset(path, fields=["tokens", "label"])
+    expected = epochs(MmapLoader(ds, 4, prefetch=0, sampler=ORDER_WITH_DUPLICATES), count=1)[0]
+    # No sample read on its own: the worker copies them from where the batch's rows lie.
+    monkeypatch.setattr(PartsReader, "view", refuse)
+    with MmapLoader(
+        ds, 4, num_workers=num_workers, sampler=ORDER_WITH_DUPLICATES, multiprocessing_context="fork"
+    ) as loader:
+        got = []
+        for batch in loader:
+            assert all(in_ring(loader, tensor) for tensor in batch["tokens"])
+            got.append(clone(batch))
+    assert_same(got, expected)
+    labels_seen = [label for batch in got for label in batch["label"].tolist()]
+    assert labels_seen == ORDER_WITH_DUPLICATES
+    for batch in got:
+        for tokens, label in zip(batch["tokens"], batch["label"].tolist(), strict=True):
+            assert (
+                tokens.dtype == torch.int32 and tokens.numpy().tobytes() == sources[label]["tokens"].tobytes()
+            )
+
+
+@pytest.mark.parametrize("collate_fn", [None, PaddedCollate(mask=True, pad_value=9)])
+def test_a_padded_or_ragged_batch_larger_than_its_slot_still_comes_exactly(dataset_dir, collate_fn) -> None:
+    ds = MmapDataset(dataset_dir / "dataset")
+    options = {"sampler": ORDER_WITH_DUPLICATES, "collate_fn": collate_fn}
+    expected = epochs(MmapLoader(ds, 4, prefetch=0, **options), count=1)
+    with pytest.warns(RuntimeWarning, match="more than a ring slot's 256"):
+        with MmapLoader(
+            ds, 4, num_workers=2, slot_nbytes=256, multiprocessing_context="fork", **options
+        ) as loader:
+            got = epochs(loader, count=1)
+    assert_same(got, expected)
+
+
+def test_state_dict_between_passes_carries_the_sampler_state(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+
+    def loader_of(sampler: BlockShuffleSampler) -> MmapLoader:
+        return MmapLoader(ds, 4, sampler=sampler, prefetch=0)
+
+    first = loader_of(BlockShuffleSampler(len(ds), 8, seed=3))
+    assert first.state_dict()["sampler"] == {"epoch": 0, "seed": 3, "yielded": 0}
+    first.set_epoch(2)
+    list(first)
+    state = first.state_dict()
+    assert state == {
+        "epoch": 2,
+        "seed": 0,
+        "batches_yielded": 0,
+        "sampler": {"epoch": 2, "seed": 3, "yielded": 0},
+    }
+    next_pass = [b.tolist() for b in first]  # no set_epoch: the same epoch again
+    resumed = loader_of(BlockShuffleSampler(len(ds), 8, seed=3))
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == next_pass
+    assert next_pass != [b.tolist() for b in loader_of(BlockShuffleSampler(len(ds), 8, seed=3))]
+    first.set_epoch(3)  # after a pass, before the next: that epoch, from its start
+    state = first.state_dict()
+    assert state["sampler"] == {"epoch": 3, "seed": 3, "yielded": 0}
+    resumed = loader_of(BlockShuffleSampler(len(ds), 8, seed=3))
+    resumed.load_state_dict(state)
+    resumed.set_epoch(3)
+    assert [b.tolist() for b in resumed] == [b.tolist() for b in first]
+
+
+def test_ragged_samples_of_any_ndim_and_dtypes_torch_lacks_are_packed_exactly(tmp_path) -> None:
+    rng = np.random.default_rng(4)
+    samples = [
+        {
+            "boxes": rng.standard_normal((int(rng.integers(0, 5)), 3)).astype(np.float64),
+            "words": np.array(["ab", "cde", "f"][: int(rng.integers(0, 4))], dtype="<U3"),
+            "label": np.int64(i),
+        }
+        for i in range(11)
+    ]
+    write_samples(tmp_path / "src", samples)
+    convert([tmp_path / "src"], tmp_path / "dataset", workers=1)
+    ds = MmapDataset(tmp_path / "dataset")
+    order = [4, 4, 0, 10, 7, 1, 2, 9, 3]
+    expected = epochs(MmapLoader(ds, 3, prefetch=0, sampler=order), count=1)
+    with MmapLoader(ds, 3, num_workers=2, sampler=order, multiprocessing_context="fork") as loader:
+        got = epochs(loader, count=1)
+    assert_same(got, expected)
+    for batch in got[0]:
+        for row, label in enumerate(batch["label"].tolist()):
+            assert batch["boxes"][row].numpy().tobytes() == samples[label]["boxes"].tobytes()
+            words = batch["words"][row]
+            assert type(words) is np.ndarray and words.tolist() == samples[label]["words"].tolist()
