@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .dataset import GatheredBatch, as_tensors
-from .ragged import RaggedRows, check_padded_size, valid_mask_of
+from .ragged import RaggedRows, check_padded_size, pad_element, raw_unit, valid_mask_of
 
 
 class PaddedCollate:
@@ -116,7 +116,9 @@ def pad(arrays: list[np.ndarray], pad_value: float = 0, name: str = "data") -> t
     shapes = np.array([a.shape for a in arrays], dtype=np.int64).reshape(len(arrays), -1)
     largest = tuple(int(d) for d in shapes.max(axis=0)) if len(arrays) else ()
     check_padded_size(name, (len(arrays), *largest), arrays[0].dtype.itemsize if arrays else 4)
-    out = np.full((len(arrays), *largest), pad_value, dtype=arrays[0].dtype if arrays else np.float32)
+    dtype = arrays[0].dtype if arrays else np.dtype(np.float32)
+    out = np.empty((len(arrays), *largest), dtype=dtype)
+    out.view(raw_unit(dtype))[...] = pad_element(dtype, pad_value, name)
     for row, array in zip(out, arrays, strict=True):
         row[tuple(slice(0, d) for d in array.shape)] = array
     lengths = shapes[:, 0] if shapes.shape[1] == 1 else shapes

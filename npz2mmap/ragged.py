@@ -100,7 +100,7 @@ class RaggedRows:
                 f"dtype {self.dtype}, not {out.shape} {out.dtype}"
             )
         target = out.view(raw_unit(self.dtype))
-        target[...] = pad_element(self.dtype, pad_value)
+        target[...] = pad_element(self.dtype, pad_value, self.name)
         if len(self) and self.shapes.shape[1] == 1:
             self._copy_flat_rows(target)
         else:
@@ -211,10 +211,16 @@ def raw_unit(dtype: np.dtype) -> np.dtype:
     return np.dtype((np.void, dtype.itemsize))
 
 
-def pad_element(dtype: np.dtype, pad_value: float) -> Any:
-    """``pad_value`` as one element of ``dtype``, in raw_unit: cast as np.full casts, zero bytes elsewhere."""
+def pad_element(dtype: np.dtype, pad_value: float, name: str = "data") -> Any:
+    """``pad_value`` as one element of ``dtype``, in raw_unit: cast as np.full casts, zero bytes elsewhere.
+
+    ValueError naming the field ``name`` when the value cannot be one (-1 for uint8).
+    """
     element = np.zeros(1, dtype=dtype)
-    np.copyto(element, pad_value, casting="unsafe")  # what np.full does, so the same values raise
+    try:
+        np.copyto(element, pad_value, casting="unsafe")  # what np.full does, so the same values fail
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise ValueError(f"field {name!r}: pad_value {pad_value!r} is not a {dtype} ({exc})") from None
     return element.view(raw_unit(dtype))[0]
 
 

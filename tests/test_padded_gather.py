@@ -240,3 +240,22 @@ def test_padding_a_batch_from_the_mapping_makes_no_per_sample_arrays(tokens, mon
     monkeypatch.setattr("npz2mmap.ragged.RaggedRows.copies", forbidden, raising=False)
     batch = PaddedCollate(mask=True)(ds.__getitems__([2, 0, 5]))
     assert np.array_equal(batch["tokens"].numpy(), padded_by_numpy([arrays[2], arrays[0], arrays[5]], 0))
+
+
+@pytest.mark.parametrize("from_mapping", [True, False])
+@pytest.mark.parametrize("pad_value", [-1, 256, "x", None])
+def test_a_pad_value_the_field_cannot_hold_is_an_error_naming_the_field(
+    tmp_path, from_mapping, pad_value
+) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, length in enumerate([2, 5]):
+        np.savez(src / f"{i}.npz", mask=np.ones(length, dtype=np.uint8))
+    convert([src], tmp_path / "ds")
+    ds = MmapDataset(tmp_path / "ds")
+    batch = ds.__getitems__([0, 1]) if from_mapping else [ds[0], ds[1]]
+    collate_fn = PaddedCollate(pad_value=pad_value, ragged=None if from_mapping else ["mask"])
+    with pytest.raises(
+        ValueError, match=rf"^field 'mask': pad_value {re.escape(repr(pad_value))} is not a uint8"
+    ):
+        collate_fn(batch)
