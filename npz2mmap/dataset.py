@@ -8,6 +8,7 @@ operating system's page cache instead of holding copies.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -250,7 +251,7 @@ def mark_transformed(sample: Any, ragged: frozenset[str], single: str | None) ->
 
     Only dicts and bare numpy arrays are marked; other samples are the transform's to collate.
     """
-    if isinstance(sample, dict) and ragged.intersection(sample):
+    if isinstance(sample, dict):
         marked = TransformedSample(sample)
         marked.ragged = ragged
         return marked
@@ -269,8 +270,29 @@ def _collate_transformed_samples(batch: Sequence[TransformedSample], *, collate_
         values = [sample[name] for sample in batch]
         if name in ragged:
             _check_stackable(name, values)
-        out[name] = torch_collate(values, collate_fn_map=collate_fn_map)
+        if _arrays_torch_lacks(values):  # strings, records: numpy, as without a transform
+            out[name] = np.stack(values)
+        else:
+            out[name] = torch_collate(values, collate_fn_map=collate_fn_map)
     return out
+
+
+def _arrays_torch_lacks(values: Sequence[Any]) -> bool:
+    """Numpy arrays of one dtype and shape that torch has no tensor for (strings, records, datetimes)."""
+    first = values[0]
+    if type(first) is not np.ndarray or torch_has(first.dtype):
+        return False
+    return all(type(v) is np.ndarray and v.dtype == first.dtype and v.shape == first.shape for v in values)
+
+
+@functools.cache
+def torch_has(dtype: np.dtype) -> bool:
+    """Whether torch.from_numpy takes arrays of ``dtype`` (looked up once per dtype)."""
+    try:
+        torch.from_numpy(np.empty(0, dtype=dtype))
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _collate_transformed_arrays(
@@ -334,13 +356,18 @@ def _collate_listing_ragged(samples: SampleList) -> Any:
     if samples.single is not None and samples.single in samples.ragged:
         return [_as_tensor(sample) for sample in samples]
     if not samples or not isinstance(samples[0], dict):
-        return default_collate(list(samples))
+        return _collate_values(list(samples))
     return {
         name: [_as_tensor(sample[name]) for sample in samples]
         if name in samples.ragged
-        else default_collate([sample[name] for sample in samples])
+        else _collate_values([sample[name] for sample in samples])
         for name in samples[0]
     }
+
+
+def _collate_values(values: list[Any]) -> Any:
+    """torch's default collate, except arrays of a dtype torch lacks, stacked as numpy."""
+    return np.stack(values) if values and _arrays_torch_lacks(values) else default_collate(values)
 
 
 def _as_tensor(value: Any) -> Any:

@@ -7,10 +7,11 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_array
+from conftest import assert_same_array, write_samples
 from torch.utils.data import DataLoader, default_collate
 
 from npz2mmap import BlockShuffleSampler, MmapDataset, MmapLoader, collate
+from npz2mmap.converter import convert
 from npz2mmap.dataset import GatheredBatch
 from npz2mmap.errors import FormatError
 from npz2mmap.reader import DatasetReader
@@ -264,3 +265,35 @@ def test_a_transform_that_makes_a_ragged_field_fixed_still_stacks_by_default(sma
     ds = MmapDataset(out, transform=lambda sample: {"tokens": np.resize(sample["tokens"], 3)})
     batch = next(iter(DataLoader(ds, batch_size=4)))
     assert batch["tokens"].tolist() == [np.resize(expected[i]["tokens"], 3).tolist() for i in range(4)]
+
+
+def _identity(sample):
+    return sample
+
+
+@pytest.mark.parametrize("how", ["MmapLoader", "MmapLoader workers", "DataLoader", "DataLoader collate"])
+def test_a_transform_keeps_fields_of_dtypes_torch_lacks_as_numpy_as_without_one(tmp_path, how) -> None:
+    record = np.dtype([("a", "<i2"), ("b", "<f8")])
+    sources = [
+        {
+            "x": np.full(3, i, dtype=np.float32),
+            "u": np.array([f"w{i}", "zz"], dtype="<U4"),
+            "r": np.array([(i, 0.5)], dtype=record),
+        }
+        for i in range(6)
+    ]
+    write_samples(tmp_path / "src", sources)
+    convert([tmp_path / "src"], tmp_path / "ds")
+    ds = MmapDataset(tmp_path / "ds", transform=_identity)
+    if how.startswith("MmapLoader"):
+        loader = MmapLoader(ds, 4, num_workers=2 if how.endswith("workers") else 0)
+    else:
+        loader = DataLoader(ds, batch_size=4, collate_fn=collate if how.endswith("collate") else None)
+    batch = next(iter(loader))
+    assert isinstance(batch["x"], torch.Tensor)
+    assert batch["x"].tolist() == [[float(i)] * 3 for i in range(4)]
+    for name in ("u", "r"):
+        assert type(batch[name]) is np.ndarray, name
+        assert_same_array(batch[name], np.stack([s[name] for s in sources[:4]]))
+    if hasattr(loader, "close"):
+        loader.close()
