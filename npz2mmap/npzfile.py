@@ -20,7 +20,7 @@ import struct
 import tokenize
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -135,17 +135,22 @@ def open_regular_file(path: str) -> tuple[int, int]:
         raise SourceError(f"{path}: {exc}") from None
 
 
-def members(entries: list[ZipEntry], path: str) -> dict[str, ZipEntry]:
-    """Map key -> zip entry, refusing duplicate keys; directory entries are skipped."""
+def members(entries: Iterable[ZipEntry], path: str) -> tuple[list[ZipEntry], dict[str, ZipEntry]]:
+    """Every entry and the map key -> zip entry, refusing an empty or duplicate key at the entry
+    that has it (so a bad directory stops there); directory entries are skipped."""
+    every: list[ZipEntry] = []
     found: dict[str, ZipEntry] = {}
     for entry in entries:
+        every.append(entry)
         if entry.is_dir():
             continue
         key = member_key(entry.filename)
+        if not key:
+            raise SourceError(f"{path}: field name '' is empty")  # as the plan says, but at once
         if key in found:
             raise SourceError(f"{path}: key {key!r} appears twice in the archive")
         found[key] = entry
-    return found
+    return every, found
 
 
 def check_no_overlap(view: FileView, entries: list[ZipEntry], directory_offset: int, path: str) -> None:
