@@ -137,12 +137,16 @@ def open_regular_file(path: str) -> tuple[int, int]:
 
 def members(entries: Iterable[ZipEntry], path: str) -> tuple[list[ZipEntry], dict[str, ZipEntry]]:
     """Every entry and the map key -> zip entry, refusing an empty or duplicate key at the entry
-    that has it (so a bad directory stops there); directory entries are skipped."""
+    that has it (so a bad directory stops there); empty directory entries are no members.
+
+    A directory entry that holds bytes is a member like any other, with the
+    key ``np.load`` gives it (its name, slash included).
+    """
     every: list[ZipEntry] = []
     found: dict[str, ZipEntry] = {}
     for entry in entries:
         every.append(entry)
-        if entry.is_dir():
+        if entry.is_dir() and entry.file_size == 0:
             continue
         key = member_key(entry.filename)
         if not key:

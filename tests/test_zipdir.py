@@ -29,7 +29,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from npz2mmap import fsutil, zipdir
+from npz2mmap import DatasetReader, fsutil, zipdir
 from npz2mmap.cli import cli
 from npz2mmap.errors import SourceError
 from npz2mmap.sources import open_source, scan_source
@@ -841,3 +841,23 @@ def test_the_cli_refuses_a_hostile_directory_in_one_line_and_converts_the_rest_w
             assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
             assert result.output.startswith(f"Error: {sources / 'b.npz'}: holds 65,536 zip entries")
             assert not out.exists()
+
+
+# --- directory entries ----------------------------------------------------------------------------
+
+
+def test_a_directory_entry_holding_an_array_is_converted_as_numpy_reads_it(tmp_path) -> None:
+    """np.load gives it the key 'd/'; only an empty directory entry is no member."""
+    d_array = np.array([1.5, 2.5])
+    data = stored_zip({"a.npy": npy_bytes(np.arange(6)), "d/": npy_bytes(d_array), "e/": b""})
+    path = tmp_path / "src" / "dirs.npz"
+    path.parent.mkdir()
+    path.write_bytes(data)
+    with np.load(path) as npz:
+        assert np.array_equal(npz["d/"], d_array) and npz["e/"] == b""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["convert", str(path.parent), "-o", str(out), "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    reader = DatasetReader(str(out))
+    assert reader.view("d/", 0).tobytes() == d_array.tobytes()
+    assert sorted(f.name for f in reader.index.fields) == ["a", "d/"]
