@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from npz2mmap import DatasetReader, fsutil, zipdir
+from npz2mmap import DatasetReader, fsutil, npzfile, zipdir
 from npz2mmap.cli import cli
 from npz2mmap.errors import SourceError
 from npz2mmap.sources import open_source, scan_source
@@ -703,6 +704,51 @@ def test_an_overlapping_archive_stays_refused_when_asked_again(tmp_path) -> None
         for ask in (source.keys, lambda: source.header("a")):
             with pytest.raises(SourceError, match=r"member 'b' runs into the central directory"):
                 ask()
+
+
+def test_numpys_archives_are_checked_for_overlap_without_a_sort(tmp_path, monkeypatch) -> None:
+    """numpy writes members in offset order: one pass over them, no sorted copy of the spans."""
+    path = tmp_path / "a.npz"
+    np.savez(path, a=np.arange(3), b=np.ones(4), c=np.zeros(2))
+
+    def no_sort(*args: object, **kwargs: object) -> list[object]:
+        raise AssertionError("the spans were sorted")
+
+    monkeypatch.setattr(npzfile, "sorted", no_sort, raising=False)
+    headers, _ = scan_source(str(path))
+    assert sorted(headers) == ["a", "b", "c"]
+
+
+def with_directory_reversed(data: bytes) -> bytes:
+    """``data`` with its central directory's entries in reverse order (offsets unchanged)."""
+    start, end = data.index(b"PK\x01\x02"), data.rindex(b"PK\x05\x06")
+    entries, position = [], start
+    while position < end:
+        lengths = struct.unpack_from("<3H", data, position + 28)
+        entries.append(data[position : position + 46 + sum(lengths)])
+        position += len(entries[-1])
+    return data[:start] + b"".join(reversed(entries)) + data[end:]
+
+
+def test_members_listed_out_of_offset_order_are_checked_for_overlap_too(tmp_path) -> None:
+    arrays = {"a": np.arange(5), "b": np.arange(7.0), "c": np.ones(2, np.int8)}
+    data = with_directory_reversed(stored_zip({f"{k}.npy": npy_bytes(v) for k, v in arrays.items()}))
+    path = tmp_path / "reversed.npz"
+    path.write_bytes(data)
+    headers, _ = scan_source(str(path))  # no overlap: accepted
+    with np.load(path) as npz:
+        assert npz.files == ["c", "b", "a"]
+        assert {k: (h.dtype, h.shape) for k, h in headers.items()} == {
+            k: (npz[k].dtype, npz[k].shape) for k in npz.files
+        }
+    b_start = data.index(b"PK\x03\x04", 1)
+    path.write_bytes(patch_central_entry(data, "a.npy", header_offset=b_start))
+    message = refused_as_overlap(path)
+    assert re.fullmatch(
+        rf"{re.escape(str(path))}: not a valid zip/npz file \(members '[ab]' and '[ab]' overlap, "
+        rf"bytes {b_start} to \d+: a possible zip bomb\)",
+        message,
+    ), message
 
 
 # --- bounded work on hostile directories ----------------------------------------------------------
