@@ -20,9 +20,9 @@ import struct
 import tokenize
 import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 import numpy as np
 
@@ -135,17 +135,26 @@ def open_regular_file(path: str) -> tuple[int, int]:
         raise SourceError(f"{path}: {exc}") from None
 
 
-def members(entries: list[ZipEntry], path: str) -> dict[str, ZipEntry]:
-    """Map key -> zip entry, refusing duplicate keys; directory entries are skipped."""
+def members(entries: Iterable[ZipEntry], path: str) -> tuple[list[ZipEntry], dict[str, ZipEntry]]:
+    """Every entry and the map key -> zip entry, refusing an empty or duplicate key at the entry
+    that has it (so a bad directory stops there); empty directory entries are no members.
+
+    A directory entry that holds bytes is a member like any other, with the
+    key ``np.load`` gives it (its name, slash included).
+    """
+    every: list[ZipEntry] = []
     found: dict[str, ZipEntry] = {}
     for entry in entries:
-        if entry.is_dir():
+        every.append(entry)
+        if entry.is_dir() and entry.file_size == 0:
             continue
         key = member_key(entry.filename)
+        if not key:
+            raise SourceError(f"{path}: field name '' is empty")  # as the plan says, but at once
         if key in found:
             raise SourceError(f"{path}: key {key!r} appears twice in the archive")
         found[key] = entry
-    return found
+    return every, found
 
 
 def check_no_overlap(view: FileView, entries: list[ZipEntry], directory_offset: int, path: str) -> None:
@@ -154,27 +163,52 @@ def check_no_overlap(view: FileView, entries: list[ZipEntry], directory_offset: 
 
     Entries pointing at the same or overlapping bytes let a small file expand
     into a large dataset (a zip bomb by overlap). Each entry spans its local
-    header and its stored data; sorted by start, no span may pass the next
+    header and its stored data; in order of start, no span may pass the next
     one's start (zipfile's ``_end_offset`` rule, which it applies to each member
     it opens), nor the directory's. Every entry is checked, not only the keys
-    asked for; the sort is bounded as the entry count is, by the directory's size.
+    asked for. Entries already in order (numpy writes them so) are checked in
+    one pass; others are sorted first, a sort bounded as the entry count is.
     """
+    previous: ZipEntry | None = None
+    previous_end = 0
+    for entry in entries:
+        if previous is not None and entry.header_offset < previous.header_offset:
+            _check_sorted_spans(view, entries, directory_offset, path)
+            return
+        end = _stored_end(view, entry, path)
+        if previous is not None and previous_end > entry.header_offset:
+            _refuse_overlap(previous, entry, min(previous_end, end), path)
+        previous, previous_end = entry, end
+    if previous is not None and previous_end > directory_offset:
+        _refuse_into_directory(previous, directory_offset, path)
+
+
+def _check_sorted_spans(view: FileView, entries: list[ZipEntry], directory_offset: int, path: str) -> None:
+    """check_no_overlap for entries out of order: the spans sorted by start."""
     spans = sorted(
         (entry.header_offset, _stored_end(view, entry, path), n) for n, entry in enumerate(entries)
     )
     for (_, end, n), (next_start, next_end, next_n) in itertools.pairwise(spans):
         if end > next_start:
-            keys = member_key(entries[n].filename), member_key(entries[next_n].filename)
-            raise SourceError(
-                f"{path}: not a valid zip/npz file (members {keys[0]!r} and {keys[1]!r} overlap, "
-                f"bytes {next_start} to {min(end, next_end)}: a possible zip bomb)"
-            )
-    if spans and spans[-1][1] > directory_offset:
-        key = member_key(entries[spans[-1][2]].filename)
-        raise SourceError(
-            f"{path}: not a valid zip/npz file (member {key!r} runs into the central "
-            f"directory at byte {directory_offset}: a possible zip bomb)"
-        )
+            _refuse_overlap(entries[n], entries[next_n], min(end, next_end), path)
+    if spans[-1][1] > directory_offset:
+        _refuse_into_directory(entries[spans[-1][2]], directory_offset, path)
+
+
+def _refuse_overlap(entry: ZipEntry, following: ZipEntry, shared_end: int, path: str) -> NoReturn:
+    keys = member_key(entry.filename), member_key(following.filename)
+    raise SourceError(
+        f"{path}: not a valid zip/npz file (members {keys[0]!r} and {keys[1]!r} overlap, "
+        f"bytes {following.header_offset} to {shared_end}: a possible zip bomb)"
+    )
+
+
+def _refuse_into_directory(entry: ZipEntry, directory_offset: int, path: str) -> NoReturn:
+    key = member_key(entry.filename)
+    raise SourceError(
+        f"{path}: not a valid zip/npz file (member {key!r} runs into the central "
+        f"directory at byte {directory_offset}: a possible zip bomb)"
+    )
 
 
 def read_member_header(view: FileView, entry: ZipEntry, path: str) -> tuple[MemberHeader, MemberLocation]:

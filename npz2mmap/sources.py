@@ -38,7 +38,7 @@ from .npzfile import (
     read_member_header,
     source_errors,
 )
-from .zipdir import FileView, ZipEntry, read_directory
+from .zipdir import FileView, ZipEntry, directory_entries
 
 NPY_FILE_KEY = "arr_0"
 
@@ -162,8 +162,8 @@ class _Npz:
     def _zip(self) -> tuple[FileView, dict[str, ZipEntry]]:
         if self.view is None or self.entries is None:
             self.view = FileView(self.fd, self.file_nbytes, self.path)
-            entries, directory_offset = read_directory(self.view)
-            by_key = members(entries, self.path)
+            directory, directory_offset = directory_entries(self.view)
+            entries, by_key = members(directory, self.path)
             check_no_overlap(self.view, entries, directory_offset, self.path)
             self.entries = by_key  # only once every check passed: a refused file stays refused
         return self.view, self.entries

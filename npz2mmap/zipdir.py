@@ -5,19 +5,22 @@ What the scan needs of each entry, with zipfile's meaning exactly (its
 record found where zipfile finds it, a ZIP64 end record when its locator is
 there, zip64 extra fields, and offsets shifted by the bytes prepended to the
 archive (a self-extracting stub). Stricter than zipfile where zipfile trusts
-the file: the entry count must be the number of entries the directory holds,
-each entry must lie inside the directory, and multi-disk archives are refused
-whichever record says so. Every number is checked, in Python ints, against
-the file's size before anything is read or allocated by it.
+the file: the entry count must be the number of entries the directory holds
+(at most MAX_ENTRIES), each entry must lie inside the directory, the directory
+must be no larger than that many entries can be, and multi-disk archives are
+refused whichever record says so. Every number is checked, in Python ints,
+against the file's size before anything is read or allocated by it.
 
 A small file is read whole, in one read, and everything is parsed from that
-buffer; a larger one is read in bounded windows (``FileView``).
+buffer; a larger one is read in bounded windows (``FileView``), its directory
+included (DIRECTORY_WINDOW_NBYTES at a time).
 """
 
 from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Iterator
 from typing import Any, NamedTuple, NoReturn
 
 from . import fsutil
@@ -44,6 +47,12 @@ ZIP64_MARK = 0xFFFF_FFFF
 # Read at once from the end of a larger file: its end records and, mostly, its whole directory.
 TAIL_NBYTES = 8192
 MAX_EXTRACT_VERSION = 63  # zipfile's
+# Entries an NPZ file may hold: far more members than any sample has, few enough to hold in memory.
+MAX_ENTRIES = 65_535
+# The most one directory entry can occupy: its fixed part and a name, extra and comment of 64 KiB each.
+MAX_CENTRAL_ENTRY_NBYTES = CENTRAL_ENTRY.size + 3 * 0xFFFF
+# A directory larger than this is parsed in windows of this size (more than any one entry can take).
+DIRECTORY_WINDOW_NBYTES = 1 << 20
 UTF8_FLAG = 0x800
 
 
@@ -119,6 +128,19 @@ def read_entries(view: FileView) -> list[ZipEntry]:
 def read_directory(view: FileView) -> tuple[list[ZipEntry], int]:
     """read_entries' entries and where the central directory starts in the file (no member's
     bytes may reach it)."""
+    entries, dir_start = directory_entries(view)
+    return list(entries), dir_start
+
+
+def directory_entries(view: FileView) -> tuple[Iterator[ZipEntry], int]:
+    """read_directory's entries, parsed as they are taken (so a caller can refuse a bad file at
+    its first bad entry), and where the directory starts.
+
+    The end records are checked now: the count against MAX_ENTRIES and the
+    directory's size against what that many entries can occupy, so no read or
+    allocation is ever larger than a checked claim; the iterator checks the
+    count as it goes and refuses a directory holding more or fewer entries.
+    """
     end_offset, fields = _end_record(view)
     disk, dir_disk, count_here, count, dir_nbytes, dir_offset = fields
     if disk != 0 or dir_disk != 0 or count_here != count:
@@ -130,10 +152,15 @@ def read_directory(view: FileView) -> tuple[list[ZipEntry], int]:
         _refuse(view, "Bad offset for central directory")
     if count * CENTRAL_ENTRY.size > dir_nbytes:
         _refuse(view, f"{count} entries cannot fit in a central directory of {dir_nbytes} bytes")
-    entries = _central_entries(view, view.read(dir_start, dir_nbytes), dir_start - dir_offset)
-    if len(entries) != count:
-        _refuse(view, f"the central directory holds {len(entries)} entries, not the {count} recorded")
-    return entries, dir_start
+    if count > MAX_ENTRIES:
+        raise SourceError(
+            f"{view.where}: holds {count:,} zip entries, more than the {MAX_ENTRIES:,} an NPZ file may have"
+        )
+    if dir_nbytes > count * MAX_CENTRAL_ENTRY_NBYTES:
+        _refuse(view, f"a central directory of {dir_nbytes} bytes is larger than {count} entries can be")
+    if dir_nbytes and view.read(dir_start, len(CENTRAL_SIGNATURE)) != CENTRAL_SIGNATURE:
+        _refuse(view, "Bad magic number for central directory")
+    return _central_entries(view, dir_start, dir_nbytes, count, dir_start - dir_offset), dir_start
 
 
 def _refuse(view: FileView, problem: str) -> NoReturn:
@@ -186,30 +213,56 @@ def _zip64_end_record(view: FileView, end_offset: int) -> tuple[int, ...] | None
     return record[4:10]
 
 
-def _central_entries(view: FileView, directory: memoryview, concat: int) -> list[ZipEntry]:
-    """Parse entries until the directory's end; each must lie wholly inside it."""
-    entries = []
-    position = 0
-    end = len(directory)
-    while position < end:
-        if position + CENTRAL_ENTRY.size > end:
+def _central_entries(view: FileView, start: int, nbytes: int, count: int, concat: int) -> Iterator[ZipEntry]:
+    """Parse the ``nbytes`` of entries at ``start``, a window at a time; each entry must lie
+    wholly inside the directory, and there must be ``count`` of them (refused at the first extra)."""
+    end = start + nbytes
+    taken = 0
+    while start < end:
+        window = view.read(start, min(end - start, DIRECTORY_WINDOW_NBYTES))
+        last = start + len(window) == end
+        position = 0
+        # A window holds at least one whole entry, unless the directory ends in it cut short.
+        while position < len(window) and (last or _entry_in(window, position)):
+            taken += 1
+            if taken > count:
+                _refuse(view, f"the central directory holds more than the {count} entries recorded")
+            entry, position = _central_entry(view, window, position, concat)
+            yield entry
+        if position == 0:  # never so: a window is larger than any entry (unless the file shrank)
             _refuse(view, "Truncated central directory")
-        fields = CENTRAL_ENTRY.unpack_from(directory, position)
-        if fields[0] != CENTRAL_SIGNATURE:
-            _refuse(view, "Bad magic number for central directory")
-        name_nbytes, extra_nbytes, comment_nbytes = fields[12:15]
-        name_start = position + CENTRAL_ENTRY.size
-        extra_start = name_start + name_nbytes
-        position = extra_start + extra_nbytes + comment_nbytes
-        if position > end:
-            _refuse(view, "Truncated central directory")
-        if fields[3] > MAX_EXTRACT_VERSION:
-            raise SourceError(f"{view.where}: zip file version {fields[3] / 10:.1f} is not supported")
-        name = _decoded_name(view, directory[name_start:extra_start], fields[5])
-        entries.append(
-            _entry(view, name, fields, directory[extra_start : extra_start + extra_nbytes], concat)
-        )
-    return entries
+        start += position
+    if taken != count:
+        _refuse(view, f"the central directory holds {taken} entries, not the {count} recorded")
+
+
+def _entry_in(window: memoryview, offset: int) -> bool:
+    """Whether the entry at ``offset`` lies wholly in ``window``."""
+    if offset + CENTRAL_ENTRY.size > len(window):
+        return False
+    lengths = struct.unpack_from("<3H", window, offset + CENTRAL_ENTRY.size - 18)
+    return offset + CENTRAL_ENTRY.size + sum(lengths) <= len(window)
+
+
+def _central_entry(view: FileView, window: memoryview, position: int, concat: int) -> tuple[ZipEntry, int]:
+    """The entry at ``position`` in ``window`` and where the next one starts in it; a window
+    always reaches the directory's end or holds the whole entry, so one cut short is truncated."""
+    end = len(window)
+    if position + CENTRAL_ENTRY.size > end:
+        _refuse(view, "Truncated central directory")
+    fields = CENTRAL_ENTRY.unpack_from(window, position)
+    if fields[0] != CENTRAL_SIGNATURE:
+        _refuse(view, "Bad magic number for central directory")
+    name_nbytes, extra_nbytes, comment_nbytes = fields[12:15]
+    name_start = position + CENTRAL_ENTRY.size
+    extra_start = name_start + name_nbytes
+    position = extra_start + extra_nbytes + comment_nbytes
+    if position > end:
+        _refuse(view, "Truncated central directory")
+    if fields[3] > MAX_EXTRACT_VERSION:
+        raise SourceError(f"{view.where}: zip file version {fields[3] / 10:.1f} is not supported")
+    name = _decoded_name(view, window[name_start:extra_start], fields[5])
+    return _entry(view, name, fields, window[extra_start : extra_start + extra_nbytes], concat), position
 
 
 def _decoded_name(view: FileView, raw: memoryview, flags: int) -> str:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import struct
 import subprocess
 import sys
 import tempfile
+import tracemalloc
 import zipfile
 import zlib
 from collections.abc import Iterator
@@ -28,7 +30,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from npz2mmap import fsutil, zipdir
+from npz2mmap import DatasetReader, fsutil, npzfile, zipdir
 from npz2mmap.cli import cli
 from npz2mmap.errors import SourceError
 from npz2mmap.sources import open_source, scan_source
@@ -40,6 +42,7 @@ FIELDS = ("orig_filename", "filename", "flag_bits", "compress_type", "CRC", "com
 END = struct.Struct("<4s4H2LH")
 ZIP64_END = struct.Struct("<4sQ2H2L4Q")
 ZIP64_LOCATOR = struct.Struct("<4sLQL")
+CENTRAL = struct.Struct("<4s4B4HL2L5H2L")
 
 
 def oracle(data: bytes) -> list[tuple[object, ...]]:
@@ -205,8 +208,8 @@ def test_an_archive_with_no_members_is_read_as_empty() -> None:
 
 def zipfile_with_zip64_end(path: Path, num_members: int) -> bytes:
     """An archive zipfile writes with its own ZIP64 end record: it does for more than
-    ZIP_FILECOUNT_LIMIT members, a limit lowered here unless the test runs long."""
-    limit = zipfile.ZIP_FILECOUNT_LIMIT if LONG else num_members - 1
+    ZIP_FILECOUNT_LIMIT members, a limit lowered here."""
+    limit = num_members - 1
     with mock.patch.object(zipfile, "ZIP_FILECOUNT_LIMIT", limit), zipfile.ZipFile(path, "w") as zf:
         for i in range(num_members):
             zf.writestr(f"{i}", b"")
@@ -214,7 +217,7 @@ def zipfile_with_zip64_end(path: Path, num_members: int) -> bytes:
 
 
 def test_many_members_are_read_from_zipfiles_own_zip64_end_record(tmp_path) -> None:
-    num_members = 65537 if LONG else 300
+    num_members = zipdir.MAX_ENTRIES if LONG else 300
     data = zipfile_with_zip64_end(tmp_path / "many.npz", num_members)
     assert data[-22 - 20 : -22].startswith(b"PK\x06\x07")  # zipfile wrote a ZIP64 end record
     assert ours(data) == oracle(data)
@@ -330,7 +333,7 @@ def test_a_directory_claiming_65535_entries_in_a_112_byte_file_is_refused() -> N
         ({"dir_nbytes": 2**32 + 51}, "Bad offset for central directory"),
         ({"disk": 1}, "span multiple disks"),
         ({"count_here": 0}, "span multiple disks"),
-        ({"count_here": 0, "count": 0}, "holds 1 entries, not the 0 recorded"),
+        ({"count_here": 0, "count": 0}, "51 bytes is larger than 0 entries can be"),
     ],
 )
 def test_hostile_numbers_in_a_zip64_end_record_are_refused_in_one_line(fields, problem, whole) -> None:
@@ -701,3 +704,206 @@ def test_an_overlapping_archive_stays_refused_when_asked_again(tmp_path) -> None
         for ask in (source.keys, lambda: source.header("a")):
             with pytest.raises(SourceError, match=r"member 'b' runs into the central directory"):
                 ask()
+
+
+def test_numpys_archives_are_checked_for_overlap_without_a_sort(tmp_path, monkeypatch) -> None:
+    """numpy writes members in offset order: one pass over them, no sorted copy of the spans."""
+    path = tmp_path / "a.npz"
+    np.savez(path, a=np.arange(3), b=np.ones(4), c=np.zeros(2))
+
+    def no_sort(*args: object, **kwargs: object) -> list[object]:
+        raise AssertionError("the spans were sorted")
+
+    monkeypatch.setattr(npzfile, "sorted", no_sort, raising=False)
+    headers, _ = scan_source(str(path))
+    assert sorted(headers) == ["a", "b", "c"]
+
+
+def with_directory_reversed(data: bytes) -> bytes:
+    """``data`` with its central directory's entries in reverse order (offsets unchanged)."""
+    start, end = data.index(b"PK\x01\x02"), data.rindex(b"PK\x05\x06")
+    entries, position = [], start
+    while position < end:
+        lengths = struct.unpack_from("<3H", data, position + 28)
+        entries.append(data[position : position + 46 + sum(lengths)])
+        position += len(entries[-1])
+    return data[:start] + b"".join(reversed(entries)) + data[end:]
+
+
+def test_members_listed_out_of_offset_order_are_checked_for_overlap_too(tmp_path) -> None:
+    arrays = {"a": np.arange(5), "b": np.arange(7.0), "c": np.ones(2, np.int8)}
+    data = with_directory_reversed(stored_zip({f"{k}.npy": npy_bytes(v) for k, v in arrays.items()}))
+    path = tmp_path / "reversed.npz"
+    path.write_bytes(data)
+    headers, _ = scan_source(str(path))  # no overlap: accepted
+    with np.load(path) as npz:
+        assert npz.files == ["c", "b", "a"]
+        assert {k: (h.dtype, h.shape) for k, h in headers.items()} == {
+            k: (npz[k].dtype, npz[k].shape) for k in npz.files
+        }
+    b_start = data.index(b"PK\x03\x04", 1)
+    path.write_bytes(patch_central_entry(data, "a.npy", header_offset=b_start))
+    message = refused_as_overlap(path)
+    assert re.fullmatch(
+        rf"{re.escape(str(path))}: not a valid zip/npz file \(members '[ab]' and '[ab]' overlap, "
+        rf"bytes {b_start} to \d+: a possible zip bomb\)",
+        message,
+    ), message
+
+
+# --- bounded work on hostile directories ----------------------------------------------------------
+
+
+def zip64_end(count: int, dir_nbytes: int, dir_offset: int) -> bytes:
+    """A ZIP64 end record, its locator and a plain end record that defers to it."""
+    record = ZIP64_END.pack(b"PK\x06\x06", 44, 45, 45, 0, 0, count, count, dir_nbytes, dir_offset)
+    locator = ZIP64_LOCATOR.pack(b"PK\x06\x07", 0, dir_offset + dir_nbytes, 1)
+    return record + locator + END.pack(b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+
+
+@contextmanager
+def reads_at_most(nbytes: int) -> Iterator[list[int]]:
+    """Fail any read of more than ``nbytes`` at once, before it allocates; yields the sizes read."""
+    sizes: list[int] = []
+    real_read_at = fsutil.read_at
+
+    def bounded_read_at(fd: int, count: int, offset: int) -> bytes:
+        sizes.append(count)
+        assert count <= nbytes, f"a read of {count} bytes"
+        return real_read_at(fd, count, offset)
+
+    with mock.patch.object(fsutil, "read_at", bounded_read_at):
+        yield sizes
+
+
+def scan_refusal(path: Path) -> str:
+    with pytest.raises(SourceError) as caught:
+        scan_source(str(path))
+    message = str(caught.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("file_nbytes", [int(2.95e9), int(2.5e9), int(1.5e9)])
+def test_a_sparse_file_whose_directory_claims_the_whole_file_is_refused_without_reading_it(
+    tmp_path, file_nbytes
+) -> None:
+    """One entry cannot fill gigabytes: refused by the claim, not by a read (or allocation) of it."""
+    path = tmp_path / "sparse.npz"
+    end = zip64_end(1, file_nbytes - 98, 0)
+    with open(path, "wb") as f:
+        f.truncate(file_nbytes - len(end))
+        f.seek(file_nbytes - len(end))
+        f.write(end)
+    with reads_at_most(zipdir.DIRECTORY_WINDOW_NBYTES):
+        message = scan_refusal(path)
+    assert message == (
+        f"{path}: not a valid zip/npz file (a central directory of {file_nbytes - 98} bytes "
+        "is larger than 1 entries can be)"
+    )
+
+
+def test_a_large_directory_not_starting_with_an_entry_is_refused_before_it_is_read(tmp_path) -> None:
+    count = 10_000
+    dir_nbytes = count * zipdir.MAX_CENTRAL_ENTRY_NBYTES  # as large as 10,000 entries can be: 1.97 GB
+    path = tmp_path / "sparse.npz"
+    with open(path, "wb") as f:
+        f.truncate(dir_nbytes)
+        f.seek(dir_nbytes)
+        f.write(zip64_end(count, dir_nbytes, 0))
+    with reads_at_most(zipdir.TAIL_NBYTES) as sizes:
+        message = scan_refusal(path)
+    assert message == f"{path}: not a valid zip/npz file (Bad magic number for central directory)"
+    assert sum(sizes) <= zipdir.TAIL_NBYTES + zipdir.MIN_READ_NBYTES
+
+
+def test_a_directory_larger_than_a_window_is_read_in_windows_as_zipfile_reads_it(tmp_path) -> None:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        for i in range(2000):
+            zf.writestr(f"{i:04d}" + "n" * 700, b"")  # a directory of 1.5 MB
+    data = buffer.getvalue()
+    assert len(data) - data.index(b"PK\x01\x02") > 1.4 * zipdir.DIRECTORY_WINDOW_NBYTES
+    with reads_at_most(zipdir.DIRECTORY_WINDOW_NBYTES):
+        assert ours(data) == oracle(data)
+
+
+def tiny_entries(count: int) -> bytes:
+    """A directory of ``count`` entries with empty names and no data (no member), and its end records."""
+    directory = CENTRAL.pack(b"PK\x01\x02", 20, 3, 20, 0, *[0] * 14) * count
+    return directory + zip64_end(count, len(directory), 0)
+
+
+def test_more_entries_than_an_npz_file_may_have_are_refused_before_any_is_read(tmp_path) -> None:
+    path = tmp_path / "many.npz"
+    path.write_bytes(tiny_entries(zipdir.MAX_ENTRIES + 1))
+    tracemalloc.start()
+    try:
+        message = scan_refusal(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert message == f"{path}: holds 65,536 zip entries, more than the 65,535 an NPZ file may have"
+    assert peak < 1 << 20
+
+
+def test_an_empty_key_stops_the_directory_at_its_entry(tmp_path) -> None:
+    path = tmp_path / "empty-names.npz"
+    path.write_bytes(tiny_entries(60_000))
+    tracemalloc.start()
+    try:
+        message = scan_refusal(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert message == f"{path}: field name '' is empty"
+    assert peak < 3 << 20  # a window of the directory, not 60,000 entries
+
+
+def test_more_entries_than_recorded_are_refused_at_the_first_extra_one() -> None:
+    data = with_zip64_fields(
+        with_zip64_end(stored_zip({"a.npy": b"1", "b.npy": b"2"})), count_here=1, count=1
+    )
+    assert assert_refused_in_one_line(data) == (
+        "a.npz: not a valid zip/npz file (the central directory holds more than the 1 entries recorded)"
+    )
+
+
+def test_the_cli_refuses_a_hostile_directory_in_one_line_and_converts_the_rest_with_skip_bad(
+    tmp_path,
+) -> None:
+    sources = tmp_path / "src"
+    sources.mkdir()
+    np.savez(sources / "a.npz", x=np.arange(3))
+    (sources / "b.npz").write_bytes(tiny_entries(zipdir.MAX_ENTRIES + 1))
+    out = tmp_path / "out"
+    for options in ([], ["--skip-bad"]):
+        result = CliRunner().invoke(
+            cli, ["convert", str(sources), "-o", str(out), "--workers", "2", *options]
+        )
+        if options:
+            assert result.exit_code == 0, result.output
+        else:
+            assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+            assert result.output.startswith(f"Error: {sources / 'b.npz'}: holds 65,536 zip entries")
+            assert not out.exists()
+
+
+# --- directory entries ----------------------------------------------------------------------------
+
+
+def test_a_directory_entry_holding_an_array_is_converted_as_numpy_reads_it(tmp_path) -> None:
+    """np.load gives it the key 'd/'; only an empty directory entry is no member."""
+    d_array = np.array([1.5, 2.5])
+    data = stored_zip({"a.npy": npy_bytes(np.arange(6)), "d/": npy_bytes(d_array), "e/": b""})
+    path = tmp_path / "src" / "dirs.npz"
+    path.parent.mkdir()
+    path.write_bytes(data)
+    with np.load(path) as npz:
+        assert np.array_equal(npz["d/"], d_array) and npz["e/"] == b""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["convert", str(path.parent), "-o", str(out), "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    reader = DatasetReader(str(out))
+    assert reader.view("d/", 0).tobytes() == d_array.tobytes()
+    assert sorted(f.name for f in reader.index.fields) == ["a", "d/"]
