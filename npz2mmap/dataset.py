@@ -9,6 +9,7 @@ operating system's page cache instead of holding copies.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -18,7 +19,7 @@ from typing import Any, overload
 import numpy as np
 import torch
 from numpy.typing import NDArray
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, default_collate, get_worker_info
 from torch.utils.data._utils.collate import collate as torch_collate
 from torch.utils.data._utils.collate import default_collate_fn_map
 
@@ -118,12 +119,22 @@ class MmapDataset(Dataset[Any]):
             return SampleList(samples, self.ragged_fields, single)
         reader = self.reader
         idx = reader.sample_indices(indices)
-        fields = {
-            name: reader.ragged_rows(name, idx) if name in self.ragged_fields else reader.gather(name, idx)
-            for name in self.fields
-        }
+        in_worker = get_worker_info() is not None
+        fields: dict[str, Any] = {}
+        shared: dict[str, torch.Tensor] = {}
+        for name in self.fields:
+            if name in self.ragged_fields:
+                fields[name] = reader.ragged_rows(name, idx)
+                continue
+            field = reader.field(name)
+            tensor = shared_tensor((len(idx), *(field.shape or ())), field.dtype) if in_worker else None
+            if tensor is None:
+                fields[name] = reader.gather(name, idx)
+            else:
+                fields[name] = reader.gather(name, idx, out=tensor.numpy())
+                shared[name] = tensor
         single = self.fields[0] if self.single else None
-        return GatheredBatch(fields, single, len(idx), self.ragged_fields)
+        return GatheredBatch(fields, single, len(idx), self.ragged_fields, shared)
 
     def lengths(self, field: str) -> np.ndarray:
         """Per-sample lengths of a field (int64 (N,) for 1-d samples, shapes (N, ndim) otherwise).
@@ -161,11 +172,13 @@ class GatheredBatch(SequenceABC[Any]):
         single: str | None,
         length: int,
         ragged: frozenset[str] = frozenset(),
+        shared: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self._fields = dict(arrays)
         self.single = single
         self.length = length
         self.ragged = ragged
+        self._shared = dict(shared or {})  # fixed fields gathered into shared memory, by name
 
     @property
     def arrays(self) -> dict[str, np.ndarray | list[np.ndarray]]:
@@ -183,6 +196,15 @@ class GatheredBatch(SequenceABC[Any]):
             value = self._fields[name] = value.copies()
         return value
 
+    def tensor(self, name: str) -> Any:
+        """A fixed field as one tensor sharing its memory (numpy where torch lacks the dtype).
+
+        Inside a DataLoader worker it is the shared-memory tensor the field was
+        gathered into, which crosses to the trainer with no further copy.
+        """
+        shared = self._shared.get(name)
+        return shared if shared is not None else as_tensors(self.field(name))
+
     def ragged_rows(self, name: str) -> RaggedRows | None:
         """The field's samples as located in the mapping, if not read yet (see RaggedRows)."""
         value = self._fields[name]
@@ -191,6 +213,7 @@ class GatheredBatch(SequenceABC[Any]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_fields"] = self.arrays
+        state["_shared"] = {}  # the arrays view the same memory, and travel by value
         return state
 
     def __len__(self) -> int:
@@ -347,7 +370,10 @@ def collate(batch: Any) -> Any:
         return _collate_listing_ragged(batch)
     if not isinstance(batch, GatheredBatch):
         return default_collate(batch)
-    tensors = {name: as_tensors(array) for name, array in batch.arrays.items()}
+    tensors = {
+        name: as_tensors(batch.field(name)) if name in batch.ragged else batch.tensor(name)
+        for name in batch.field_names
+    }
     return tensors[batch.single] if batch.single is not None else tensors
 
 
@@ -373,6 +399,20 @@ def _collate_values(values: list[Any]) -> Any:
 def _as_tensor(value: Any) -> Any:
     """A transform's array as a tensor sharing its memory (a plain ndarray, not a marked view)."""
     return as_tensors(np.asarray(value)) if isinstance(value, np.ndarray) else value
+
+
+def shared_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor | None:
+    """An uninitialised tensor in shared memory, or None where torch lacks ``dtype``.
+
+    Made as torch's own default collate makes its output inside DataLoader
+    workers, so a batch gathered into it crosses to the trainer without the
+    copy into shared memory that a private tensor would need.
+    """
+    if not torch_has(dtype) or not dtype.isnative:
+        return None
+    empty = torch.from_numpy(np.empty(0, dtype=dtype))
+    storage = empty._typed_storage()._new_shared(math.prod(shape))
+    return empty.new(storage).view(shape)
 
 
 def as_tensors(array: np.ndarray | list[np.ndarray]) -> Any:

@@ -7,8 +7,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
-from .dataset import GatheredBatch, as_tensors
+from .dataset import GatheredBatch, as_tensors, shared_tensor
 from .ragged import RaggedRows, check_padded_size, pad_element, raw_unit, valid_mask_of
 
 
@@ -64,16 +65,26 @@ class PaddedCollate:
             elif isinstance(value, list):
                 out[name] = as_tensors(_stack(name, value))
             else:
-                out[name] = as_tensors(value)
+                out[name] = batch.tensor(name)
         return out
 
     def _collate_rows(self, rows: RaggedRows) -> dict[str, Any]:
         """A ragged field located in the mapping, padded with one copy per sample (no per-sample arrays)."""
-        padded = rows.padded(self.pad_value)
-        out = {rows.name: as_tensors(padded), f"{rows.name}_lengths": torch.from_numpy(rows.lengths())}
+        out = {rows.name: self._padded_tensor(rows), f"{rows.name}_lengths": torch.from_numpy(rows.lengths())}
         if self.mask:
             out[f"{rows.name}_mask"] = torch.from_numpy(rows.mask())
         return out
+
+    def _padded_tensor(self, rows: RaggedRows) -> Any:
+        """The padded field; inside a DataLoader worker, padded straight into shared memory,
+        so that it crosses to the trainer with no further copy."""
+        shape = rows.padded_shape()
+        check_padded_size(rows.name, shape, rows.dtype.itemsize)
+        shared = shared_tensor(shape, rows.dtype) if get_worker_info() is not None else None
+        if shared is None:
+            return as_tensors(rows.padded(self.pad_value))
+        rows.fill_padded(shared.numpy(), self.pad_value)
+        return shared
 
     def _collate_ragged(self, name: str, arrays: list[np.ndarray]) -> dict[str, Any]:
         if self.nested:

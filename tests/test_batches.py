@@ -10,7 +10,7 @@ import torch
 from conftest import assert_same_array, write_samples
 from torch.utils.data import DataLoader, default_collate
 
-from npz2mmap import BlockShuffleSampler, MmapDataset, MmapLoader, collate
+from npz2mmap import BlockShuffleSampler, MmapDataset, MmapLoader, PaddedCollate, collate
 from npz2mmap.converter import convert
 from npz2mmap.dataset import GatheredBatch
 from npz2mmap.errors import FormatError
@@ -297,3 +297,32 @@ def test_a_transform_keeps_fields_of_dtypes_torch_lacks_as_numpy_as_without_one(
         assert_same_array(batch[name], np.stack([s[name] for s in sources[:4]]))
     if hasattr(loader, "close"):
         loader.close()
+
+
+def _collate_noting_shared_memory(batch):
+    """collate, plus which of its tensors were made in shared memory (checked inside the worker)."""
+    out = PaddedCollate()(batch) if batch.ragged else collate(batch)
+    return out, {name: value.is_shared() for name, value in out.items() if isinstance(value, torch.Tensor)}
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_dataloader_worker_gathers_the_batch_straight_into_shared_memory(tmp_path, ragged) -> None:
+    sources = [
+        {"x": np.arange(i, i + (2 + i % 3 if ragged else 3), dtype=np.float32), "y": np.int64(i)}
+        for i in range(10)
+    ]
+    write_samples(tmp_path / "src", sources)
+    convert([tmp_path / "src"], tmp_path / "ds")
+    ds = MmapDataset(tmp_path / "ds")
+    loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=_collate_noting_shared_memory)
+    seen = 0
+    for batch, shared in loader:
+        assert shared == ({"x": True, "x_lengths": False, "y": True} if ragged else {"x": True, "y": True})
+        for row, label in enumerate(batch["y"].tolist()):
+            source = sources[label]["x"]
+            assert batch["x"][row, : len(source)].numpy().tobytes() == source.tobytes()
+            assert not batch["x"][row, len(source) :].any()
+        seen += len(batch["y"])
+    assert seen == len(sources)
+    batch, shared = _collate_noting_shared_memory(ds.__getitems__([0, 1]))  # not in a worker: private
+    assert not any(shared.values())
