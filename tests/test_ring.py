@@ -1005,6 +1005,18 @@ def spawned_children(group: int) -> list[int]:
     return found
 
 
+def sigint_disposition(pid: int) -> str:
+    """'ignored', 'caught' (Python's KeyboardInterrupt handler) or 'default', from /proc."""
+    try:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    except OSError:
+        return "default"
+    bit = 1 << (signal.SIGINT - 1)
+    if int(status["SigIgn"], 16) & bit:
+        return "ignored"
+    return "caught" if int(status["SigCgt"], 16) & bit else "default"
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ctrl_c_while_spawn_workers_start_prints_no_worker_traceback_and_leaves_no_process(
     dataset_dir,
@@ -1019,7 +1031,16 @@ def test_ctrl_c_while_spawn_workers_start_prints_no_worker_traceback_and_leaves_
         start_new_session=True,
     )
     deadline = time.monotonic() + 60
-    while len(spawned_children(trainer.pid)) < 2 and time.monotonic() < deadline and trainer.poll() is None:
+    while time.monotonic() < deadline and trainer.poll() is None:
+        # Both started, each past Python's start-up (a SIGINT before it would kill a worker silently),
+        # and the trainer itself listens to Ctrl-C again (it ignores it while a worker starts).
+        workers = spawned_children(trainer.pid)
+        if (
+            len(workers) == 2
+            and all(sigint_disposition(pid) != "default" for pid in workers)
+            and sigint_disposition(trainer.pid) != "ignored"
+        ):
+            break
         time.sleep(0.01)
     workers = spawned_children(trainer.pid)
     assert len(workers) == 2, "the workers did not start"
