@@ -68,7 +68,9 @@ class MmapLoader:
     batches into a shared ring of ``max(N * prefetch, N + 1)`` slots of
     ``slot_nbytes`` each; the batches yielded are **views of the ring**: a
     batch stays valid until the next batch is requested (``.clone()`` what
-    you keep longer); ``pin_memory`` page-locks the ring. See ring.py.
+    you keep longer); ``pin_memory`` page-locks the ring. A batch that takes
+    longer than ``timeout`` seconds (0: no limit) raises WorkerError and stops
+    the workers. See ring.py.
     ``state_dict`` / ``load_state_dict`` resume a pass mid-way, with or without workers.
     """
 
@@ -89,11 +91,14 @@ class MmapLoader:
         batch_transform: Callable[[Any], Any] | None = None,
         multiprocessing_context: BaseContext | str | None = None,
         slot_nbytes: int | None = None,
+        timeout: float = 0,
     ) -> None:
         if batch_size < 1 or prefetch < 0 or num_workers < 0:
             raise ValueError("batch_size must be at least 1, prefetch and num_workers at least 0")
         if slot_nbytes is not None and slot_nbytes < 1:
             raise ValueError(f"slot_nbytes must be at least 1, got {slot_nbytes}")
+        if not timeout >= 0:
+            raise ValueError(f"timeout must be at least 0 seconds (0: no limit), got {timeout}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -109,6 +114,7 @@ class MmapLoader:
         self.num_workers = num_workers
         self.multiprocessing_context = multiprocessing_context
         self.slot_nbytes = slot_nbytes
+        self.timeout = timeout
         self._workers: RingWorkers | None = None
         self._position = _Position()
 
@@ -237,12 +243,19 @@ class MmapLoader:
                 self.collate_fn,
             )
             num_slots = max(self.num_workers * self.prefetch, self.num_workers + 1)
-            slot_nbytes = self.slot_nbytes or default_slot_nbytes(self.dataset, self.batch_size)
+            slot_nbytes = self.slot_nbytes or default_slot_nbytes(self.dataset, self._largest_batch_size())
             context = resolve_context(self.multiprocessing_context)
             self._workers = RingWorkers(
-                recipe, self.num_workers, num_slots, slot_nbytes, context, self.pin_memory
+                recipe, self.num_workers, num_slots, slot_nbytes, context, self.pin_memory, self.timeout
             )
         return self._workers
+
+    def _largest_batch_size(self) -> int:
+        """The batch size slots are sized for: a batch_sampler's own ``batch_size`` when it says one."""
+        said = getattr(self.batch_sampler, "batch_size", None)
+        if isinstance(said, int) and not isinstance(said, bool) and said >= 1:
+            return said
+        return self.batch_size
 
     def _worker_way(self) -> str:
         """How workers make batches: the fewer steps the batch has, the fewer copies (ring.Recipe)."""

@@ -14,6 +14,7 @@ with the last process that maps it, whatever way they end.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import multiprocessing
@@ -25,6 +26,8 @@ import random
 import selectors
 import signal
 import struct
+import threading
+import time
 import traceback
 import warnings
 import weakref
@@ -483,10 +486,15 @@ class WorkerPool:
         context: BaseContext,
         seed: int,
     ) -> None:
-        self.ring = Ring.allocate(num_slots, slot_nbytes)
+        self.ring = allocate_ring(num_slots, slot_nbytes)
         self.processes: list[Any] = []
         self.conns: list[Any] = []
         self._selectors: dict[int, selectors.BaseSelector] = {}
+        # Only the process that started the workers may stop them: a forked child
+        # (another loader's worker) that runs this pool's finalizer must not.
+        self.owner_pid = os.getpid()
+        self.start_method = context.get_start_method()
+        self.answered: set[int] = set()  # workers that have replied at least once
         try:
             with parallel.interrupts_blocked():  # workers start deaf to Ctrl-C, then ignore it
                 for worker_id in range(num_workers):
@@ -505,7 +513,8 @@ class WorkerPool:
             daemon=True,
         )
         try:
-            process.start()
+            with _interrupts_ignored_across_exec(self.start_method):
+                process.start()
         except BaseException:
             ours.close()
             raise
@@ -524,14 +533,22 @@ class WorkerPool:
         except OSError:  # a dead worker's pipe
             self._raise_gone(worker, number)
 
-    def receive(self, worker: int, number: int) -> tuple[Any, ...]:
-        """The reply for batch ``number`` from ``worker``; WorkerError at once if any worker has died."""
+    def receive(self, worker: int, number: int, timeout: float = 0) -> tuple[Any, ...]:
+        """The reply for batch ``number`` from ``worker``; WorkerError at once if any worker has died.
+
+        ``timeout`` (seconds, 0: none) bounds the wait: past it the worker is
+        taken for stuck, killed, and WorkerError names it.
+        """
         conn = self.conns[worker]
+        deadline = time.monotonic() + timeout if timeout > 0 else None
         while True:
-            ready = self._wait(worker)
+            ready = self._wait(worker, deadline)
+            if not ready:
+                self._raise_stuck(worker, number, timeout)
             if conn in ready:
                 try:
                     reply = pickle.loads(conn.recv_bytes())
+                    self.answered.add(worker)
                     if reply[1] != number:  # replies come in the order tasks went: anything else is a bug
                         raise WorkerError(
                             f"MmapLoader worker {worker} answered batch {reply[1]}, not {number}"
@@ -544,8 +561,10 @@ class WorkerPool:
                     process.join(STOP_TIMEOUT_S)  # reaped, so its exit code is known
             self.raise_if_dead(number)
 
-    def _wait(self, worker: int) -> list[Any]:
+    def _wait(self, worker: int, deadline: float | None) -> list[Any]:
         """Wait for ``worker``'s reply or any worker's end; return those ready (its pipe, sentinels).
+
+        An empty list: ``deadline`` (time.monotonic) passed first.
 
         On POSIX a selector made once per worker does it in one system call
         (``multiprocessing.connection.wait`` builds one per call); Windows
@@ -553,7 +572,7 @@ class WorkerPool:
         """
         if os.name != "posix":
             sentinels = [process.sentinel for process in self.processes]
-            return multiprocessing.connection.wait([self.conns[worker], *sentinels])
+            return multiprocessing.connection.wait([self.conns[worker], *sentinels], _left(deadline))
         selector = self._selectors.get(worker)
         if selector is None:
             selector = self._selectors[worker] = selectors.DefaultSelector()
@@ -561,9 +580,21 @@ class WorkerPool:
             for process in self.processes:
                 selector.register(process.sentinel, selectors.EVENT_READ)
         while True:
-            ready = selector.select()
-            if ready:  # empty only when a signal interrupted the wait
+            left = _left(deadline)
+            ready = selector.select(left)
+            if ready:  # else a signal interrupted the wait, or the deadline passed
                 return [key.fileobj for key, _ in ready]
+            if left is not None and _left(deadline) == 0:
+                return []
+
+    def _raise_stuck(self, worker: int, number: int, timeout: float) -> NoReturn:
+        """The worker sent nothing within ``timeout``: kill it (it may be stopped or deadlocked), say so."""
+        process = self.processes[worker]
+        process.kill()
+        raise WorkerError(
+            f"MmapLoader worker {worker} (pid {process.pid}) sent no batch {number} within the "
+            f"timeout of {timeout:g} s (stuck or stopped?); the workers were stopped"
+        )
 
     def _raise_gone(self, worker: int, number: int) -> NoReturn:
         """The worker's pipe broke: it is gone, and its exit code (once the kernel has it) tells how."""
@@ -575,14 +606,30 @@ class WorkerPool:
         for worker, process in enumerate(self.processes):
             if process.exitcode is not None:
                 killed = process.exitcode == -getattr(signal, "SIGKILL", 9)
-                hint = " (out of memory? see the kernel log)" if killed else ""
+                hint = " (out of memory? see the kernel log)" if killed else self._import_hint(worker)
                 raise WorkerError(
                     f"MmapLoader worker {worker} (pid {process.pid}) {describe_exit(process.exitcode)}{hint} "
                     f"while batch {number} was being loaded; the workers were stopped"
                 )
 
+    def _import_hint(self, worker: int) -> str:
+        """Why a spawned worker may die before its first reply: it could not import what it was sent."""
+        if worker in self.answered or self.start_method not in ("spawn", "forkserver"):
+            return ""
+        return (
+            f" before its first batch (under {self.start_method}, the dataset, transforms and collate_fn "
+            "must be importable by the workers: define them at module level, not under "
+            '`if __name__ == "__main__"` or in a function)'
+        )
+
     def close(self) -> None:
-        """Ask every worker to stop, wait a little, then kill whatever is left."""
+        """Ask every worker to stop, wait a little, then kill whatever is left.
+
+        A no-op in any process but the one that started them (a forked child
+        holds copies of this pool that are not its own).
+        """
+        if os.getpid() != self.owner_pid:
+            return
         for conn in self.conns:
             try:
                 conn.send_bytes(b"")
@@ -600,6 +647,44 @@ class WorkerPool:
             conn.close()
         self.processes.clear()
         self.conns.clear()
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (0 once past it), or None for no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def allocate_ring(num_slots: int, slot_nbytes: int) -> Ring:
+    """The loader's shared block; WorkerError naming its size when the system cannot give it."""
+    try:
+        return Ring.allocate(num_slots, slot_nbytes)
+    except (OSError, MemoryError, OverflowError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+        raise WorkerError(
+            f"MmapLoader could not allocate its ring of {num_slots * slot_nbytes} bytes "
+            f"({num_slots} slots of slot_nbytes={slot_nbytes}): {reason}; pass a smaller slot_nbytes"
+        ) from None
+
+
+@contextlib.contextmanager
+def _interrupts_ignored_across_exec(start_method: str) -> Iterator[None]:
+    """Ctrl-C ignored while a spawn or forkserver worker starts, so that it starts ignoring it.
+
+    A blocked SIGINT reaches forked children only: spawn's exec clears the
+    mask, but keeps an ignored SIGINT, and Python then installs no
+    KeyboardInterrupt handler (no traceback while the worker imports). Only
+    the main thread can change a handler; elsewhere the mask alone is kept.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if start_method == "fork" or previous is None or not in_main_thread:
+        yield  # previous None: a handler set outside Python, which could not be restored
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def describe_exit(exitcode: int) -> str:
@@ -684,7 +769,9 @@ class RingWorkers:
         slot_nbytes: int,
         context: BaseContext,
         pin_memory: bool,
+        timeout: float = 0,
     ) -> None:
+        self.timeout = timeout  # seconds a batch may take (0: no limit)
         self.pool = WorkerPool(recipe, num_workers, num_slots, slot_nbytes, context, seed_base())
         unpin = None
         try:
@@ -735,7 +822,7 @@ class RingWorkers:
                 if not in_flight:
                     break
                 number, slot, worker, batch_indices = in_flight.popleft()
-                reply = self.pool.receive(worker, number)
+                reply = self.pool.receive(worker, number, self.timeout)
                 held = slot
                 if reply[0] == "error":
                     self._drain(in_flight)
@@ -823,17 +910,21 @@ class RingWorkers:
         return tree
 
     def _drain(self, in_flight: deque[tuple[int, int, int, np.ndarray]]) -> None:
-        """Wait for the batches in flight, dropping them; a dead worker stops the workers instead."""
+        """Wait for the batches in flight, dropping them; a dead or stuck worker stops the workers instead."""
+        if self.closed:  # the loader was closed with this pass still open: nothing is in flight any more
+            return
         try:
             while in_flight:
                 number, slot, worker, _ = in_flight.popleft()
-                self.pool.receive(worker, number)
+                self.pool.receive(worker, number, self.timeout)
                 self._free.append((slot, None))  # never handed out
         except WorkerError:
             self.close()
 
 
 def _close(pool: WorkerPool, unpin: Callable[[], None] | None) -> None:
+    if os.getpid() != pool.owner_pid:  # a forked child's copy: neither the workers nor the pinning are its
+        return
     try:
         pool.close()
     finally:

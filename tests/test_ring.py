@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -794,3 +795,266 @@ def test_ragged_samples_of_any_ndim_and_dtypes_torch_lacks_are_packed_exactly(tm
             assert batch["boxes"][row].numpy().tobytes() == samples[label]["boxes"].tobytes()
             words = batch["words"][row]
             assert type(words) is np.ndarray and words.tolist() == samples[label]["words"].tolist()
+
+
+# Trainer side
+
+
+class StopOn:
+    """A transform that SIGSTOPs its own worker on one sample (a stuck worker, as a debugger or deadlock leaves it)."""
+
+    def __init__(self, label: int) -> None:
+        self.label = label
+
+    def __call__(self, sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if int(sample["label"]) == self.label:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return sample
+
+
+class alarm_after:
+    """Fail the test (TimeoutError) instead of hanging it, should the code under test never return."""
+
+    def __init__(self, seconds: int) -> None:
+        self.seconds = seconds
+
+    def __enter__(self) -> None:
+        def fail(*_: Any) -> None:
+            raise TimeoutError(f"still waiting after {self.seconds} s")
+
+        self.previous = signal.signal(signal.SIGALRM, fail)
+        signal.alarm(self.seconds)
+
+    def __exit__(self, *exc_info: object) -> None:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, self.previous)
+
+
+def stopped_worker_loader(dataset_dir: Path) -> MmapLoader:
+    """Batch 1 (samples 3-5) goes to worker 1, which stops itself on sample 3 and never answers."""
+    ds = MmapDataset(dataset_dir / "dataset", fields=["label"], transform=StopOn(3))
+    return MmapLoader(ds, 3, num_workers=2, multiprocessing_context="fork", timeout=3)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP") or not hasattr(signal, "SIGALRM"), reason="POSIX signals")
+def test_a_stuck_worker_raises_after_the_timeout_naming_it_and_the_workers_are_stopped(dataset_dir) -> None:
+    loader = stopped_worker_loader(dataset_dir)
+    batches = iter(loader)
+    with alarm_after(60):
+        assert next(batches)["label"].tolist() == [0, 1, 2]
+        pids = [process.pid for process in loader._workers.pool.processes]  # type: ignore[union-attr]
+        with pytest.raises(WorkerError) as caught:
+            next(batches)
+    assert str(caught.value) == (
+        f"MmapLoader worker 1 (pid {pids[1]}) sent no batch 1 within the timeout of 3 s (stuck or stopped?); "
+        "the workers were stopped"
+    )
+    assert loader._workers is None and wait_gone(pids) == []
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP") or not hasattr(signal, "SIGALRM"), reason="POSIX signals")
+def test_leaving_a_pass_waits_for_a_stuck_worker_at_most_the_timeout(dataset_dir) -> None:
+    loader = stopped_worker_loader(dataset_dir)
+    with alarm_after(60):
+        for batch in loader:
+            pids = [process.pid for process in loader._workers.pool.processes]  # type: ignore[union-attr]
+            assert batch["label"].tolist() == [0, 1, 2]
+            break  # batch 1 is in flight, with the stopped worker
+    assert loader._workers is None and wait_gone(pids) == []
+
+
+def test_timeout_must_not_be_negative(dataset_dir) -> None:
+    with pytest.raises(ValueError, match="timeout must be at least 0 seconds"):
+        MmapLoader(MmapDataset(dataset_dir / "dataset"), 3, num_workers=1, timeout=-1)
+
+
+def collect_garbage(sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A transform that runs the cyclic garbage collector in the worker, as any allocation may."""
+    gc.collect()
+    return sample
+
+
+class Trainer:
+    """Holds its loader in a reference cycle: dropped, it waits for the cyclic garbage collector."""
+
+    def __init__(self, dataset_dir: Path) -> None:
+        ds = MmapDataset(dataset_dir / "dataset", fields=["label"])
+        self.loader = MmapLoader(ds, 4, num_workers=2, multiprocessing_context="fork")
+        self.me = self
+
+
+def test_a_dropped_loader_collected_in_another_loaders_forked_worker_leaves_its_workers_alone(
+    dataset_dir, capfd
+) -> None:
+    gc.disable()  # as when the collector has not run since the first loader was dropped
+    try:
+        trainer = Trainer(dataset_dir)
+        next(iter(trainer.loader))
+        first_workers = list(trainer.loader._workers.pool.processes)  # type: ignore[union-attr]
+        del trainer
+        ds = MmapDataset(dataset_dir / "dataset", fields=["label"], transform=collect_garbage)
+        with MmapLoader(ds, 4, num_workers=2, multiprocessing_context="fork") as second:
+            labels = [label for batch in second for label in batch["label"].tolist()]
+        assert labels == list(range(NUM_SAMPLES))
+        # The second loader's workers collected a copy of the first: it must not have stopped the originals.
+        assert all(process.is_alive() for process in first_workers)
+        assert capfd.readouterr().err == ""
+    finally:
+        gc.enable()
+        gc.collect()
+    assert wait_gone([process.pid for process in first_workers]) == []
+
+
+def test_a_ring_the_system_cannot_allocate_is_a_one_line_error_naming_its_size(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields=["label"])
+    loader = MmapLoader(ds, 4, num_workers=2, slot_nbytes=1 << 45, multiprocessing_context="fork")
+    children = set(multiprocessing.active_children())
+    with pytest.raises(WorkerError) as caught:
+        next(iter(loader))
+    message = str(caught.value)
+    assert message.startswith(
+        f"MmapLoader could not allocate its ring of {4 << 45} bytes (4 slots of slot_nbytes={1 << 45}): "
+    )
+    assert message.endswith("; pass a smaller slot_nbytes") and "\n" not in message
+    assert loader._workers is None and set(multiprocessing.active_children()) == children
+
+
+UNIMPORTABLE_COLLATE = """
+import sys
+from npz2mmap import MmapDataset, MmapLoader, collate
+from npz2mmap.errors import WorkerError
+
+if __name__ == "__main__":
+    class Collate:  # the workers import this file as another module: they do not see it
+        def __call__(self, samples):
+            return collate(samples)
+
+    for method in ("spawn", "forkserver"):
+        loader = MmapLoader(MmapDataset(sys.argv[1], fields=["label"]), 4, num_workers=1,
+                            collate_fn=Collate(), multiprocessing_context=method)
+        try:
+            next(iter(loader))
+        except WorkerError as error:
+            print(error, flush=True)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="forkserver")
+def test_a_worker_dying_before_its_first_batch_under_spawn_says_what_must_be_importable(
+    dataset_dir, tmp_path
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(UNIMPORTABLE_COLLATE)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, str(script), str(dataset_dir / "dataset")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, done.stdout + done.stderr
+    for method, line in zip(("spawn", "forkserver"), lines, strict=True):
+        assert re.fullmatch(
+            rf"MmapLoader worker 0 \(pid \d+\) exited with code 1 before its first batch \(under {method}, "
+            r"the dataset, transforms and collate_fn must be importable by the workers: define them at "
+            r'module level, not under `if __name__ == "__main__"` or in a function\) while batch 0 was '
+            r"being loaded; the workers were stopped",
+            line,
+        ), line
+
+
+def test_slots_are_sized_for_the_batch_samplers_own_batch_size(tmp_path) -> None:
+    samples = [{"image": np.full((128, 128), i, dtype=np.float32)} for i in range(40)]  # 64 KiB each
+    write_samples(tmp_path / "src", samples)
+    convert([tmp_path / "src"], tmp_path / "dataset", workers=1)
+    ds = MmapDataset(tmp_path / "dataset", fields="image")
+    batches = torch.utils.data.BatchSampler(range(40), batch_size=32, drop_last=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a batch going pickled warns: here, none may
+        with MmapLoader(
+            ds, 1, batch_sampler=batches, num_workers=2, multiprocessing_context="fork"
+        ) as loader:
+            got = [batch.clone() for batch in loader]
+    assert [b.shape[0] for b in got] == [32, 8]
+    assert np.array_equal(torch.cat(got).numpy(), np.stack([s["image"] for s in samples]))
+    lengths = LengthGroupedSampler([1] * 40, batch_size=32)
+    assert MmapLoader(ds, 1, batch_sampler=lengths)._largest_batch_size() == 32
+
+
+SPAWNING_TRAINER = """
+import sys
+from npz2mmap import MmapDataset, MmapLoader
+loader = MmapLoader(MmapDataset(sys.argv[1], fields=["label"]), 2, num_workers=2, multiprocessing_context="spawn")
+for batch in loader:
+    pass
+"""
+
+
+def spawned_children(group: int) -> list[int]:
+    """The pids of the process group's processes that multiprocessing spawned."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.getpgid(int(entry.name)) == group:
+                if b"spawn_main" in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def sigint_disposition(pid: int) -> str:
+    """'ignored', 'caught' (Python's KeyboardInterrupt handler) or 'default', from /proc."""
+    try:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    except OSError:
+        return "default"
+    bit = 1 << (signal.SIGINT - 1)
+    if int(status["SigIgn"], 16) & bit:
+        return "ignored"
+    return "caught" if int(status["SigCgt"], 16) & bit else "default"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_while_spawn_workers_start_prints_no_worker_traceback_and_leaves_no_process(
+    dataset_dir,
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", SPAWNING_TRAINER, str(dataset_dir / "dataset")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and trainer.poll() is None:
+        # Both started, each past Python's start-up (a SIGINT before it would kill a worker silently),
+        # and the trainer itself listens to Ctrl-C again (it ignores it while a worker starts).
+        workers = spawned_children(trainer.pid)
+        if (
+            len(workers) == 2
+            and all(sigint_disposition(pid) != "default" for pid in workers)
+            and sigint_disposition(trainer.pid) != "ignored"
+        ):
+            break
+        time.sleep(0.01)
+    workers = spawned_children(trainer.pid)
+    assert len(workers) == 2, "the workers did not start"
+    os.killpg(trainer.pid, signal.SIGINT)  # as a terminal's Ctrl-C, while the workers still import torch
+    _, stderr = trainer.communicate(timeout=60)
+    assert trainer.returncode != 0
+    assert stderr.count("Traceback") <= 1 and "spawn_main" not in stderr, stderr
+    assert wait_gone(workers) == []
+
+
+def test_a_pass_left_open_after_close_ends_quietly(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+    with MmapLoader(ds, 3, num_workers=2, multiprocessing_context="fork") as loader:
+        batches = iter(loader)
+        assert next(batches).tolist() == [0, 1, 2]
+    batches.close()  # batches were in flight when close() stopped the workers
+    assert list(batches) == []
