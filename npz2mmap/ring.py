@@ -225,7 +225,7 @@ class SlotWriter:
 
         Anything else (numbers, strings, nested or sparse tensors, object
         arrays, and what a view of bare bytes would lose: a tensor's
-        requires_grad, subclass or conj/neg bit, an itemless dtype) stays in
+        requires_grad, subclass, quantization or conj/neg bit, an itemless dtype) stays in
         the tree and travels pickled with it.
         """
         if _is_plain(tree):
@@ -244,6 +244,7 @@ def _is_plain(value: Any) -> bool:
     return (
         type(value) is torch.Tensor
         and value.layout == torch.strided
+        and not value.is_quantized  # its scale and zero point are not bytes of the slot
         and value.device.type == "cpu"
         and not value.is_nested
         and not value.requires_grad

@@ -911,6 +911,12 @@ class MarkedTensor(torch.Tensor):
     pass
 
 
+def quantized(tensor: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch deprecates quantized tensors
+        return torch.quantize_per_tensor(tensor, 0.1, 0, torch.qint8)
+
+
 def values_a_view_would_change(samples: Any) -> dict[str, Any]:
     inputs = torch.from_numpy(np.stack([s["input"] for s in samples]))
     return {
@@ -920,10 +926,12 @@ def values_a_view_would_change(samples: Any) -> dict[str, Any]:
         "conj": torch.tensor([1 + 2j, 3 - 1j]).conj(),
         "neg": torch.tensor([1 + 2j, 3 - 1j]).conj().imag,
         "itemless": np.zeros(3, dtype=np.dtype([])),
+        "quantized": quantized(inputs),
         "plain": inputs,
     }
 
 
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")  # torch's unpickling of a quantized tensor
 def test_values_a_slot_view_would_change_come_as_without_workers(dataset_dir) -> None:
     ds = MmapDataset(dataset_dir / "dataset")
     expected = MmapLoader(ds, 4, prefetch=0, collate_fn=values_a_view_would_change).load(np.arange(4))
@@ -940,6 +948,10 @@ def test_values_a_slot_view_would_change_come_as_without_workers(dataset_dir) ->
         if isinstance(value, torch.Tensor):
             assert got.requires_grad == value.requires_grad, key
             assert (got.is_conj(), got.is_neg()) == (value.is_conj(), value.is_neg()), key
+            if value.is_quantized:
+                assert (got.q_scale(), got.q_zero_point()) == (value.q_scale(), value.q_zero_point())
+                assert torch.equal(got.int_repr(), value.int_repr())
+                continue
             assert torch.equal(
                 got.detach().resolve_conj().resolve_neg(), value.detach().resolve_conj().resolve_neg()
             )
