@@ -123,10 +123,8 @@ class Ring:
         self.block = block  # what workers are given: it pickles as the memory's descriptor
         self.num_slots = num_slots
         self.slot_nbytes = slot_nbytes
-        memory = block.create_memoryview()
-        self.bytes_np = np.frombuffer(memory, dtype=np.uint8)
-        self.bytes_torch = torch.frombuffer(memory, dtype=torch.uint8)
-        self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.memory = block.create_memoryview()
+        self.bytes_np = np.frombuffer(self.memory, dtype=np.uint8)
 
     @classmethod
     def allocate(cls, num_slots: int, slot_nbytes: int) -> Ring:
@@ -144,34 +142,32 @@ class Ring:
         """The slot as a writable uint8 array."""
         return self.bytes_np[slot * self.slot_nbytes : (slot + 1) * self.slot_nbytes]
 
-    def typed(self, slot: int, dtype: torch.dtype) -> torch.Tensor:
-        """The whole slot as a 1-d tensor of ``dtype``, made once (then a view of it costs one slice)."""
-        base = self._typed.get((slot, dtype))
-        if base is None:
-            start = slot * self.slot_nbytes  # slot_nbytes is a multiple of SLOT_ALIGN, so of any itemsize
-            base = self._typed[slot, dtype] = self.bytes_torch[start : start + self.slot_nbytes].view(dtype)
-        return base
-
     def view(self, slot: int, leaf: Leaf) -> Any:
         """The tensor or array ``leaf`` describes, sharing the slot's memory."""
         return self._view(slot, leaf.dtype, leaf.tensor, leaf.offset, leaf.shape)
 
     def _view(self, slot: int, dtype: Any, tensor: bool, offset: int, shape: Sequence[int]) -> Any:
         numel = math.prod(shape)
-        if tensor:
-            first = offset // dtype.itemsize  # offsets are multiples of the itemsize
-            flat = self.typed(slot, dtype)[first : first + numel]
-            return flat if len(shape) == 1 else flat.view(shape)
         start = slot * self.slot_nbytes + offset
+        if tensor:
+            flat = self._tensor(dtype, start, numel)
+            return flat if len(shape) == 1 else flat.view(shape)
         return self.bytes_np[start : start + numel * dtype.itemsize].view(dtype).reshape(shape)
 
+    def _tensor(self, dtype: torch.dtype, start: int, numel: int) -> torch.Tensor:
+        """``numel`` items from byte ``start`` of the block, in a storage of exactly their bytes.
+
+        A slice of one tensor over the block would share the block's storage:
+        torch.save, pickle or deepcopy of one small tensor would then write
+        the whole ring, other batches included.
+        """
+        if numel == 0:  # frombuffer refuses a count of 0
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(self.memory, dtype=dtype, count=numel, offset=start)
+
     def rows(self, slot: int, leaf: RowsLeaf) -> list[Any]:
-        """The samples ``leaf`` describes, each a view of the slot (1-d ones split off in one call)."""
+        """The samples ``leaf`` describes, each a view of the slot with a storage of its own bytes."""
         dtype, tensor, shapes = leaf.dtype, leaf.tensor, leaf.shapes
-        if tensor and shapes.shape[1] == 1:
-            first = leaf.offset // dtype.itemsize
-            lengths = shapes[:, 0].tolist()
-            return list(self.typed(slot, dtype)[first : first + sum(lengths)].split(lengths))
         return [
             self._view(slot, dtype, tensor, offset, shape)
             for offset, shape in zip(leaf.offsets().tolist(), shapes.tolist(), strict=True)
@@ -231,28 +227,45 @@ class SlotWriter:
         """Copy every tensor and array of ``tree`` into the slot; return the descriptor tree.
 
         Anything else (numbers, strings, nested or sparse tensors, object
-        arrays) stays in the tree and travels pickled with it.
+        arrays, and what a view of bare bytes would lose: a tensor's
+        requires_grad, subclass, quantization or conj/neg bit, an itemless dtype) stays in
+        the tree and travels pickled with it.
         """
-        if isinstance(tree, torch.Tensor) and _is_plain(tree):
+        if _is_plain(tree):
             leaf, target = self.place(tree.dtype, tuple(tree.shape), True)
             target.copy_(tree)
             return leaf
-        if isinstance(tree, np.ndarray) and not tree.dtype.hasobject and type(tree) is np.ndarray:
+        if _is_plain_array(tree):
             leaf, target = self.place(tree.dtype, tree.shape, False)
             as_raw(target)[...] = as_raw(tree)
             return leaf
         return map_tree(tree, self.write)
 
 
-def _is_plain(tensor: torch.Tensor) -> bool:
-    return tensor.layout == torch.strided and tensor.device.type == "cpu" and not tensor.is_nested
+def _is_plain(value: Any) -> bool:
+    """A tensor a slot view gives back whole: plain, strided, on the CPU, with no autograd or view bits."""
+    return (
+        type(value) is torch.Tensor
+        and value.layout == torch.strided
+        and not value.is_quantized  # its scale and zero point are not bytes of the slot
+        and value.device.type == "cpu"
+        and not value.is_nested
+        and not value.requires_grad
+        and not value.is_conj()
+        and not value.is_neg()
+    )
+
+
+def _is_plain_array(value: Any) -> bool:
+    """A numpy array (no subclass) whose items are bytes a slot view gives back: no objects, not itemless."""
+    return type(value) is np.ndarray and not value.dtype.hasobject and value.dtype.itemsize > 0
 
 
 def tree_nbytes(tree: Any) -> int:
     """The slot bytes ``tree`` would need (for the message when it does not fit)."""
-    if isinstance(tree, torch.Tensor) and _is_plain(tree):
+    if _is_plain(tree):
         return aligned(tree.numel() * tree.element_size())
-    if isinstance(tree, np.ndarray):
+    if _is_plain_array(tree):
         return aligned(tree.nbytes)
     if type(tree) is dict:
         return sum(tree_nbytes(value) for value in tree.values())
@@ -367,11 +380,20 @@ def write_collated(samples: Sequence[Any], writer: SlotWriter) -> Any:
 
 
 def _stackable(values: list[Any]) -> bool:
-    """Plain numpy arrays of one shape and of one dtype that torch has (which collate would stack)."""
+    """Plain numpy arrays of one shape and of one dtype that torch has (which collate would stack).
+
+    A negative stride is left to ``collate``, which refuses it as it does without workers.
+    """
     first = values[0]
     if type(first) is not np.ndarray or not first.dtype.isnative or torch_dtype(first.dtype) is None:
         return False
-    return all(type(v) is np.ndarray and v.shape == first.shape and v.dtype == first.dtype for v in values)
+    return all(
+        type(v) is np.ndarray
+        and v.shape == first.shape
+        and v.dtype == first.dtype
+        and min(v.strides, default=0) >= 0
+        for v in values
+    )
 
 
 def _place_array(writer: SlotWriter, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[Leaf, np.ndarray]:
@@ -409,9 +431,8 @@ def worker_main(
             return
         number, slot = TASK_HEADER.unpack_from(task)
         indices = np.frombuffer(task, dtype="<i8", offset=TASK_HEADER.size)
-        conn.send_bytes(
-            pickle.dumps(_make_into_slot(recipe, ring, slot, number, indices), pickle.HIGHEST_PROTOCOL)
-        )
+        reply = _make_into_slot(recipe, ring, slot, number, indices)  # bytes, numbers and text only
+        conn.send_bytes(pickle.dumps(reply, pickle.HIGHEST_PROTOCOL))
 
 
 def _seed_generators(seed: int) -> None:
@@ -424,7 +445,13 @@ def _seed_generators(seed: int) -> None:
 def _make_into_slot(
     recipe: Recipe, ring: Ring, slot: int, number: int, indices: np.ndarray
 ) -> tuple[Any, ...]:
-    """One batch's reply: ("slot", tree), ("pickled", nbytes, batch) or ("error", exception, traceback)."""
+    """One batch's reply: ("slot", number, layout), ("pickled", number, nbytes, batch) or ("error", ...).
+
+    The layout and the batch are pickled here, inside the try: a batch that
+    cannot be pickled (a lock, a generator) is an error of this batch, and
+    the trainer can tell one it cannot unpickle from a broken pipe. An error
+    is ("error", number, pickled exception or None, traceback text).
+    """
     try:
         writer = SlotWriter(ring, slot)
         if recipe.way in (FIELDS, PADDED):
@@ -448,8 +475,8 @@ def _make_into_slot(
                 return ("slot", number, _layout(writer.write(batch)))
             except SlotFull:
                 pass
-        return ("pickled", number, tree_nbytes(batch), batch)
-    except Exception as exc:
+        return ("pickled", number, tree_nbytes(batch), _layout(batch))
+    except BaseException as exc:  # KeyboardInterrupt, SystemExit too: from user code (workers ignore SIGINT)
         return ("error", number, _pickled_or_none(exc), traceback.format_exc())
 
 
@@ -709,9 +736,7 @@ def worker_failure(worker: int, number: int, indices: np.ndarray, reply: tuple[A
     remote = RemoteTraceback(f"\n\nTraceback in the worker:\n{text}")
     shown = ", ".join(str(int(i)) for i in indices[:INDICES_SHOWN])
     more = f", ... ({len(indices)} in all)" if len(indices) > INDICES_SHOWN else ""
-    summary = (
-        f"{type(original).__name__}: {original}" if original is not None else text.strip().splitlines()[-1]
-    )
+    summary = exception_line(original) if original is not None else text.strip().splitlines()[-1]
     error = WorkerError(
         f"MmapLoader worker {worker} failed on batch {number} (samples {shown}{more}): {summary}"
     )
@@ -721,6 +746,12 @@ def worker_failure(worker: int, number: int, indices: np.ndarray, reply: tuple[A
     else:
         error.__cause__ = remote
     return error
+
+
+def exception_line(error: BaseException) -> str:
+    """'ValueError: bad sample', or the bare type name when the message is empty (a KeyboardInterrupt)."""
+    message = str(error)
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def resolve_context(context: BaseContext | str | None) -> BaseContext:
@@ -822,13 +853,13 @@ class RingWorkers:
                 if not in_flight:
                     break
                 number, slot, worker, batch_indices = in_flight.popleft()
-                reply = self.pool.receive(worker, number, self.timeout)
+                reply = self._opened(self.pool.receive(worker, number, self.timeout), slot)
                 held = slot
                 if reply[0] == "error":
                     self._drain(in_flight)
                     failure = worker_failure(worker, number, batch_indices, reply)
                     break
-                yield self._batch_of(reply, slot)
+                yield reply[2]
                 # The next batch is requested: this one's slot may be reused, once the
                 # device has copied it when pinned (the copy may still be queued).
                 free.append((slot, self._gpu_mark()))
@@ -885,10 +916,25 @@ class RingWorkers:
         event.record()
         return event
 
+    def _opened(self, reply: tuple[Any, ...], slot: int) -> tuple[Any, ...]:
+        """("batch", number, batch) from a worker's reply, or an error reply.
+
+        A batch the trainer cannot unpickle becomes an error reply too, so it
+        is reported as the worker's other errors are (and the workers stay).
+        """
+        if reply[0] == "error":
+            return reply
+        try:
+            return ("batch", reply[1], self._batch_of(reply, slot))
+        except Exception as exc:
+            text = f"(unpickling the batch in the trainer)\n{traceback.format_exc()}"
+            return ("error", reply[1], _pickled_or_none(exc), text)
+
     def _batch_of(self, reply: tuple[Any, ...], slot: int) -> Any:
         if reply[0] == "slot":
             return self.pool.ring.materialise(slot, self._tree_of(slot, reply[2]))
-        _, number, nbytes, batch = reply
+        _, number, nbytes, pickled = reply
+        batch = pickle.loads(pickled)
         if not self.warned_overflow:
             self.warned_overflow = True
             warnings.warn(
@@ -896,7 +942,7 @@ class RingWorkers:
                 f"{self.pool.ring.slot_nbytes}; such batches go through a pipe, pickled (slower): "
                 "pass a larger slot_nbytes",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
         return batch
 

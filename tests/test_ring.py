@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -1058,3 +1059,202 @@ def test_a_pass_left_open_after_close_ends_quietly(dataset_dir) -> None:
         assert next(batches).tolist() == [0, 1, 2]
     batches.close()  # batches were in flight when close() stopped the workers
     assert list(batches) == []
+
+
+# Worker side
+
+
+def tensors_of(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for value in tree.values() for t in tensors_of(value)]
+    if isinstance(tree, (list, tuple)):
+        return [t for value in tree for t in tensors_of(value)]
+    return []
+
+
+@pytest.mark.parametrize("collate_fn", [None, PaddedCollate()], ids=["fields", "padded"])
+def test_each_tensor_of_a_batch_owns_a_storage_of_its_bytes_in_the_ring(dataset_dir, collate_fn) -> None:
+    ds = MmapDataset(dataset_dir / "dataset")
+    with MmapLoader(ds, 4, num_workers=2, collate_fn=collate_fn, multiprocessing_context="fork") as loader:
+        batch = next(iter(loader))
+        tensors = tensors_of(batch)
+        assert len(tensors) == (
+            6 if collate_fn is None else 4
+        )  # input, label, 4 token rows / tokens, lengths
+        for tensor in tensors:
+            assert in_ring(loader, tensor)  # still a view of the slot
+            assert tensor.untyped_storage().nbytes() == tensor.nbytes
+            assert tensor.untyped_storage().data_ptr() == tensor.data_ptr()
+            restored = pickle.loads(pickle.dumps(tensor))
+            assert restored.untyped_storage().nbytes() == tensor.nbytes and torch.equal(restored, tensor)
+        assert len(pickle.dumps(batch)) < sum(t.nbytes for t in tensors) + 4096
+        expected = MmapLoader(ds, 4, prefetch=0, collate_fn=collate_fn).load(np.arange(4))
+        assert_same(clone(batch), expected)
+
+
+def lock_beside_inputs(samples: Any) -> dict[str, Any]:
+    return {"input": torch.zeros(100), "lock": threading.Lock()}  # 400 bytes: more than a 64-byte slot
+
+
+class FailsToLoad:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (int, ("notanint",))
+
+
+def unloadable_beside_inputs(samples: Any) -> dict[str, Any]:
+    return {"input": torch.zeros(100), "bad": FailsToLoad()}
+
+
+@pytest.mark.parametrize(
+    ("collate_fn", "slot_nbytes", "summary", "cause"),
+    [
+        (lock_beside_inputs, None, "TypeError: cannot pickle '_thread.lock' object", TypeError),
+        (lock_beside_inputs, 64, "TypeError: cannot pickle '_thread.lock' object", TypeError),
+        (
+            unloadable_beside_inputs,
+            None,
+            "ValueError: invalid literal for int() with base 10: 'notanint'",
+            ValueError,
+        ),
+        (
+            unloadable_beside_inputs,
+            64,
+            "ValueError: invalid literal for int() with base 10: 'notanint'",
+            ValueError,
+        ),
+    ],
+    ids=["unpicklable-slot", "unpicklable-pickled", "unloadable-slot", "unloadable-pickled"],
+)
+def test_a_batch_that_cannot_be_pickled_or_unpickled_is_a_worker_error_and_the_workers_stay(
+    dataset_dir, collate_fn, slot_nbytes, summary, cause
+) -> None:
+    ds = MmapDataset(dataset_dir / "dataset")
+    loader = MmapLoader(
+        ds, 4, num_workers=2, collate_fn=collate_fn, slot_nbytes=slot_nbytes, multiprocessing_context="fork"
+    )
+    with loader, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the batch larger than its slot
+        for attempt in range(2):
+            with pytest.raises(WorkerError) as caught:
+                list(loader)
+            assert (
+                str(caught.value) == f"MmapLoader worker 0 failed on batch 0 (samples 0, 1, 2, 3): {summary}"
+            )
+            assert type(caught.value.__cause__) is cause
+            # FailsToLoad fails in the trainer, the lock in the worker.
+            in_trainer = "(unpickling the batch in the trainer)" in str(caught.value.__cause__.__cause__)
+            assert in_trainer == (cause is ValueError)
+            if attempt == 0:
+                pids = worker_pids(loader)
+        assert worker_pids(loader) == pids and all(p.is_alive() for p in loader._workers.pool.processes)  # type: ignore[union-attr]
+
+
+def flip_only(sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A transform giving a view with a negative stride (torch.from_numpy refuses it)."""
+    return {**sample, "input": sample["input"][:, ::-1]}
+
+
+def test_a_transform_giving_negative_strides_fails_as_without_workers(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields=["input", "label"], transform=flip_only)
+    with pytest.raises(ValueError) as alone:
+        list(MmapLoader(ds, 4, prefetch=0))
+    with MmapLoader(ds, 4, num_workers=2, multiprocessing_context="fork") as loader:
+        with pytest.raises(WorkerError) as caught:
+            list(loader)
+    assert "negative" in str(alone.value)
+    assert str(caught.value) == (
+        f"MmapLoader worker 0 failed on batch 0 (samples 0, 1, 2, 3): ValueError: {alone.value}"
+    )
+    assert type(caught.value.__cause__) is ValueError and str(caught.value.__cause__) == str(alone.value)
+
+
+class MarkedTensor(torch.Tensor):
+    pass
+
+
+def quantized(tensor: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch deprecates quantized tensors
+        return torch.quantize_per_tensor(tensor, 0.1, 0, torch.qint8)
+
+
+def values_a_view_would_change(samples: Any) -> dict[str, Any]:
+    inputs = torch.from_numpy(np.stack([s["input"] for s in samples]))
+    return {
+        "grad": inputs.clone().requires_grad_(),
+        "param": torch.nn.Parameter(inputs.clone()),
+        "sub": inputs.clone().as_subclass(MarkedTensor),
+        "conj": torch.tensor([1 + 2j, 3 - 1j]).conj(),
+        "neg": torch.tensor([1 + 2j, 3 - 1j]).conj().imag,
+        "itemless": np.zeros(3, dtype=np.dtype([])),
+        "quantized": quantized(inputs),
+        "plain": inputs,
+    }
+
+
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")  # torch's unpickling of a quantized tensor
+def test_values_a_slot_view_would_change_come_as_without_workers(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset")
+    expected = MmapLoader(ds, 4, prefetch=0, collate_fn=values_a_view_would_change).load(np.arange(4))
+    assert expected["neg"].is_neg() and expected["conj"].is_conj()
+    with MmapLoader(
+        ds, 4, num_workers=2, collate_fn=values_a_view_would_change, multiprocessing_context="fork"
+    ) as loader:
+        batch = next(iter(loader))
+        assert in_ring(loader, batch["plain"])
+    for key, value in expected.items():
+        got = batch[key]
+        assert type(got) is type(value), key
+        assert got.dtype == value.dtype and got.shape == value.shape, key
+        if isinstance(value, torch.Tensor):
+            assert got.requires_grad == value.requires_grad, key
+            assert (got.is_conj(), got.is_neg()) == (value.is_conj(), value.is_neg()), key
+            if value.is_quantized:
+                assert (got.q_scale(), got.q_zero_point()) == (value.q_scale(), value.q_zero_point())
+                assert torch.equal(got.int_repr(), value.int_repr())
+                continue
+            assert torch.equal(
+                got.detach().resolve_conj().resolve_neg(), value.detach().resolve_conj().resolve_neg()
+            )
+        else:
+            assert got.tobytes() == value.tobytes(), key
+
+
+class RaiseOn:
+    """A transform raising a BaseException (not an Exception) on one sample."""
+
+    def __init__(self, label: int, error: BaseException) -> None:
+        self.label = label
+        self.error = error
+
+    def __call__(self, sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if int(sample["label"]) == self.label:
+            raise self.error
+        return sample
+
+
+@pytest.mark.parametrize(
+    ("error", "summary"), [(KeyboardInterrupt(), "KeyboardInterrupt"), (SystemExit(3), "SystemExit: 3")]
+)
+def test_keyboard_interrupt_or_system_exit_in_a_transform_is_a_worker_error(
+    dataset_dir, error, summary, capfd
+) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", transform=RaiseOn(9, error))
+    with MmapLoader(ds, 4, num_workers=2, multiprocessing_context="fork") as loader:
+        for attempt in range(2):
+            yielded = []
+            with pytest.raises(WorkerError) as caught:
+                for batch in loader:
+                    yielded.append(batch["label"].tolist())
+            assert yielded == [[0, 1, 2, 3], [4, 5, 6, 7]]
+            assert (
+                str(caught.value)
+                == f"MmapLoader worker 0 failed on batch 2 (samples 8, 9, 10, 11): {summary}"
+            )
+            assert type(caught.value.__cause__) is type(error)
+            if attempt == 0:
+                pids = worker_pids(loader)
+        assert worker_pids(loader) == pids and all(p.is_alive() for p in loader._workers.pool.processes)  # type: ignore[union-attr]
+    assert "Traceback" not in capfd.readouterr().err  # no worker printed one
