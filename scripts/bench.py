@@ -42,6 +42,7 @@ from npz2mmap.reader import DatasetReader
 
 BATCH = 64
 WARM_EPOCHS = 2  # the best of these is reported: the machine is shared and noisy
+LOADER_WARM_EPOCHS = 6  # the loaders section's epochs are short (a tenth of a second)
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -129,8 +130,9 @@ class PssSampler:
     loaded libraries): shared by every process on the machine, counted once.
     """
 
-    def __init__(self, interval: float = 0.05, root: int | None = None) -> None:
+    def __init__(self, interval: float = 0.05, root: int | None = None, active: bool = True) -> None:
         self.interval = interval
+        self.active = active
         self.root = root if root is not None else os.getpid()
         self.peak = 0
         self.peak_file = 0
@@ -146,12 +148,14 @@ class PssSampler:
             self._stop.wait(self.interval)
 
     def __enter__(self) -> PssSampler:
-        self._thread.start()
+        if self.active:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self.active:
+            self._thread.join()
 
 
 def drop_from_page_cache(paths: Iterable[Path | str]) -> None:
@@ -303,34 +307,52 @@ class Measured:
     note: str = ""
 
 
-def run_epochs(make: Callable[[], Iterable[Any]], cold_files: list[Path], row: Measured) -> Measured:
-    """Epoch 1 on a cold page cache, then the best of WARM_EPOCHS warm ones; the PSS peak over all."""
+def run_epochs(
+    make: Callable[[], Iterable[Any]],
+    cold_files: list[Path],
+    row: Measured,
+    pss_apart: bool = False,
+    warm_epochs: int = WARM_EPOCHS,
+) -> Measured:
+    """Epoch 1 on a cold page cache, then the best of ``warm_epochs`` warm ones; the PSS peak over all.
+
+    With ``pss_apart``, the PSS is sampled over one more epoch instead: reading
+    every process's smaps takes CPU that worker processes would otherwise use.
+    """
     gc.collect()
     drop_from_page_cache(cold_files)
-    with PssSampler() as pss:
+    sampler = PssSampler(active=not pss_apart)
+    with sampler:
         started = time.perf_counter()
         loader = make()
-        seen = 0
-        for epoch in range(1 + WARM_EPOCHS):
+        for epoch in range(1 + warm_epochs):
             epoch_start = time.perf_counter()
-            iterator = iter(loader)
-            for batch in iterator:
-                if epoch == 0 and seen == 0:
-                    row.first_batch_s = time.perf_counter() - started
-                seen += batch_count(batch)
+            seen = sum(batch_count(batch) for batch in _first_noted(loader, row, started, epoch))
             rate = seen / (time.perf_counter() - epoch_start)
             if epoch == 0:
                 row.cold_per_s = rate
             else:
                 row.warm_per_s = max(row.warm_per_s, rate)
-            seen = 0
+        if pss_apart:
+            sampler = PssSampler()
+            with sampler:
+                for _ in loader:
+                    pass
         close = getattr(loader, "close", None)  # MmapLoader's worker processes
         if close is not None:
             close()
-        del loader, iterator
-    row.peak_pss_bytes = pss.peak
-    row.peak_pss_file_bytes = pss.peak_file
+        del loader
+    row.peak_pss_bytes = sampler.peak
+    row.peak_pss_file_bytes = sampler.peak_file
     return row
+
+
+def _first_noted(loader: Iterable[Any], row: Measured, started: float, epoch: int) -> Iterable[Any]:
+    """The loader's batches; the time to the very first is noted in ``row``."""
+    for batch in loader:
+        if epoch == 0 and not row.first_batch_s:
+            row.first_batch_s = time.perf_counter() - started
+        yield batch
 
 
 # --- sections ----------------------------------------------------------------------------
@@ -519,23 +541,24 @@ def heavy_transform(sample: dict[str, Any]) -> dict[str, Any]:
 HEAVY_ROUNDS = 40  # about 250 us a sample here
 
 
-class ReadyBatches(Dataset):
-    """Items that are whole batches made in advance: DataLoader's worker hand-off and nothing else."""
+class EmptyBatches(Dataset):
+    """Items that are whole batches, new and never written: DataLoader's worker hand-off and nothing else.
+
+    Each is a fresh tensor, as a collate inside a worker makes one, so each
+    crosses to the trainer through its own shared-memory segment.
+    """
 
     def __init__(self, count: int) -> None:
         self.count = count
-        self.batch: dict[str, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return -(-self.count // BATCH)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        if self.batch is None:
-            self.batch = {
-                "input": torch.zeros((BATCH, 3, 64, 64), dtype=torch.float32),
-                "label": torch.zeros(BATCH, dtype=torch.int64),
-            }
-        return self.batch
+        return {
+            "input": torch.empty((BATCH, 3, 64, 64), dtype=torch.float32),
+            "label": torch.empty(BATCH, dtype=torch.int64),
+        }
 
 
 class InRamPadded:
@@ -599,7 +622,7 @@ def loaders_section(fixed: Path, ragged: Path | None, quick: bool) -> list[Measu
     variants: list[tuple[str, int, str, Callable[[], Iterable[Any]]]] = [
         ("fixed", 0, "in-RAM gather (bound)", lambda: InRamBatches(read_all(fixed, fields))),
         ("fixed", 0, "MmapLoader, no workers (prefetch=0)", lambda: single_loader(ds())),
-        ("fixed", 2, "DataLoader, ready-made batches (hand-off alone)", lambda: ready_loader(count)),
+        ("fixed", 2, "DataLoader, empty batches (hand-off alone)", lambda: ready_loader(count)),
         ("fixed", 2, "DataLoader(MmapDataset) per item", lambda: worker_loader(ds(), 2)),
         ("fixed", 2, "DataLoader(MmapDataset) + collate", lambda: worker_loader(ds(), 2, collate_fn=collate)),
         ("fixed", 1, "MmapLoader, 1 worker (ring)", lambda: ring_loader(ds(), 1)),
@@ -633,16 +656,17 @@ def loaders_section(fixed: Path, ragged: Path | None, quick: bool) -> list[Measu
         ]
     rows = []
     for workload, workers, name, make in variants:
-        row = run_epochs(make, [], Measured(name, workload, workers, note="loaders"))
+        row = Measured(name, workload, workers, note="loaders")
+        run_epochs(make, [], row, pss_apart=True, warm_epochs=LOADER_WARM_EPOCHS)
         print(f"  {workload:7s} {name:48s} warm {row.warm_per_s:>10,.0f}/s", flush=True)
         rows.append(row)
     return rows
 
 
 def ready_loader(count: int) -> DataLoader:
-    """Two workers handing over batches made in advance, with torch's own default settings."""
+    """Two workers handing over new batches that cost nothing to make, with torch's default settings."""
     return DataLoader(
-        ReadyBatches(count), batch_size=None, shuffle=True, num_workers=2, persistent_workers=True
+        EmptyBatches(count), batch_size=None, shuffle=True, num_workers=2, persistent_workers=True
     )
 
 
@@ -1028,7 +1052,8 @@ def loader_lines(report: Report) -> list[str]:
         return []
     lines = [
         "",
-        f"Loaders with worker processes, warm page cache, batch {BATCH} (best of {WARM_EPOCHS} epochs):",
+        f"Loaders with worker processes, warm page cache, batch {BATCH}, best of {LOADER_WARM_EPOCHS} "
+        "epochs (PSS sampled over one more epoch: sampling takes the workers' CPU):",
         "",
         "| workload | loader | workers | samples/s | vs in-RAM bound "
         "| vs MmapLoader, no workers, same transform | peak PSS sum (MB) | of which mapped files (MB) |",

@@ -43,7 +43,7 @@ def test_quick_benchmark_writes_table_json_and_chart(tmp_path) -> None:
     assert all(row["warm_per_s"] > 0 and row["peak_pss_bytes"] > 0 for row in report["throughput"])
     for workload, loader in [
         ("fixed", "in-RAM gather (bound)"),
-        ("fixed", "DataLoader, ready-made batches (hand-off alone)"),
+        ("fixed", "DataLoader, empty batches (hand-off alone)"),
         ("fixed", "MmapLoader, 2 workers (ring)"),
         ("fixed", "light transform: MmapLoader, 2 workers (ring)"),
         ("fixed", "heavy transform: MmapLoader, 2 workers (ring)"),
