@@ -516,15 +516,21 @@ for batch in loader:
 """
 
 
-def start_trainer(dataset_dir: Path) -> tuple[subprocess.Popen[str], list[int]]:
+def trainer_process(script: str, dataset_dir: Path, **options: Any) -> subprocess.Popen[str]:
+    """``script`` run by a new Python on ``dataset_dir``'s dataset, this checkout importable."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    trainer = subprocess.Popen(
-        [sys.executable, "-c", TRAINER, str(dataset_dir / "dataset")],
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(dataset_dir / "dataset")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        **options,
     )
+
+
+def start_trainer(dataset_dir: Path) -> tuple[subprocess.Popen[str], list[int]]:
+    trainer = trainer_process(TRAINER, dataset_dir)
     assert trainer.stdout is not None
     pids = [int(pid) for pid in trainer.stdout.readline().split()]
     assert len(pids) == 3, trainer.stderr.read() if trainer.stderr else ""
@@ -1022,15 +1028,7 @@ def sigint_disposition(pid: int) -> str:
 def test_ctrl_c_while_spawn_workers_start_prints_no_worker_traceback_and_leaves_no_process(
     dataset_dir,
 ) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    trainer = subprocess.Popen(
-        [sys.executable, "-c", SPAWNING_TRAINER, str(dataset_dir / "dataset")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    trainer = trainer_process(SPAWNING_TRAINER, dataset_dir, start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and trainer.poll() is None:
         # Both started, each past Python's start-up (a SIGINT before it would kill a worker silently),

@@ -613,7 +613,9 @@ def test_a_member_whose_bytes_run_into_the_next_local_header_is_refused(tmp_path
     )
 
 
-def test_a_member_whose_bytes_run_into_the_central_directory_is_refused(tmp_path) -> None:
+def archive_running_into_its_directory(tmp_path: Path) -> tuple[Path, bytes, np.ndarray]:
+    """An archive whose member 'b' claims bytes up to the central directory's first entry, which
+    np.load reads; its path, bytes and b's array."""
     b_array, b_written, b_npy = running_into(b"PK\x01\x02")
     data = stored_zip({"a.npy": npy_bytes(np.arange(3)), "b.npy": b_written})
     data = patch_central_entry(
@@ -621,6 +623,11 @@ def test_a_member_whose_bytes_run_into_the_central_directory_is_refused(tmp_path
     )
     path = tmp_path / "into-directory.npz"
     path.write_bytes(data)
+    return path, data, b_array
+
+
+def test_a_member_whose_bytes_run_into_the_central_directory_is_refused(tmp_path) -> None:
+    path, data, b_array = archive_running_into_its_directory(tmp_path)
     with np.load(path) as npz:
         assert np.array_equal(npz["b"], b_array)
     directory_offset = data.index(b"PK\x01\x02")
@@ -631,13 +638,7 @@ def test_a_member_whose_bytes_run_into_the_central_directory_is_refused(tmp_path
 
 
 def test_a_member_that_is_not_asked_for_is_checked_too(tmp_path) -> None:
-    _, b_written, b_npy = running_into(b"PK\x01\x02")
-    data = stored_zip({"a.npy": npy_bytes(np.arange(3)), "b.npy": b_written})
-    data = patch_central_entry(
-        data, "b.npy", crc32=zlib.crc32(b_npy), compress_size=len(b_npy), file_size=len(b_npy)
-    )
-    path = tmp_path / "into-directory.npz"
-    path.write_bytes(data)
+    path, _, _ = archive_running_into_its_directory(tmp_path)
     with pytest.raises(SourceError, match=r"member 'b' runs into the central directory"):
         scan_source(str(path), ["a"])
 
