@@ -694,13 +694,7 @@ def test_numpys_own_archives_never_overlap(data: bytes) -> None:
 
 def test_an_overlapping_archive_stays_refused_when_asked_again(tmp_path) -> None:
     """verify asks an open source for its keys, then its headers: each must meet the refusal."""
-    _, b_written, b_npy = running_into(b"PK\x01\x02")
-    data = stored_zip({"a.npy": npy_bytes(np.arange(3)), "b.npy": b_written})
-    data = patch_central_entry(
-        data, "b.npy", crc32=zlib.crc32(b_npy), compress_size=len(b_npy), file_size=len(b_npy)
-    )
-    path = tmp_path / "into-directory.npz"
-    path.write_bytes(data)
+    path, _, _ = archive_running_into_its_directory(tmp_path)
     with open_source(str(path)) as source:
         for ask in (source.keys, lambda: source.header("a")):
             with pytest.raises(SourceError, match=r"member 'b' runs into the central directory"):
