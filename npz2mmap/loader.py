@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import numbers
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -97,8 +98,7 @@ class MmapLoader:
             raise ValueError("batch_size must be at least 1, prefetch and num_workers at least 0")
         if slot_nbytes is not None and slot_nbytes < 1:
             raise ValueError(f"slot_nbytes must be at least 1, got {slot_nbytes}")
-        if not timeout >= 0:
-            raise ValueError(f"timeout must be at least 0 seconds (0: no limit), got {timeout}")
+        check_timeout(timeout)
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -425,3 +425,14 @@ def _samplers(loader: MmapLoader) -> list[tuple[str, Any]]:
         for key, s in (("sampler", loader.sampler), ("batch_sampler", loader.batch_sampler))
         if s is not None
     ]
+
+
+MAX_TIMEOUT_S = 10**7  # about 4 months: more than any wait a platform's clock and selectors take
+
+
+def check_timeout(timeout: object) -> None:
+    """TypeError unless ``timeout`` is a real number, ValueError unless 0 <= timeout <= MAX_TIMEOUT_S."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout must be a number of seconds (0: no limit), not {timeout!r}")
+    if not 0 <= timeout <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout must be from 0 to {MAX_TIMEOUT_S:,} seconds (0: no limit), got {timeout}")

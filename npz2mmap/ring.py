@@ -54,6 +54,9 @@ SLOT_SPARE_NBYTES = 1 << 20
 # batches larger than this travel pickled unless slot_nbytes says otherwise.
 MAX_DEFAULT_SLOT_NBYTES = 256 << 20
 STOP_TIMEOUT_S = 5.0
+# Leaving a pass early waits this long at most (or ``timeout``) for the batches in flight, then
+# stops the workers: a stuck one must not hang a loop the user has left (the next pass restarts them).
+DRAIN_TIMEOUT_S = 10.0
 INDICES_SHOWN = 10
 # A task is its batch number and slot, then the batch's sample indices (int64); empty: stop.
 TASK_HEADER = struct.Struct("<qq")
@@ -618,9 +621,14 @@ class WorkerPool:
         """The worker sent nothing within ``timeout``: kill it (it may be stopped or deadlocked), say so."""
         process = self.processes[worker]
         process.kill()
+        why = (
+            "stuck or stopped?"
+            if worker in self.answered
+            else "its first batch: still starting? A spawned worker imports torch first"
+        )
         raise WorkerError(
             f"MmapLoader worker {worker} (pid {process.pid}) sent no batch {number} within the "
-            f"timeout of {timeout:g} s (stuck or stopped?); the workers were stopped"
+            f"timeout of {timeout:g} s ({why}); the workers were stopped"
         )
 
     def _raise_gone(self, worker: int, number: int) -> NoReturn:
@@ -962,7 +970,7 @@ class RingWorkers:
         try:
             while in_flight:
                 number, slot, worker, _ = in_flight.popleft()
-                self.pool.receive(worker, number, self.timeout)
+                self.pool.receive(worker, number, self.timeout or DRAIN_TIMEOUT_S)
                 self._free.append((slot, None))  # never handed out
         except WorkerError:
             self.close()
