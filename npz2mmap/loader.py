@@ -434,5 +434,5 @@ def check_timeout(timeout: object) -> None:
     """TypeError unless ``timeout`` is a real number, ValueError unless 0 <= timeout <= MAX_TIMEOUT_S."""
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"timeout must be a number of seconds (0: no limit), not {timeout!r}")
-    if not 0 <= timeout <= MAX_TIMEOUT_S:
+    if not 0 <= float(timeout) <= MAX_TIMEOUT_S:
         raise ValueError(f"timeout must be from 0 to {MAX_TIMEOUT_S:,} seconds (0: no limit), got {timeout}")
