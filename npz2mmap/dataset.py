@@ -411,7 +411,10 @@ def shared_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor | Non
     if not torch_has(dtype) or not dtype.isnative:
         return None
     empty = torch.from_numpy(np.empty(0, dtype=dtype))
-    storage = empty._typed_storage()._new_shared(math.prod(shape))
+    try:  # torch's own (private) way; a torch without it gets a private tensor, copied when sent
+        storage = empty._typed_storage()._new_shared(math.prod(shape))
+    except (AttributeError, RuntimeError):
+        return None
     return empty.new(storage).view(shape)
 
 

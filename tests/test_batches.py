@@ -326,3 +326,17 @@ def test_a_dataloader_worker_gathers_the_batch_straight_into_shared_memory(tmp_p
     assert seen == len(sources)
     batch, shared = _collate_noting_shared_memory(ds.__getitems__([0, 1]))  # not in a worker: private
     assert not any(shared.values())
+
+
+def test_without_torchs_shared_storage_a_dataloader_worker_gathers_privately(tmp_path, monkeypatch) -> None:
+    """A torch lacking the private call the gather into shared memory uses: the same batches, copied."""
+    monkeypatch.delattr(torch.TypedStorage, "_new_shared")
+    sources = [{"x": np.arange(i, i + 3, dtype=np.float32), "y": np.int64(i)} for i in range(6)]
+    write_samples(tmp_path / "src", sources)
+    convert([tmp_path / "src"], tmp_path / "ds")
+    loader = DataLoader(MmapDataset(tmp_path / "ds"), batch_size=4, num_workers=1, collate_fn=collate)
+    batches = list(loader)
+    assert [b["y"].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5]]
+    assert torch.equal(
+        torch.cat([b["x"] for b in batches]), torch.from_numpy(np.stack([s["x"] for s in sources]))
+    )
