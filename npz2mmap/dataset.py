@@ -303,19 +303,18 @@ def _collate_transformed_samples(batch: Sequence[TransformedSample], *, collate_
 def _arrays_torch_lacks(values: Sequence[Any]) -> bool:
     """Numpy arrays of one dtype and shape that torch has no tensor for (strings, records, datetimes)."""
     first = values[0]
-    if type(first) is not np.ndarray or torch_has(first.dtype):
+    if type(first) is not np.ndarray or torch_dtype(first.dtype) is not None:
         return False
     return all(type(v) is np.ndarray and v.dtype == first.dtype and v.shape == first.shape for v in values)
 
 
 @functools.cache
-def torch_has(dtype: np.dtype) -> bool:
-    """Whether torch.from_numpy takes arrays of ``dtype`` (looked up once per dtype)."""
+def torch_dtype(dtype: np.dtype) -> torch.dtype | None:
+    """The torch dtype of a numpy dtype, or None where torch has none (looked up once per dtype)."""
     try:
-        torch.from_numpy(np.empty(0, dtype=dtype))
-    except (TypeError, ValueError):
-        return False
-    return True
+        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    except (TypeError, ValueError):  # ValueError: a byte order torch does not read
+        return None
 
 
 def _collate_transformed_arrays(
@@ -408,7 +407,7 @@ def shared_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor | Non
     workers, so a batch gathered into it crosses to the trainer without the
     copy into shared memory that a private tensor would need.
     """
-    if not torch_has(dtype) or not dtype.isnative:
+    if torch_dtype(dtype) is None or not dtype.isnative:
         return None
     empty = torch.from_numpy(np.empty(0, dtype=dtype))
     try:  # torch's own (private) way; a torch without it gets a private tensor, copied when sent
@@ -422,7 +421,4 @@ def as_tensors(array: np.ndarray | list[np.ndarray]) -> Any:
     """Tensors sharing the arrays' memory; arrays of dtypes torch lacks are returned as they are."""
     if isinstance(array, list):
         return [as_tensors(item) for item in array]
-    try:
-        return torch.from_numpy(array)
-    except TypeError:
-        return array
+    return torch.from_numpy(array) if torch_dtype(array.dtype) is not None else array

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from .dataset import MmapDataset, as_tensors, collate
+from .dataset import MmapDataset, as_tensors, collate, torch_dtype
 from .padding import PaddedCollate
 from .parts import PartsReader
 from .reader import normalise_indices
@@ -37,7 +37,6 @@ from .ring import (
     RingWorkers,
     default_slot_nbytes,
     resolve_context,
-    torch_dtype,
 )
 from .samplers import _state_int
 

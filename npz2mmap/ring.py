@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from . import parallel
-from .dataset import MmapDataset, SampleList, collate
+from .dataset import MmapDataset, SampleList, collate, torch_dtype
 from .errors import WorkerError
 from .ragged import RaggedRows, check_padded_size
 from .reader import as_raw
@@ -406,15 +406,6 @@ def _place_array(writer: SlotWriter, dtype: np.dtype, shape: tuple[int, ...]) ->
     if tensor_dtype is not None:
         leaf = Leaf(leaf.offset, tensor_dtype, leaf.shape, True)
     return leaf, target
-
-
-@functools.cache
-def torch_dtype(dtype: np.dtype) -> torch.dtype | None:
-    """The torch dtype of a numpy dtype, or None where torch has none (looked up once per dtype)."""
-    try:
-        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    except (TypeError, ValueError):  # ValueError: a byte order torch does not read
-        return None
 
 
 def worker_main(
