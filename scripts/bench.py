@@ -581,38 +581,30 @@ class InRamPadded:
         for first in range(0, count, BATCH):
             index = order[first : first + BATCH]
             lengths = self.lengths[index]
-            rows = list(zip(self.starts[index].tolist(), lengths.tolist(), strict=True))
-            batch = {}
-            for name, flat in self.flat.items():
-                padded = np.zeros((len(index), int(lengths.max())), dtype=flat.dtype)
-                for row, (start, length) in zip(padded, rows, strict=True):
-                    row[:length] = flat[start : start + length]
-                batch[name] = torch.from_numpy(padded)
+            batch = {
+                name: torch.from_numpy(self.pad(flat, index, lengths)) for name, flat in self.flat.items()
+            }
             batch["lengths"] = torch.from_numpy(lengths)
             yield batch
+
+    def pad(self, flat: np.ndarray, index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        padded = np.zeros((len(index), int(lengths.max())), dtype=flat.dtype)
+        for row, start, length in zip(padded, self.starts[index].tolist(), lengths.tolist(), strict=True):
+            row[:length] = flat[start : start + length]
+        return padded
 
 
 class InRamPaddedIndexed(InRamPadded):
     """The same samples in RAM, each batch padded by one vectorised element index per field
     (no Python loop over samples: slower in RAM than a slice per sample at these lengths)."""
 
-    def __iter__(self) -> Iterable[dict[str, torch.Tensor]]:
-        count = len(self.lengths)
-        order = np.random.default_rng((self.seed, self.epoch)).permutation(count)
-        self.epoch += 1
-        for first in range(0, count, BATCH):
-            index = order[first : first + BATCH]
-            lengths = self.lengths[index]
-            valid = np.arange(int(lengths.max())) < lengths[:, None]
-            ends = np.cumsum(lengths)
-            source = np.repeat(self.starts[index] - (ends - lengths), lengths) + np.arange(int(ends[-1]))
-            batch = {}
-            for name, flat in self.flat.items():
-                padded = np.zeros(valid.shape, dtype=flat.dtype)
-                padded[valid] = flat[source]
-                batch[name] = torch.from_numpy(padded)
-            batch["lengths"] = torch.from_numpy(lengths)
-            yield batch
+    def pad(self, flat: np.ndarray, index: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        valid = np.arange(int(lengths.max())) < lengths[:, None]
+        ends = np.cumsum(lengths)
+        source = np.repeat(self.starts[index] - (ends - lengths), lengths) + np.arange(int(ends[-1]))
+        padded = np.zeros(valid.shape, dtype=flat.dtype)
+        padded[valid] = flat[source]
+        return padded
 
 
 def first_samples(count: int, seed: int = 0) -> np.ndarray:
