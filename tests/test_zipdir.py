@@ -829,15 +829,20 @@ def tiny_entries(count: int) -> bytes:
     return directory + zip64_end(count, len(directory), 0)
 
 
-def test_more_entries_than_an_npz_file_may_have_are_refused_before_any_is_read(tmp_path) -> None:
-    path = tmp_path / "many.npz"
-    path.write_bytes(tiny_entries(zipdir.MAX_ENTRIES + 1))
+def refusal_and_peak_memory(path: Path) -> tuple[str, int]:
+    """The scan's refusal of ``path`` and the most memory Python held while it ran."""
     tracemalloc.start()
     try:
         message = scan_refusal(path)
-        peak = tracemalloc.get_traced_memory()[1]
+        return message, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+
+
+def test_more_entries_than_an_npz_file_may_have_are_refused_before_any_is_read(tmp_path) -> None:
+    path = tmp_path / "many.npz"
+    path.write_bytes(tiny_entries(zipdir.MAX_ENTRIES + 1))
+    message, peak = refusal_and_peak_memory(path)
     assert message == f"{path}: holds 65,536 zip entries, more than the 65,535 an NPZ file may have"
     assert peak < 1 << 20
 
@@ -845,12 +850,7 @@ def test_more_entries_than_an_npz_file_may_have_are_refused_before_any_is_read(t
 def test_an_empty_key_stops_the_directory_at_its_entry(tmp_path) -> None:
     path = tmp_path / "empty-names.npz"
     path.write_bytes(tiny_entries(60_000))
-    tracemalloc.start()
-    try:
-        message = scan_refusal(path)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    message, peak = refusal_and_peak_memory(path)
     assert message == f"{path}: field name '' is empty"
     assert peak < 3 << 20  # a window of the directory, not 60,000 entries
 
