@@ -41,6 +41,19 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = int(os.environ.get("NPZ2MMAP_ORACLE_EXAMPLES", "150"))
 
 
+def run_script(
+    script: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``script`` run by a new Python with ``args``, this checkout importable; its output captured."""
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        timeout=600,
+    )
+
+
 def dataset_files(path: Path) -> dict[str, bytes]:
     return {entry.name: entry.read_bytes() for entry in sorted(path.iterdir())}
 
@@ -468,13 +481,8 @@ print(before * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 @pytest.mark.parametrize("without", ["", "copy_file_range,pwrite,pread"])
 def test_memory_stays_flat_however_much_is_appended(tmp_path, without) -> None:
     num_samples = 96  # 384 MiB of data
-    env = {**os.environ, "PYTHONPATH": str(ROOT), fsutil.WITHOUT_ENV: without}
-    result = subprocess.run(
-        [sys.executable, "-c", MEMORY_PROBE, str(tmp_path / "out"), str(num_samples)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
+    result = run_script(
+        MEMORY_PROBE, str(tmp_path / "out"), str(num_samples), env={fsutil.WITHOUT_ENV: without}
     )
     assert result.returncode == 0, result.stderr
     before, peak = map(int, result.stdout.split())
@@ -604,12 +612,7 @@ def test_convert_names_a_first_file_without_arrays(tmp_path) -> None:
 
 def test_the_writer_is_exported_without_importing_torch(tmp_path) -> None:
     code = "import sys\nsys.modules['torch'] = None\nimport npz2mmap\nprint(npz2mmap.Writer.__module__)"
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    result = run_script(code)
     assert result.stdout == "npz2mmap.appender\n", result.stderr
 
 
@@ -748,10 +751,7 @@ w.close()
 @pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs RLIMIT_FSIZE (POSIX)")
 def test_a_real_write_error_while_appending_is_undone_and_the_writer_goes_on(tmp_path) -> None:
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", FILE_TOO_LARGE, str(out)], capture_output=True, text=True, env=env, timeout=300
-    )
+    done = run_script(FILE_TOO_LARGE, str(out))
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout == f"{out}: cannot write the samples beside it (File too large)\n"
     samples = [{"x": np.full(600_000, i, np.float32), "t": np.arange(i + 1)} for i in (0, 1, 3)]
@@ -1008,14 +1008,7 @@ w.close()
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (POSIX)")
 def test_a_forked_child_that_exits_leaves_the_lock_and_the_writer_to_its_parent(tmp_path) -> None:
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-c", WRITER_WITH_A_CHILD_THAT_EXITS, str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    result = run_script(WRITER_WITH_A_CHILD_THAT_EXITS, str(out))
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""  # nothing 'ignored' while the child exited
     entries, refusal = result.stdout.splitlines()
