@@ -78,10 +78,12 @@ class PaddedCollate:
     def _padded_tensor(self, rows: RaggedRows) -> Any:
         """The padded field; inside a DataLoader worker, padded straight into shared memory,
         so that it crosses to the trainer with no further copy."""
+        if get_worker_info() is None:
+            return as_tensors(rows.padded(self.pad_value))
         shape = rows.padded_shape()
         check_padded_size(rows.name, shape, rows.dtype.itemsize)
-        shared = shared_tensor(shape, rows.dtype) if get_worker_info() is not None else None
-        if shared is None:
+        shared = shared_tensor(shape, rows.dtype)
+        if shared is None:  # a dtype torch lacks
             return as_tensors(rows.padded(self.pad_value))
         rows.fill_padded(shared.numpy(), self.pad_value)
         return shared
