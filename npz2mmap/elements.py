@@ -21,7 +21,7 @@ from typing import Literal
 
 import numpy as np
 
-from .errors import SourceError
+from .errors import MismatchError, SourceError
 from .npzfile import CHUNK_NBYTES, MemberHeader
 from .spec import storage_dtype
 
@@ -234,7 +234,7 @@ def _cast_pieces(reader: ByteReader, header: MemberHeader, stored: np.dtype, cou
         if len(lost):
             k = int(lost[0])
             index = _element_index(start + k, header)
-            raise SourceError(
+            raise MismatchError(
                 f"{reader.where}: {_describe_lost(values, converted, k, index)} "
                 f"(--cast keeps only values that {stored} represents exactly)"
             )
@@ -252,7 +252,7 @@ def _cast_or_refuse(values: np.ndarray, dtype: np.dtype, where: str) -> np.ndarr
     try:
         return _cast(values, dtype)
     except (UnicodeError, ValueError, TypeError, OverflowError) as exc:
-        raise SourceError(f"{where}: cannot cast {values.dtype} to {dtype}: {exc}") from None
+        raise MismatchError(f"{where}: cannot cast {values.dtype} to {dtype}: {exc}") from None
 
 
 def _cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:

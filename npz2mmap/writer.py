@@ -20,7 +20,7 @@ from numpy.typing import NDArray
 
 from . import __version__, fsutil, provenance
 from .elements import ByteReader, Piece, stored_pieces
-from .errors import SourceError
+from .errors import MismatchError, SourceError
 from .npzfile import CHUNK_NBYTES, LOCATION_FIELDS, MemberHeader, MemberLocation, parse_npy_header
 from .plan import FieldPlan, Plan, can_cast
 from .sources import kind_scanned, open_source
@@ -163,7 +163,7 @@ def write_batch(blob_path: str, task: BatchTask, skip_bad: bool) -> BatchResult:
             try:
                 file_crcs, file_nbytes = _copy_file(task, i, path, out, blob_path)
             except SourceError as exc:
-                if not skip_bad:
+                if not skip_bad or isinstance(exc, MismatchError):  # a file that disagrees is not bad
                     raise
                 failures.append((task.first_file + i, str(exc)))
                 continue

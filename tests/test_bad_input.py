@@ -311,6 +311,16 @@ def test_skip_bad_does_not_skip_files_that_disagree(tmp_path, good_sources) -> N
         convert([good_sources, tmp_path / "odd"], tmp_path / "out", skip_bad=True, workers=1)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_skip_bad_does_not_skip_files_whose_values_a_cast_cannot_keep(tmp_path, workers) -> None:
+    write_samples(tmp_path / "src", [{"v": np.array([value], np.float64)} for value in (0.5, 0.1, 0.25)])
+    with pytest.raises(
+        SourceError, match=r"s00001\.npz\[v\]: .*--cast keeps only values that float32 represents exactly"
+    ):
+        convert([tmp_path / "src"], tmp_path / "out", casts={"v": "float32"}, skip_bad=True, workers=workers)
+    assert not (tmp_path / "out").exists()
+
+
 def test_pipes_and_broken_links_named_npz_in_a_directory_are_named(tmp_path, good_sources) -> None:
     os.mkfifo(good_sources / "pipe.npz")
     with pytest.raises(SourceError, match=r"pipe\.npz: a pipe \(FIFO\), not a regular file"):
