@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import stat
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -118,13 +119,13 @@ def _walk(top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> l
     while pending:
         directory = pending.pop()
         try:
-            stat = os.stat(directory.path)
+            info = os.stat(directory.path)
             entries = list(os.scandir(directory.path))
         except OSError as exc:
             raise SourceError(f"{directory.path}: cannot list directory ({exc.strerror})") from None
-        if (stat.st_dev, stat.st_ino) in seen_dirs:
+        if (info.st_dev, info.st_ino) in seen_dirs:
             continue
-        seen_dirs.add((stat.st_dev, stat.st_ino))
+        seen_dirs.add((info.st_dev, info.st_ino))
         if sample_dirs and holds_npy_files(entries):
             found.append((directory.absolute, directory.real))
         for entry in entries:
@@ -194,11 +195,23 @@ def _is(test: Callable[[], bool]) -> bool:
 
 
 def _refuse_duplicates(found: list[Found]) -> None:
-    """SourceError for a file found twice, by one path or two (compared after resolving symlinks)."""
+    """SourceError for a file found twice, by one path or two (compared after resolving symlinks).
+
+    A pipe, device or broken link reached twice (only ``skip_bad`` keeps them)
+    is no sample read twice: each path is skipped and listed by the scan.
+    """
     first_seen: dict[str, str] = {}
     for path, real in found:
-        if real in first_seen:
+        if real in first_seen and _is_file_or_directory(real):
             other = first_seen[real]
             same = "given twice" if other == path else f"is the same file as {other}"
             raise SourceError(f"{path}: {same}; each sample file may appear only once")
         first_seen[real] = path
+
+
+def _is_file_or_directory(path: str) -> bool:
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISREG(mode) or stat.S_ISDIR(mode)

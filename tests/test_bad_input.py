@@ -321,6 +321,34 @@ def test_skip_bad_does_not_skip_files_whose_values_a_cast_cannot_keep(tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+@pytest.mark.parametrize("workers", [1, 2])
+def test_skip_bad_lists_a_pipe_or_device_reached_by_two_names_twice(tmp_path, good_sources, workers) -> None:
+    os.mkfifo(tmp_path / "pipe")
+    for name, target in [
+        ("p1.npz", "pipe"),
+        ("p2.npz", "pipe"),
+        ("z1.npz", "/dev/zero"),
+        ("z2.npz", "/dev/zero"),
+    ]:
+        os.symlink(tmp_path / target, good_sources / name)
+    result = convert([good_sources], tmp_path / "out", skip_bad=True, workers=workers)
+    assert [Path(path).name for path, _ in result.skipped] == ["p1.npz", "p2.npz", "z1.npz", "z2.npz"]
+    assert [Path(s["path"]).name for s in read_skipped(tmp_path / "out")] == [
+        "p1.npz",
+        "p2.npz",
+        "z1.npz",
+        "z2.npz",
+    ]
+    assert len(DatasetReader(tmp_path / "out")) == 4
+
+
+def test_a_file_reached_by_two_names_is_still_refused_with_skip_bad(tmp_path, good_sources) -> None:
+    os.symlink(good_sources / "s00000.npz", good_sources / "again.npz")
+    with pytest.raises(SourceError, match=r"s00000\.npz: is the same file as .*again\.npz"):
+        convert([good_sources], tmp_path / "out", skip_bad=True, workers=1)
+
+
 def test_pipes_and_broken_links_named_npz_in_a_directory_are_named(tmp_path, good_sources) -> None:
     os.mkfifo(good_sources / "pipe.npz")
     with pytest.raises(SourceError, match=r"pipe\.npz: a pipe \(FIFO\), not a regular file"):
