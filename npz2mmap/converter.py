@@ -12,8 +12,10 @@ import functools
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,7 +24,7 @@ from .errors import MismatchError, OutputError, SourceError
 from .inputs import discover_sources
 from .npzfile import MemberHeader, MemberLocation
 from .parallel import Mapper, worker_map
-from .plan import Plan, build_plan, drop_files
+from .plan import Plan, PlanBuilder, drop_files
 from .progress import Progress, progress_display
 from .render import human_bytes
 from .sources import is_npy_path, scan_source
@@ -91,23 +93,12 @@ def convert(
         publish.output_lock(out) as lock_fd,
         worker_map(workers or os.cpu_count() or 1, len(sources), close_in_workers=(lock_fd,)) as imap,
     ):
-        scan_one = functools.partial(_scan_source, keys=tuple(keys) if keys else None, skip_bad=skip_bad)
         space = free_nbytes(out)
         found = writer.MemberLocations()
+        scan = Scan(tuple(keys) if keys else None, skip_bad, parse_casts(casts), rows, align, space)
         try:
-            plan = _scan(
-                sources,
-                scan_one,
-                parse_casts(casts),
-                align,
-                imap,
-                shown,
-                skipped,
-                rows,
-                space,
-                part,
-                found,
-            )
+            batch_files = scan_batch_files(len(sources), workers or os.cpu_count() or 1)
+            plan = scan.run(sources, imap, batch_files, shown, skipped, part, found)
         except MismatchError as exc:
             if sample_dirs or not looks_like_sample_dirs(sources):
                 raise
@@ -323,47 +314,142 @@ def cast_dtype(value: np.dtype | str) -> np.dtype:
 
 Scanned = tuple[dict[str, MemberHeader], dict[str, MemberLocation]]
 
-
-def _scan_source(path: str, keys: tuple[str, ...] | None, skip_bad: bool) -> Scanned | str:
-    """A source's member headers and locations, or with ``skip_bad`` the reason it is unusable."""
-    try:
-        return scan_source(path, keys)
-    except SourceError as exc:
-        if not skip_bad:
-            raise
-        return str(exc)
+# The scan sends at most this many consecutive files to a worker at once. A batch
+# of more samples than MAX_BATCH_SAMPLES (--rows) comes back file by file instead,
+# so that no message holds every row's shape of many large files.
+MAX_SCAN_BATCH_FILES = 256
+MAX_BATCH_SAMPLES = 1 << 16
 
 
-def _scan(
-    sources: list[str],
-    scan_one: Callable[[str], Scanned | str],
-    casts: dict[str, np.dtype],
-    align: int,
-    imap: Mapper,
-    progress: Progress,
-    skipped: list[tuple[str, str]],
-    rows: bool,
-    max_payload_nbytes: int | None,
-    part: tuple[int, int] | None,
-    found: writer.MemberLocations,
-) -> Plan:
-    """Pass 1: read every member header and plan the layout; record in ``found`` where members lie.
+class ScannedBatch(NamedTuple):
+    """What a worker found in consecutive files: a partial plan, or each file's scan."""
 
-    A part with no usable source (an empty slice of ``--part``, or one whose
-    files were all skipped) plans an empty dataset: no samples, no fields.
+    plan: PlanBuilder | None  # the usable files, each checked against the first of them
+    skipped: list[tuple[int, str]]  # with a plan: (position, reason) of each file --skip-bad leaves out
+    locations: array[int]  # with a plan: the usable files' MemberLocations, in plan order
+    files: list[Scanned | str]  # without a plan: each file's scan (or reason to skip it), in order
+    error: SourceError | None = None  # without a plan: what the scan of the file after ``files`` raised
+
+
+def scan_batch_files(num_files: int, workers: int) -> int:
+    """Files per scan batch: several batches per worker, so that the last ones finish together."""
+    return max(1, min(MAX_SCAN_BATCH_FILES, num_files // (workers * 8)))
+
+
+@dataclass(frozen=True)
+class Scan:
+    """Pass 1: read every member header and plan the layout.
+
+    Workers scan consecutive files and check them against the first of each
+    batch; the main process checks each batch's first file against the
+    dataset's and merges the batch (PlanBuilder.merge), so it does no work
+    per file. A batch in which a file disagreed or could not be read comes
+    back file by file, and the main process adds those files one at a time,
+    so that every error is the one a serial scan meets first.
     """
-    progress.stage("scan", len(sources), 0, unit="files")
 
-    def usable() -> Iterator[tuple[str, dict[str, MemberHeader]]]:
-        for path, scanned in zip(sources, imap(scan_one, sources), strict=True):
-            progress.advance(1, 0)
-            if isinstance(scanned, str):
-                skipped.append((path, scanned))
+    keys: tuple[str, ...] | None
+    skip_bad: bool
+    casts: dict[str, np.dtype]
+    rows: bool
+    align: int
+    max_payload_nbytes: int | None
+    max_batch_samples: int = MAX_BATCH_SAMPLES
+
+    def run(
+        self,
+        sources: list[str],
+        imap: Mapper,
+        batch_files: int,
+        progress: Progress,
+        skipped: list[tuple[str, str]],
+        part: tuple[int, int] | None,
+        found: writer.MemberLocations,
+    ) -> Plan:
+        """The plan of the usable sources; ``skipped`` and ``found`` (where members lie) filled in.
+
+        A part with no usable source (an empty slice of ``--part``, or one whose
+        files were all skipped) plans an empty dataset: no samples, no fields.
+        """
+        progress.stage("scan", len(sources), 0, unit="files")
+        builder = PlanBuilder(self.align, self.casts, self.rows, self.max_payload_nbytes)
+        usable: list[str] = []
+
+        def batches() -> Iterator[list[str]]:
+            return (sources[i : i + batch_files] for i in range(0, len(sources), batch_files))
+
+        for paths, batch in zip(batches(), imap(self.scan_batch, batches(), per_message=1), strict=True):
+            if batch.plan is None:
+                scans = zip(paths[: len(batch.files)], batch.files, strict=True)  # up to any unreadable one
+                _add_one_by_one(scans, builder, usable, skipped, found)
+                if batch.error is not None:
+                    raise batch.error
             else:
-                yield path, scanned[0]
-                found.add(scanned[1])  # only once the plan has taken the file
+                left_out = dict(batch.skipped)
+                kept = [path for k, path in enumerate(paths) if k not in left_out]
+                builder.merge(batch.plan, kept)
+                skipped.extend((paths[k], reason) for k, reason in batch.skipped)
+                usable.extend(kept)
+                found.values.extend(batch.locations)  # only once the plan has taken the files
+            progress.advance(len(paths), 0)
+        return builder.finish(usable, allow_empty=part is not None)
 
-    return build_plan(usable(), align, casts, rows, max_payload_nbytes, allow_empty=part is not None)
+    def scan_batch(self, paths: list[str]) -> ScannedBatch:
+        """In a worker: scan consecutive files and check them against the first usable one.
+
+        Once a file disagrees with it, or the batch holds more than
+        ``max_batch_samples`` samples, the batch comes back file by file; a
+        file that cannot be read ends it, with the files before it.
+        """
+        builder: PlanBuilder | None = PlanBuilder(self.align, self.casts, self.rows, self.max_payload_nbytes)
+        skipped: list[tuple[int, str]] = []
+        found = writer.MemberLocations()
+        files: list[Scanned | str] = []
+        for k, path in enumerate(paths):
+            try:
+                scanned = self.scan_one(path)
+            except SourceError as exc:
+                return ScannedBatch(None, [], array("q"), files, exc)
+            files.append(scanned)
+            if isinstance(scanned, str):
+                skipped.append((k, scanned))
+            elif builder is not None:
+                try:
+                    builder.add(path, scanned[0])
+                except SourceError:  # which file a serial scan names depends on the files before
+                    builder = None
+                    continue
+                found.add(scanned[1])
+                if builder.num_samples > self.max_batch_samples:
+                    builder = None
+        if builder is None:
+            return ScannedBatch(None, [], array("q"), files)
+        return ScannedBatch(builder, skipped, found.values, [])
+
+    def scan_one(self, path: str) -> Scanned | str:
+        """A source's member headers and locations, or with --skip-bad the reason it is unusable."""
+        try:
+            return scan_source(path, self.keys)
+        except SourceError as exc:
+            if not self.skip_bad:
+                raise
+            return str(exc)
+
+
+def _add_one_by_one(
+    scans: Iterable[tuple[str, Scanned | str]],
+    builder: PlanBuilder,
+    usable: list[str],
+    skipped: list[tuple[str, str]],
+    found: writer.MemberLocations,
+) -> None:
+    for path, scanned in scans:
+        if isinstance(scanned, str):
+            skipped.append((path, scanned))
+            continue
+        builder.add(path, scanned[0])
+        usable.append(path)
+        found.add(scanned[1])  # only once the plan has taken the file
 
 
 class _Copy:

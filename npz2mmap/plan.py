@@ -239,6 +239,7 @@ class PlanBuilder:
         self.counts: array[int] = array("q")
         self.num_samples = 0
         self.first_source = ""
+        self.first_members: dict[str, MemberHeader] = {}  # the first source's, for merge
 
     @property
     def num_sources(self) -> int:
@@ -246,7 +247,51 @@ class PlanBuilder:
 
     def add(self, source: str, members: Mapping[str, MemberHeader]) -> None:
         """Check one source (``source`` names it in messages) and record it."""
-        self.record(self.check(source, members))
+        pending = self.check(source, members)
+        if not self.counts:
+            self.first_members = dict(members)
+        self.record(pending)
+
+    def merge(self, other: PlanBuilder, sources: Sequence[str]) -> None:
+        """Record the sources ``other`` accepted, named ``sources``, as ``add`` would one by one.
+
+        ``other`` (built with the same casts and rows) checked each of its
+        sources against its own first; here that first one is checked against
+        this builder's sources and the limits against the totals, so the
+        same sources pass, and the first one past a limit raises the same
+        error. (A source that disagreed within ``other`` is for the caller
+        to add again one by one: only then does its message name this
+        builder's first source.)
+        """
+        if not other.counts:
+            return
+        pending = self.check(sources[0], other.first_members)
+        counts = np.frombuffer(other.counts, dtype=np.int64)
+        totals = self.num_samples + np.cumsum(counts)
+        past = np.flatnonzero(self._past_limits(totals, len(other.collectors)))
+        if past.size:
+            k = int(past[0])
+            self._check_limits(sources[k], int(counts[k]), int(totals[k]), len(other.collectors))
+        if not self.counts:
+            self.collectors = pending.collectors
+            self.first_source, self.first_members = sources[0], other.first_members
+        for mine, theirs in zip(self.collectors.values(), other.collectors.values(), strict=True):
+            mine.dims.extend(theirs.dims)
+        self.counts.extend(other.counts)
+        self.num_samples += other.num_samples
+
+    def _past_limits(self, num_samples: NDArray[np.int64], num_fields: int) -> NDArray[np.bool_]:
+        """Where running sample totals break a limit _check_limits enforces."""
+        past = num_samples > MAX_NUM_SAMPLES
+        if self.max_payload_nbytes is not None and num_fields:  # a*b > m exactly when a > m // b
+            past |= num_samples > self.max_payload_nbytes // (num_fields * CRC_DTYPE.itemsize)
+        return past
+
+    def _check_limits(self, source: str, count: int, num_samples: int, num_fields: int) -> None:
+        """SourceError naming ``source`` if its ``count`` samples bring the dataset to too many."""
+        if num_samples > MAX_NUM_SAMPLES:
+            raise SourceError(f"{source}: brings the dataset past {MAX_NUM_SAMPLES} samples")
+        _check_table_space(source, count, num_samples, num_fields, self.max_payload_nbytes)
 
     def check(self, source: str, members: Mapping[str, MemberHeader]) -> PendingSource:
         """Check one source against those before it without recording it.
@@ -260,9 +305,7 @@ class PlanBuilder:
                 check_field_name(key, source)
         count = _count_rows(source, members) if self.rows else 1
         num_samples = self.num_samples + count
-        if num_samples > MAX_NUM_SAMPLES:
-            raise SourceError(f"{source}: brings the dataset past {MAX_NUM_SAMPLES} samples")
-        _check_table_space(source, count, num_samples, len(members), self.max_payload_nbytes)
+        self._check_limits(source, count, num_samples, len(members))
         if not self.counts and not members:
             raise SourceError(f"{source}: holds no arrays")
         collectors = self.collectors if self.counts else self._first_collectors(source, members)

@@ -260,7 +260,7 @@ from npz2mmap import cli, converter
 
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # a read without bound fails, not the host
 victim, replacement = sys.argv[1], sys.argv[2]
-scan = converter._scan
+scan = converter.Scan.run
 
 def scan_then_swap(*args, **kwargs):
     plan = scan(*args, **kwargs)
@@ -271,7 +271,7 @@ def scan_then_swap(*args, **kwargs):
         os.symlink(replacement, victim)
     return plan
 
-converter._scan = scan_then_swap
+converter.Scan.run = scan_then_swap
 sys.argv = ["npz2mmap", *sys.argv[3:]]
 cli.main()
 """
