@@ -1190,7 +1190,9 @@ def main() -> None:
             "ddp": child_ddp,
         }
         Path(root).mkdir(parents=True, exist_ok=True)
-        print(json.dumps(children[task](Path(root))))
+        result = children[task](Path(root))
+        if os.environ.get("RANK", "0") == "0":  # one line from torchrun's ranks, not several at once
+            print(json.dumps(result))
         return
     sys.path.insert(0, str(Path(__file__).parent))
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="npz2mmap-bench-"))
