@@ -254,15 +254,37 @@ class _FieldView:
             stride = self.field.stride
             shapes = np.tile(np.array(self.column.shape[1:], dtype=np.int64), (len(idx), 1))
             return idx * stride, shapes
-        starts = self.offsets[idx].astype(np.int64)
-        ends = self.offsets[idx + 1].astype(np.int64)
-        shapes = self.shapes[idx].astype(np.int64).reshape(len(idx), self.field.ndim)
-        in_bounds = (starts >= 0) & (starts <= ends) & (ends <= len(self.data))
-        # Where a difference wraps, the extent is out of bounds anyway.
-        valid = in_bounds & (ends - starts == self._row_nbytes(shapes))
-        if not valid.all():
+        starts = self.offsets[idx].astype(np.int64, copy=False)
+        ends = self.offsets[idx + 1].astype(np.int64, copy=False)
+        shapes = self.shapes[idx].astype(np.int64, copy=False).reshape(len(idx), self.field.ndim)
+        if len(idx) and not self._all_valid(starts, ends, shapes):
+            in_bounds = (starts >= 0) & (starts <= ends) & (ends <= len(self.data))
+            # Where a difference wraps, the extent is out of bounds anyway.
+            valid = in_bounds & (ends - starts == self._row_nbytes(shapes))
             raise self._corrupt(int(idx[np.argmin(valid)]))
         return starts, shapes
+
+    def _all_valid(
+        self, starts: NDArray[np.int64], ends: NDArray[np.int64], shapes: NDArray[np.int64]
+    ) -> bool:
+        """Whether every extent is valid (the checks of ``locate``), in few numpy calls.
+
+        Read as unsigned, a negative number is larger than any size, so one
+        maximum bounds each table on both sides; within bounds, no difference
+        or product wraps.
+        """
+        size = len(self.data)
+        if starts.view(np.uint64).max() > size or ends.view(np.uint64).max() > size:
+            return False
+        nbytes = ends - starts
+        if shapes.shape[1] != 1:
+            row_nbytes = self._row_nbytes(shapes)  # -1 for a shape numpy cannot make
+            return bool(row_nbytes.min() >= 0 and (nbytes == row_nbytes).all())
+        lengths = shapes[:, 0]
+        itemsize = self.field.dtype.itemsize
+        if lengths.view(np.uint64).max() > size // itemsize:
+            return False
+        return bool((nbytes == (lengths * itemsize if itemsize != 1 else lengths)).all())
 
     def _row_nbytes(self, shapes: NDArray[np.int64]) -> NDArray[np.int64]:
         """Bytes of each shape, -1 for one numpy cannot make (never a wrapped product)."""
