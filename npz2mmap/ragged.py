@@ -82,7 +82,12 @@ class RaggedRows:
         """
         shape = self.padded_shape()
         check_padded_size(self.name, shape, self.dtype.itemsize)
-        return self.fill_padded(np.empty(shape, dtype=self.dtype), pad_value)
+        element = pad_element(self.dtype, pad_value, self.name)
+        if element.tobytes().count(0) < self.dtype.itemsize:
+            return self.fill_padded(np.empty(shape, dtype=self.dtype), pad_value)
+        out = np.zeros(shape, dtype=self.dtype)  # zero padding: no fill (calloc), only the copies
+        self._copy_into(out.view(raw_unit(self.dtype)))
+        return out
 
     def fill_padded(self, out: np.ndarray, pad_value: float = 0) -> np.ndarray:
         """Write the padded batch into ``out`` (e.g. a preallocated shared buffer) and return it.
@@ -101,11 +106,15 @@ class RaggedRows:
             )
         target = out.view(raw_unit(self.dtype))
         target[...] = pad_element(self.dtype, pad_value, self.name)
+        self._copy_into(target)
+        return out
+
+    def _copy_into(self, target: np.ndarray) -> None:
+        """Every sample into its row of ``target`` (padded_shape(), in raw_unit), padding untouched."""
         if len(self) and self.shapes.shape[1] == 1:
             self._copy_flat_rows(target)
         else:
             self._copy_rows(target)
-        return out
 
     def row_nbytes(self) -> NDArray[np.int64]:
         """Every sample's size in bytes."""

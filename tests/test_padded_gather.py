@@ -259,3 +259,77 @@ def test_a_pad_value_the_field_cannot_hold_is_an_error_naming_the_field(
         ValueError, match=rf"^field 'mask': pad_value {re.escape(repr(pad_value))} is not a uint8"
     ):
         collate_fn(batch)
+
+
+@pytest.fixture(scope="module")
+def forgeable(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("forgeable")
+    rng = np.random.default_rng(1)
+    arrays = [rng.integers(0, 100, n, dtype=np.int32) for n in (3, 0, 5, 1, 4, 2)]
+    samples = [
+        {"tokens": a, "mask": a.astype(np.uint8), "points": np.ones((len(a), 2), np.float32)} for a in arrays
+    ]
+    write_samples(root / "src", samples)
+    convert([root / "src"], root / "ds", workers=1)
+    return root / "ds"
+
+
+def forged_entries(size: int, itemsize: int) -> st.SearchStrategy[int]:
+    """Table entries at and past every bound: the data's size, negatives, and lengths whose
+    byte count wraps int64 to a small number."""
+    edges = [0, 1, 4, size - 1, size, size + 1, -1, -4, 2**63 - 1, -(2**63), size // itemsize + 1]
+    return st.sampled_from(edges + [as_int64(2**64 // itemsize + k) for k in (0, 1, 4)])
+
+
+def as_int64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63
+
+
+def forge(view: Any, data: st.DataObject, sample: int) -> None:
+    """Overwrite one entry of the tables, or a whole sample so that its end is its start plus
+    its length in bytes (wrapped as int64 arithmetic wraps): caught only by the bounds."""
+    itemsize, size = view.field.dtype.itemsize, len(view.data)
+    entries = forged_entries(size, itemsize)
+    if data.draw(st.booleans(), label="whole sample"):
+        start = data.draw(
+            st.sampled_from([-8, -4, -1, 0, 4, size - 4, size, size + 4, 2**63 - 4]), label="start"
+        )
+        length = data.draw(st.sampled_from([0, 1, size // itemsize + 1, 2**63 - 1, *wrapping(itemsize)]))
+        nbytes = data.draw(st.sampled_from([as_int64(length * itemsize), -1]), label="bytes")
+        view.offsets[sample], view.offsets[sample + 1] = start, as_int64(start + nbytes)
+        view.shapes[sample] = (length,) + (1,) * (view.shapes.shape[1] - 1)
+        return
+    table = data.draw(st.sampled_from([view.offsets, view.shapes.reshape(-1)]), label="table")
+    table[data.draw(st.integers(0, len(table) - 1), label="entry")] = data.draw(entries, label="value")
+
+
+def wrapping(itemsize: int) -> list[int]:
+    """Lengths whose byte count wraps int64 to 0 or a few bytes."""
+    return [2**64 // itemsize + k for k in (0, 1) if 2**64 // itemsize + k < 2**63]
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), name=st.sampled_from(["tokens", "mask", "points"]))
+def test_locating_a_batch_refuses_exactly_what_reading_each_sample_refuses(forgeable, data, name) -> None:
+    """The batch check (a few reductions) against the per-sample one, in Python ints, as the oracle."""
+    reader = DatasetReader(forgeable)
+    view = reader._field(name)
+    view.offsets, view.shapes = np.array(view.offsets), np.array(view.shapes)  # writable copies
+    idx = np.array(data.draw(st.lists(st.integers(0, len(reader) - 1), max_size=6), label="idx"), np.int64)
+    for _ in range(data.draw(st.integers(0, 3), label="edits")):
+        forge(view, data, data.draw(st.sampled_from(idx.tolist() or [0]), label="sample"))
+    refused = []
+    for i in idx.tolist():
+        try:
+            view.sample(i)
+        except FormatError as exc:
+            refused.append(str(exc))
+    event("refused" if refused else "read")
+    if refused:
+        with pytest.raises(FormatError) as raised:
+            reader.locate(name, idx)
+        assert str(raised.value) == refused[0]
+    else:
+        starts, shapes = reader.locate(name, idx)
+        assert starts.tolist() == view.offsets[idx].tolist()
+        assert shapes.tolist() == view.shapes[idx].tolist()
