@@ -11,12 +11,18 @@ disagreeing files, casts, rows and tight free space cheaply.
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
+from click.testing import CliRunner
+from conftest import write_npz, write_samples
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from npz2mmap import converter, writer
+from npz2mmap.cli import cli
 from npz2mmap.errors import SourceError
 from npz2mmap.npzfile import MemberHeader, MemberLocation
 from npz2mmap.parallel import _serial_map
@@ -154,3 +160,47 @@ def test_a_batch_of_many_rows_comes_back_file_by_file(monkeypatch, max_batch_sam
         assert batch.plan is not None and batch.plan.num_samples == 9 and batch.files == []
     else:
         assert batch.plan is None and [files[0] for files in batch.files] == [header] * 3
+
+
+@pytest.fixture(scope="module")
+def many_files(tmp_path_factory) -> Path:
+    """600 small files, enough for several scan batches with any number of workers."""
+    src = tmp_path_factory.mktemp("many") / "src"
+    write_samples(src, [{"x": np.arange(i % 7, dtype=np.int32), "y": np.int64(i)} for i in range(600)])
+    return src
+
+
+@pytest.mark.parametrize(
+    ("edits", "skip_bad", "named"),
+    [
+        ({300: "dtype", 450: "unreadable"}, False, 300),
+        ({257: "unreadable", 400: "dtype"}, False, 257),
+        ({257: "unreadable", 400: "dtype"}, True, 400),
+        ({1: "keys", 599: "dtype"}, False, 1),
+        ({400: "dtype", 405: "unreadable"}, False, 400),  # one batch: the file before the unreadable one
+    ],
+)
+def test_a_conversion_names_the_same_first_bad_file_with_any_number_of_workers(
+    tmp_path, many_files, edits, skip_bad, named
+) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(many_files, src)
+    for k, kind in edits.items():
+        path = src / f"s{k:05d}.npz"
+        if kind == "unreadable":
+            path.write_bytes(path.read_bytes()[:40])
+        elif kind == "dtype":
+            write_npz(path, x=np.arange(3, dtype=np.float32), y=np.int64(k))
+        else:
+            write_npz(path, x=np.arange(3, dtype=np.int32), z=np.int64(k))
+    outputs = set()
+    for workers in (1, 2, 3):
+        options = ["--workers", str(workers), "-q"] + (["--skip-bad"] if skip_bad else [])
+        result = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "out"), *options])
+        assert result.exit_code == 1 and not (tmp_path / "out").exists()
+        outputs.add(result.output)
+    (output,) = outputs
+    assert output.startswith(f"Error: {src / f's{named:05d}.npz'}")
+    assert len(output.splitlines()) == 1
+    if edits[named] != "unreadable":
+        assert f"in {src / 's00000.npz'}" in output or "differ from " + str(src / "s00000.npz") in output
