@@ -381,9 +381,18 @@ def normalise_indices(indices: Sequence[int] | NDArray[np.integer], n: int) -> N
     return np.array([normalise_index(i, n) for i in indices], dtype=np.int64)
 
 
+def _all_within(idx: NDArray[np.integer], n: int) -> bool:
+    """Whether 0 <= i < n for every index: one reduction where, read as unsigned, a negative
+    index is at least n."""
+    bits = 8 * idx.dtype.itemsize
+    if idx.dtype.kind == "u" or n <= 1 << (bits - 1):
+        return int(idx.view(f"u{idx.dtype.itemsize}").max()) < n
+    return bool(0 <= idx.min() and idx.max() < n)
+
+
 def _within(idx: NDArray[np.integer], n: int) -> NDArray[np.int64]:
     """Integer indices checked in their own dtype, so unsigned ones never wrap to negative."""
-    if len(idx) and 0 <= idx.min() and idx.max() < n:  # the usual batch: two reductions, no copy
+    if len(idx) and _all_within(idx, n):  # the usual batch: one reduction, no copy
         return idx.astype(np.int64, copy=False)
     too_low = idx < -n if idx.dtype.kind == "i" else np.zeros(idx.shape, dtype=bool)
     bad = np.flatnonzero(too_low | (idx >= n))

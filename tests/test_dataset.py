@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_same_array, write_samples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 import npz2mmap.parts
@@ -23,6 +25,7 @@ from npz2mmap import MmapDataset
 from npz2mmap.converter import convert
 from npz2mmap.errors import FormatError
 from npz2mmap.merge import merge
+from npz2mmap.reader import normalise_index, normalise_indices
 
 
 def load_source(path: Path, key: str) -> np.ndarray:
@@ -366,3 +369,24 @@ def test_a_process_forked_while_the_dataset_is_being_opened_opens_it_too(small_d
         child.kill()
         child.join()
     assert child.exitcode == 0
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    dtype=st.sampled_from(["i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8"]),
+    n=st.one_of(st.integers(1, 300), st.integers(1, 2**40)),
+    data=st.data(),
+)
+def test_index_arrays_of_every_width_normalise_as_each_index_alone(dtype, n, data) -> None:
+    """A batch of indices against normalise_index, one Python int at a time, as the oracle:
+    negative int8 indices with 300 samples too (read as unsigned, -1 is 255)."""
+    info = np.iinfo(dtype)
+    values = data.draw(st.lists(st.integers(int(info.min), int(info.max)), min_size=1, max_size=6))
+    indices = np.array(values, dtype=dtype)
+    try:
+        expected = [normalise_index(v, n) for v in values]
+    except IndexError as exc:
+        with pytest.raises(IndexError, match=re.escape(str(exc))):
+            normalise_indices(indices, n)
+        return
+    assert normalise_indices(indices, n).tolist() == expected
