@@ -60,8 +60,12 @@ class RaggedRows:
     def padded_shape(self) -> tuple[int, ...]:
         """(n, *largest shape of the batch)."""
         if self._padded_shape is None:
-            largest = self.shapes.max(axis=0) if len(self) else np.zeros(self.shapes.shape[1], np.int64)
-            self._padded_shape = (len(self), *(int(d) for d in largest))
+            if not len(self):
+                self._padded_shape = (0,) * (1 + self.shapes.shape[1])
+            elif self.shapes.shape[1] == 1:
+                self._padded_shape = (len(self), int(self.shapes[:, 0].max()))
+            else:
+                self._padded_shape = (len(self), *(int(d) for d in self.shapes.max(axis=0)))
         return self._padded_shape
 
     def copies(self) -> list[np.ndarray]:
@@ -82,8 +86,7 @@ class RaggedRows:
         """
         shape = self.padded_shape()
         check_padded_size(self.name, shape, self.dtype.itemsize)
-        element = pad_element(self.dtype, pad_value, self.name)
-        if element.tobytes().count(0) < self.dtype.itemsize:
+        if not _pads_with_zero_bytes(self.dtype, pad_value, self.name):
             return self.fill_padded(np.empty(shape, dtype=self.dtype), pad_value)
         out = np.zeros(shape, dtype=self.dtype)  # zero padding: no fill (calloc), only the copies
         self._copy_into(out.view(raw_unit(self.dtype)))
@@ -211,6 +214,13 @@ def _copy_by_element_index(
         within -= np.repeat(np.cumsum(row_counts) - row_counts, row_counts)  # position inside its row
         gathered = source[np.repeat(starts[rows], row_counts) + within]
         flat[np.repeat(rows * width, row_counts) + within] = gathered
+
+
+def _pads_with_zero_bytes(dtype: np.dtype, pad_value: float, name: str) -> bool:
+    """Whether every byte of the pad element is zero (the integer 0 in a number field, at once)."""
+    if type(pad_value) is int and pad_value == 0 and dtype.kind in "biufc":
+        return True
+    return pad_element(dtype, pad_value, name).tobytes().count(0) == dtype.itemsize
 
 
 def raw_unit(dtype: np.dtype) -> np.dtype:
