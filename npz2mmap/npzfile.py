@@ -582,7 +582,7 @@ def located_bytes(
         raise SourceError(f"{where}: ends early ({produced} of {location.nbytes} bytes)")
     if location.crc32 != NO_CRC32 and crc != location.crc32:
         name = key + NPY_SUFFIX if location.flags & NAMED_NPY else key
-        raise SourceError(f"{where}: not a valid zip/npz file (Bad CRC-32 for file {name!r})")
+        raise SourceError(f"{where}: Bad CRC-32 for file {name!r} (corrupt, or changed since it was scanned)")
 
 
 def _stored_chunks(fd: int, offset: int, nbytes: int, where: str) -> Iterator[bytes]:

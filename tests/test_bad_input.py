@@ -33,7 +33,7 @@ BAD_FILES = {
     "truncated": (hostile.truncated_zip, r"bad\.npz: not a valid zip/npz file"),
     "crc": (
         hostile.crc_mismatch,
-        r"bad\.npz\[x\]: not a valid zip/npz file \(Bad CRC-32 for file 'x\.npy'\)",
+        r"bad\.npz\[x\]: Bad CRC-32 for file 'x\.npy' \(corrupt, or changed since it was scanned\)",
     ),
     "not-npy": (hostile.not_npy_member, r"bad\.npz\[x\]: not a \.npy array \(bad magic bytes\)"),
     "malformed-header": (

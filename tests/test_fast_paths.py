@@ -107,7 +107,10 @@ def test_a_member_corrupted_after_the_scan_is_found_by_its_crc(tmp_path, compres
     if compressed:  # a changed deflate stream fails to inflate, or inflates to other bytes
         assert message.startswith(f"{paths[1]}[x]: ") and "\n" not in message
     else:
-        assert message == f"{paths[1]}[x]: not a valid zip/npz file (Bad CRC-32 for file 'x.npy')"
+        assert (
+            message
+            == f"{paths[1]}[x]: Bad CRC-32 for file 'x.npy' (corrupt, or changed since it was scanned)"
+        )
 
 
 def test_a_source_saved_again_with_another_shape_of_the_same_size_is_refused(tmp_path) -> None:
@@ -122,7 +125,7 @@ def test_a_source_saved_again_with_other_values_is_refused_by_the_crc_the_scan_r
     paths = write_samples(tmp_path / "src", [{"x": np.arange(6.0)} for _ in range(2)])
     other_values = lambda: np.savez(paths[1], x=np.arange(6.0) + 1)  # noqa: E731
     assert converted(tmp_path, tmp_path / "src", other_values) == (
-        f"{paths[1]}[x]: not a valid zip/npz file (Bad CRC-32 for file 'x.npy')"
+        f"{paths[1]}[x]: Bad CRC-32 for file 'x.npy' (corrupt, or changed since it was scanned)"
     )
 
 

@@ -405,3 +405,26 @@ def test_an_npz_file_is_scanned_with_one_stat_one_open_one_fstat_and_one_read(tm
         "set_blocking": 0,
     }
     assert [args[1:] for args in reads] == [(size, 0)]
+
+
+def test_a_source_rewritten_after_the_scan_at_the_same_size_is_named_as_perhaps_changed(tmp_path) -> None:
+    """Another file's bytes, of the same size, under the scanned name: only the CRC-32 tells."""
+    src = tmp_path / "src"
+    for i in range(3):
+        write_npz(src / f"s{i}.npz", x=np.arange(10) + i)
+    victim, other = src / "s1.npz", src / "s2.npz"
+    assert victim.stat().st_size == other.stat().st_size
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-c", SWAP_AFTER_SCAN, str(victim), str(other), "convert", str(src), "-o", str(out),
+         "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        f"Error: {victim}[x]: Bad CRC-32 for file 'x.npy' (corrupt, or changed since it was scanned)"
+    ]
+    assert not out.exists()
