@@ -7,6 +7,7 @@ sample's bytes once, straight from the mapping into the result.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,14 +83,16 @@ class RaggedRows:
         """The samples in one new (n, *largest) array, the rest filled with ``pad_value``.
 
         Raises ValueError, before allocating, when that array is larger than
-        numpy can make.
+        numpy can make, and MemoryError naming the field when it cannot be
+        allocated (a valid but hostile table can ask for petabytes).
         """
         shape = self.padded_shape()
         check_padded_size(self.name, shape, self.dtype.itemsize)
-        if not _pads_with_zero_bytes(self.dtype, pad_value, self.name):
-            return self.fill_padded(np.empty(shape, dtype=self.dtype), pad_value)
-        out = np.zeros(shape, dtype=self.dtype)  # zero padding: no fill (calloc), only the copies
-        self._copy_into(out.view(raw_unit(self.dtype)))
+        zeroed = _pads_with_zero_bytes(self.dtype, pad_value, self.name)
+        out = _allocate(self.name, shape, self.dtype, zeroed)
+        if not zeroed:
+            return self.fill_padded(out, pad_value)
+        self._copy_into(out.view(raw_unit(self.dtype)))  # zero padding came with the allocation
         return out
 
     def fill_padded(self, out: np.ndarray, pad_value: float = 0) -> np.ndarray:
@@ -214,6 +217,15 @@ def _copy_by_element_index(
         within -= np.repeat(np.cumsum(row_counts) - row_counts, row_counts)  # position inside its row
         gathered = source[np.repeat(starts[rows], row_counts) + within]
         flat[np.repeat(rows * width, row_counts) + within] = gathered
+
+
+def _allocate(name: str, shape: tuple[int, ...], dtype: np.dtype, zeroed: bool) -> np.ndarray:
+    """A new array for a padded batch; MemoryError naming the field and size where there is no room."""
+    try:
+        return np.zeros(shape, dtype=dtype) if zeroed else np.empty(shape, dtype=dtype)
+    except MemoryError:
+        nbytes = math.prod(shape) * dtype.itemsize
+        raise MemoryError(f"field {name!r}: a batch padded to {shape} needs {nbytes:,} bytes") from None
 
 
 def _pads_with_zero_bytes(dtype: np.dtype, pad_value: float, name: str) -> bool:

@@ -187,6 +187,19 @@ def test_a_batch_too_large_to_pad_is_refused_before_allocating(tmp_path) -> None
     assert PaddedCollate()(ds.__getitems__([0, 0]))["x"].shape == (2, 2**40, 0)
 
 
+@pytest.mark.parametrize("pad_value", [0, 7])
+def test_a_batch_padded_past_any_memory_is_a_memory_error_naming_the_field(tmp_path, pad_value) -> None:
+    """Valid empty samples whose padded batch numpy could describe, at 2 PiB, but no machine holds."""
+    samples = [{"x": np.empty((2**24, 0), np.float32)}, {"x": np.empty((0, 2**24), np.float32)}]
+    write_samples(tmp_path / "src", samples)
+    convert([tmp_path / "src"], tmp_path / "ds", workers=1)
+    ds = MmapDataset(tmp_path / "ds")
+    shape = (2, 2**24, 2**24)
+    message = re.escape(f"field 'x': a batch padded to {shape} needs {2 * 2**48 * 4:,} bytes")
+    with pytest.raises(MemoryError, match=message):
+        PaddedCollate(pad_value=pad_value)(ds.__getitems__([0, 1]))
+
+
 def test_a_sample_between_elements_is_padded_from_its_own_bytes(tmp_path) -> None:
     """An offsets table edited so a sample starts mid-element: the batch reads the bytes it names, as ``ds[i]`` does."""
     write_samples(tmp_path / "src", [{"x": np.array([1], np.int32)}, {"x": np.array([2, 3], np.int32)}])
