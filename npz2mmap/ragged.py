@@ -88,11 +88,12 @@ class RaggedRows:
         """
         shape = self.padded_shape()
         check_padded_size(self.name, shape, self.dtype.itemsize)
-        zeroed = _pads_with_zero_bytes(self.dtype, pad_value, self.name)
-        out = _allocate(self.name, shape, self.dtype, zeroed)
-        if not zeroed:
-            return self.fill_padded(out, pad_value)
-        self._copy_into(out.view(raw_unit(self.dtype)))  # zero padding came with the allocation
+        element = _nonzero_pad_element(self.dtype, pad_value, self.name)
+        out = _allocate(self.name, shape, self.dtype, zeroed=element is None)
+        target = out.view(raw_unit(self.dtype))
+        if element is not None:  # else zero padding came with the allocation
+            target[...] = element
+        self._copy_into(target)
         return out
 
     def fill_padded(self, out: np.ndarray, pad_value: float = 0) -> np.ndarray:
@@ -228,11 +229,13 @@ def _allocate(name: str, shape: tuple[int, ...], dtype: np.dtype, zeroed: bool) 
         raise MemoryError(f"field {name!r}: a batch padded to {shape} needs {nbytes:,} bytes") from None
 
 
-def _pads_with_zero_bytes(dtype: np.dtype, pad_value: float, name: str) -> bool:
-    """Whether every byte of the pad element is zero (the integer 0 in a number field, at once)."""
+def _nonzero_pad_element(dtype: np.dtype, pad_value: float, name: str) -> Any:
+    """The pad element (see pad_element), or None where all its bytes are zero (the integer 0
+    in a number field is known to be, with no element built)."""
     if type(pad_value) is int and pad_value == 0 and dtype.kind in "biufc":
-        return True
-    return pad_element(dtype, pad_value, name).tobytes().count(0) == dtype.itemsize
+        return None
+    element = pad_element(dtype, pad_value, name)
+    return None if element.tobytes().count(0) == dtype.itemsize else element
 
 
 def raw_unit(dtype: np.dtype) -> np.dtype:
