@@ -317,7 +317,11 @@ class _SampleDir:
 
     def _file(self, key: str) -> _NpyFile:
         if key not in self.opened:
-            self.opened[key] = self.stack.enter_context(_NpyFile(self.files[key]))
+            path = self.files[key]
+            mode = _mode_now(path)
+            if mode:  # never open a pipe, device or socket, as open_source never does
+                _check_regular(path, mode)
+            self.opened[key] = self.stack.enter_context(_NpyFile(path))
         return self.opened[key]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -221,6 +222,7 @@ NOT_REGULAR = {
     "fifo": "a pipe (FIFO), not a regular file",
     "dev-zero": "a character device, not a regular file",
     "broken-link": "a broken link, not a regular file",
+    "socket": "a socket, not a regular file",
 }
 
 
@@ -231,6 +233,11 @@ def put_in_place(path: Path, kind: str) -> None:
         os.mkfifo(path)
     elif kind == "dev-zero":
         path.symlink_to("/dev/zero")
+    elif kind == "socket":
+        if len(str(path)) > 100:  # sun_path holds 104-108 bytes
+            pytest.skip("the temporary path is too long for a Unix socket")
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(str(path))  # the socket file stays once it is closed
     else:
         path.symlink_to(path.parent / "gone.npy")
 
@@ -412,7 +419,7 @@ def test_skip_bad_skips_and_records_pipes_devices_and_broken_links_found_in_a_di
     ]
     assert (
         output
-        == f"Warning: skipped 3 bad files, listed in {skipped_path}; the first: {records[0]['reason']}\n"
+        == f"Warning: skipped {len(targets)} bad files, listed in {skipped_path}; the first: {records[0]['reason']}\n"
     )
     reader = DatasetReader(str(tmp_path / "out"))
     assert len(reader) == 1
