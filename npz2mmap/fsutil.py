@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 # For tests only: comma-separated facilities to behave as if missing (fcntl,
-# pread, pwrite, posix_fadvise, fallocate, renameat2, copy_file_range), read at import so that
+# pread, pwrite, posix_fadvise, fallocate, renameat2, copy_file_range,
+# sync_file_range), read at import so that
 # spawned workers, which import afresh, inherit the choice with the environment.
 WITHOUT_ENV = "NPZ2MMAP_WITHOUT"
 _WITHOUT = frozenset(os.environ.get(WITHOUT_ENV, "").split(","))
@@ -153,6 +154,8 @@ renameat2 = _libc_function(
     "renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint
 )
 mincore = _libc_function("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+sync_file_range = _libc_function("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+_SYNC_FILE_RANGE_WRITE = 2
 
 
 def read_at(fd: int, nbytes: int, offset: int) -> bytes:
@@ -182,6 +185,18 @@ def write_all_at(fd: int, data: bytes | bytearray | memoryview, offset: int) -> 
             written = os.write(fd, view)
         view = view[written:]
         offset += written
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing ``nbytes`` at ``offset`` of ``fd`` to disk, without waiting for it.
+
+    The disk then works while the copy goes on, and the final fsync, which
+    nothing runs beside, finds little left to write. Advice only: where there
+    is no sync_file_range (macOS, Windows) or it fails, nothing happens, and
+    the fsync still writes everything.
+    """
+    if sync_file_range is not None and nbytes > 0:
+        sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def reserve(fd: int, nbytes: int) -> None:

@@ -248,7 +248,7 @@ class GatheredWrites:
         run = self.runs.pop(offset, None)
         if run is None:
             if len(data) >= RUN_NBYTES:
-                fsutil.write_all_at(self.fd, data, offset)
+                self._put(data, offset)
                 return
             if len(self.runs) >= MAX_RUNS:
                 self.flush()
@@ -256,13 +256,17 @@ class GatheredWrites:
         start, gathered = run
         gathered += data
         if len(gathered) >= RUN_NBYTES:
-            fsutil.write_all_at(self.fd, gathered, start)
+            self._put(gathered, start)
         else:
             self.runs[offset + len(data)] = (start, gathered)
 
+    def _put(self, data: Piece, offset: int) -> None:
+        fsutil.write_all_at(self.fd, data, offset)
+        fsutil.start_writeback(self.fd, offset, len(data))
+
     def flush(self) -> None:
         for start, gathered in self.runs.values():
-            fsutil.write_all_at(self.fd, gathered, start)
+            self._put(gathered, start)
         self.runs.clear()
 
 
