@@ -38,6 +38,7 @@ NPY_VERSIONS = {(1, 0): (2, "latin1"), (2, 0): (4, "latin1"), (3, 0): (4, "utf-8
 MAX_NPY_HEADER_CHARS = 10_000
 CHUNK_NBYTES = 4 << 20
 HEADER_PIECE_NBYTES = 4096  # of a deflated member read at a time for its header
+HEADER_INFLATE_NBYTES = 256  # inflated at a time for it: a .npy header is mostly 128 bytes
 HEADER_KEYS = {"descr", "fortran_order", "shape"}
 # Accepted header texts remembered (see _parsed_header): at most this many, each at most this long.
 HEADER_CACHE_ENTRIES = 4096
@@ -237,9 +238,10 @@ def read_member_header(view: FileView, entry: ZipEntry, path: str) -> tuple[Memb
 class _MemberStart:
     """Reads from the start of a member's uncompressed bytes (enough for its .npy header).
 
-    The stored bytes are read through ``view`` and inflated when the member
-    is deflated, a piece (HEADER_PIECE_NBYTES) ahead at most, so a header
-    takes one read; never past the member.
+    The stored bytes are read through ``view`` a piece (HEADER_PIECE_NBYTES)
+    ahead at most, so a header takes one read, and when the member is
+    deflated only what the header needs is inflated (HEADER_INFLATE_NBYTES at
+    a time); never past the member.
     """
 
     def __init__(self, view: FileView, location: MemberLocation) -> None:
@@ -262,16 +264,17 @@ class _MemberStart:
         pieces = [self.pending[self.used :]]
         wanted = nbytes - len(pieces[0])
         while wanted > 0:
-            more = self._more(max(wanted, HEADER_PIECE_NBYTES))
+            more = self._more(wanted)
             if not more:
                 break
             pieces.append(more)
             wanted -= len(more)
         self.pending, self.used = b"".join(pieces), 0
 
-    def _more(self, nbytes: int) -> bytes:
+    def _more(self, wanted: int) -> bytes:
         if self.inflater is None:
-            return bytes(self._stored(nbytes))
+            return bytes(self._stored(max(wanted, HEADER_PIECE_NBYTES)))
+        nbytes = max(wanted, HEADER_INFLATE_NBYTES)
         if self.inflater.unconsumed_tail:
             return self.inflater.decompress(self.inflater.unconsumed_tail, nbytes)
         while not self.inflater.eof:

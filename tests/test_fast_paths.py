@@ -331,3 +331,28 @@ def test_a_failing_sync_file_range_changes_nothing(tmp_path, monkeypatch, worker
     for name in ("data.npy", "index.json", "sources.jsonl"):
         assert (tmp_path / "failing" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
 
+
+@pytest.mark.parametrize("piece_nbytes", [None, 16], ids=["default-pieces", "16-byte-pieces"])
+@pytest.mark.parametrize("num_names", [1, 20, 100, 300])  # headers of 128 bytes to 6.6 KB
+def test_long_headers_of_deflated_members_are_inflated_piece_by_piece_and_read_exactly(
+    tmp_path, monkeypatch, num_names, piece_nbytes
+) -> None:
+    """The scan inflates a deflated member's start a little at a time, only as far as its header;
+    a header longer than one piece (or than one piece of stored bytes) still reads whole."""
+    if piece_nbytes is not None:
+        monkeypatch.setattr(npzfile, "HEADER_PIECE_NBYTES", piece_nbytes)
+        monkeypatch.setattr(npzfile, "HEADER_INFLATE_NBYTES", piece_nbytes)
+    dtype = np.dtype([(f"field_{k}", "<f4") for k in range(num_names)])
+    rng = np.random.default_rng(num_names)
+    values = [rng.random((i + 1, num_names), dtype=np.float32).view(dtype)[:, 0] for i in range(3)]
+    (tmp_path / "src").mkdir()
+    for i, value in enumerate(values):
+        np.savez_compressed(tmp_path / "src" / f"{i}.npz", x=value)
+    result = convert([tmp_path / "src"], tmp_path / "out", workers=1)
+    assert result.index.num_samples == 3
+    reader = DatasetReader(tmp_path / "out")
+    for i in range(3):
+        with np.load(tmp_path / "src" / f"{i}.npz") as npz:
+            expected = npz["x"]
+        assert reader.view("x", i).tobytes() == expected.tobytes()
+        assert reader.view("x", i).dtype == expected.dtype
