@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import provenance, publish, writer
+from . import fsutil, provenance, publish, writer
 from .errors import MismatchError, OutputError, SourceError
 from .inputs import discover_sources
 from .npzfile import MemberHeader, MemberLocation
@@ -405,7 +405,7 @@ class Scan:
         skipped: list[tuple[int, str]] = []
         found = writer.MemberLocations()
         files: list[Scanned | str] = []
-        for k, path in enumerate(paths):
+        for k, path in enumerate(fsutil.read_ahead(paths)):
             try:
                 scanned = self.scan_one(path)
             except SourceError as exc:

@@ -16,14 +16,14 @@ import mmap
 import os
 import secrets
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 # For tests only: comma-separated facilities to behave as if missing (fcntl,
-# pread, pwrite, posix_fadvise, fallocate, renameat2, copy_file_range,
+# pread, pwrite, preadv, posix_fadvise, fallocate, renameat2, copy_file_range,
 # sync_file_range), read at import so that
 # spawned workers, which import afresh, inherit the choice with the environment.
 WITHOUT_ENV = "NPZ2MMAP_WITHOUT"
@@ -49,6 +49,8 @@ pread = _os_function("pread")  # not on Windows
 pwrite = _os_function("pwrite")  # not on Windows
 posix_fadvise = _os_function("posix_fadvise")  # not on macOS or Windows
 copy_file_range = _os_function("copy_file_range")  # Linux only
+preadv = _os_function("preadv")  # not on Windows
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux only
 
 _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 # Opening a FIFO blocks until a writer comes; O_NONBLOCK returns at once, and
@@ -154,7 +156,9 @@ renameat2 = _libc_function(
     "renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint
 )
 mincore = _libc_function("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-sync_file_range = _libc_function("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+sync_file_range = _libc_function(
+    "sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint
+)
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -425,6 +429,69 @@ def advise(fd: int, nbytes: int, advice: str) -> None:
     flag = os.POSIX_FADV_SEQUENTIAL if advice == "sequential" else os.POSIX_FADV_WILLNEED
     with contextlib.suppress(OSError):
         posix_fadvise(fd, 0, nbytes, flag)
+
+
+READ_AHEAD_FILES = 32
+READ_AHEAD_MAX_NBYTES = 4 << 20
+CACHED_PROBE_NBYTES = 64 << 10
+
+
+def read_ahead(
+    paths: Sequence[str], ahead: int = READ_AHEAD_FILES, max_nbytes: int = READ_AHEAD_MAX_NBYTES
+) -> Iterator[str]:
+    """Yield ``paths`` in order; when their pages are not cached, first ask the kernel to read
+    each file ``ahead`` files before it is yielded (posix_fadvise WILLNEED).
+
+    Small files read one after the other each wait for the disk; asked for
+    ahead, their reads overlap (50,000 small files: 3.5-4.2 s cold read one
+    by one, 1.1 s with 32 ahead). Whether they are cached is probed once, on
+    the last path, by a read that never waits (RWF_NOWAIT), so cached files
+    cost nothing more. Advice only: nothing where there is no posix_fadvise
+    (macOS, Windows); a path that is not a regular file of at most
+    ``max_nbytes`` is passed over unopened (whoever reads it names any problem).
+    """
+    if posix_fadvise is None or not paths or _is_cached(paths[-1]):
+        yield from paths
+        return
+    advised = 0
+    for k, path in enumerate(paths):
+        while advised < min(k + ahead, len(paths)):
+            _will_need(paths[advised], max_nbytes)
+            advised += 1
+        yield path
+
+
+def _is_cached(path: str) -> bool:
+    """Whether the start of the regular file at ``path`` is in the page cache; False when unknown."""
+    if preadv is None or _RWF_NOWAIT is None:
+        return False
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return True  # nothing to read ahead
+        fd, nbytes = open_regular_sized(path)
+    except (OSError, NotRegularFile):
+        return True
+    try:
+        wanted = min(nbytes, CACHED_PROBE_NBYTES)
+        return preadv(fd, [bytearray(wanted)], 0, _RWF_NOWAIT) == wanted
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: cannot tell
+        return False
+    finally:
+        os.close(fd)
+
+
+def _will_need(path: str, max_nbytes: int) -> None:
+    if posix_fadvise is None:
+        return
+    with contextlib.suppress(OSError, NotRegularFile):
+        status = os.stat(path)  # never opens what is not a regular file
+        if not stat.S_ISREG(status.st_mode) or not 0 < status.st_size <= max_nbytes:
+            return
+        fd, nbytes = open_regular_sized(path)
+        try:
+            posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
 
 def load_into_page_cache(fd: int, nbytes: int, on_progress: Callable[[int], None] | None = None) -> int:

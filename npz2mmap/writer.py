@@ -159,7 +159,7 @@ def write_batch(blob_path: str, task: BatchTask, skip_bad: bool) -> BatchResult:
     fd = os.open(blob_path, os.O_WRONLY | fsutil.BINARY)
     try:
         out = GatheredWrites(fd)
-        for i, path in enumerate(task.paths):
+        for i, path in enumerate(fsutil.read_ahead(task.paths)):
             try:
                 file_crcs, file_nbytes = _copy_file(task, i, path, out, blob_path)
             except SourceError as exc:

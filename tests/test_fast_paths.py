@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import io
+import os
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -291,11 +292,15 @@ def test_a_batch_of_small_files_is_written_with_one_write_per_field(tmp_path, mo
     assert [reader.view("x", i).tobytes() for i in range(60)] == [s["x"].tobytes() for s in samples]
 
 
-def test_every_byte_the_copy_writes_is_handed_to_writeback_at_once_without_waiting(tmp_path, monkeypatch) -> None:
+def test_every_byte_the_copy_writes_is_handed_to_writeback_at_once_without_waiting(
+    tmp_path, monkeypatch
+) -> None:
     """So the disk works during the copy and the final fsync finds little left: each write of the
     blob's data is followed by sync_file_range(WRITE) of exactly its bytes, which starts writeback
     and does not wait for it."""
-    samples = [{"x": np.arange(i % 5 + 1, dtype=np.int32), "big": np.full(300_000 * (i == 3), i)} for i in range(40)]
+    samples = [
+        {"x": np.arange(i % 5 + 1, dtype=np.int32), "big": np.full(300_000 * (i == 3), i)} for i in range(40)
+    ]
     write_samples(tmp_path / "src", samples)
     calls: list[tuple[str, int, int]] = []
     real_write = fsutil.write_all_at
@@ -356,3 +361,107 @@ def test_long_headers_of_deflated_members_are_inflated_piece_by_piece_and_read_e
             expected = npz["x"]
         assert reader.view("x", i).tobytes() == expected.tobytes()
         assert reader.view("x", i).dtype == expected.dtype
+
+
+def _evict(paths: list[Path]) -> None:
+    """Drop the files' pages from the page cache (they must be written back first)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _small_files(directory: Path, count: int) -> list[Path]:
+    directory.mkdir()
+    paths = [directory / f"{k:02d}.bin" for k in range(count)]
+    for k, path in enumerate(paths):
+        path.write_bytes(bytes([k]) * (5000 + k))
+    return paths
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs a page cache that can be probed (Linux)")
+def test_uncached_files_are_read_ahead_in_order_each_once_and_cached_ones_are_not(
+    tmp_path, monkeypatch
+) -> None:
+    paths = _small_files(tmp_path / "files", 10)
+    events: list[tuple[str, str]] = []
+    real_advise = fsutil.posix_fadvise
+
+    def advise(fd: int, offset: int, nbytes: int, advice: int) -> None:
+        assert (offset, nbytes, advice) == (0, os.fstat(fd).st_size, os.POSIX_FADV_WILLNEED)
+        events.append(("advise", os.readlink(f"/proc/self/fd/{fd}")))
+        real_advise(fd, offset, nbytes, advice)
+
+    monkeypatch.setattr(fsutil, "posix_fadvise", advise)
+    names = [str(p) for p in paths]
+    _evict(paths)
+    for path in fsutil.read_ahead(names, ahead=3):
+        events.append(("read", path))
+    expected: list[tuple[str, str]] = []
+    for k, name in enumerate(names):
+        expected += [("advise", n) for n in names[k + 2 if k else 0 : k + 3]]
+        expected.append(("read", name))
+    assert events == expected
+
+    for path in paths:
+        path.read_bytes()
+    events.clear()
+    assert list(fsutil.read_ahead(names, ahead=3)) == names
+    assert events == []  # cached: no advice at all
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names descriptors through /proc (Linux)")
+def test_read_ahead_opens_only_regular_files_of_at_most_max_nbytes(tmp_path, monkeypatch) -> None:
+    (tmp_path / "small").write_bytes(b"x" * 100)
+    (tmp_path / "large").write_bytes(b"x" * 5000)
+    (tmp_path / "empty").write_bytes(b"")
+    (tmp_path / "dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    names = [str(tmp_path / n) for n in ("fifo", "small", "dir", "missing", "large", "empty")]
+    opened: list[str] = []
+    advised: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(fsutil.os, "open", lambda path, *a: opened.append(path) or real_open(path, *a))
+    monkeypatch.setattr(
+        fsutil, "posix_fadvise", lambda fd, *a: advised.append(os.readlink(f"/proc/self/fd/{fd}"))
+    )
+    monkeypatch.setattr(fsutil, "_is_cached", lambda path: False)
+    assert list(fsutil.read_ahead(names, ahead=2, max_nbytes=1000)) == names  # no hang on the FIFO
+    assert opened == advised == [str(tmp_path / "small")]
+
+
+def test_without_posix_fadvise_read_ahead_only_yields_the_paths(tmp_path, monkeypatch) -> None:
+    paths = [str(p) for p in _small_files(tmp_path / "files", 4)]
+    monkeypatch.setattr(fsutil, "posix_fadvise", None)
+    monkeypatch.setattr(fsutil, "open_regular_sized", lambda path: pytest.fail("opened"))
+    assert list(fsutil.read_ahead(paths)) == paths
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs a page cache that can be probed (Linux)")
+def test_without_a_probe_of_the_page_cache_files_count_as_uncached(tmp_path, monkeypatch) -> None:
+    paths = _small_files(tmp_path / "files", 4)
+    for path in paths:
+        path.read_bytes()
+    names = [str(p) for p in paths]
+    assert fsutil._is_cached(names[-1])
+    monkeypatch.setattr(fsutil, "preadv", None)
+    assert not fsutil._is_cached(names[-1])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_conversion_read_ahead_writes_the_same_bytes(tmp_path, monkeypatch, workers) -> None:
+    samples = [{"x": np.arange(i % 7 + 1, dtype=np.int32), "y": np.float64(i)} for i in range(80)]
+    write_samples(tmp_path / "src", samples)
+    convert([tmp_path / "src"], tmp_path / "plain", workers=workers)
+    advised: list[int] = []
+    real_advise = fsutil.posix_fadvise
+    monkeypatch.setattr(fsutil, "posix_fadvise", lambda *a: advised.append(1) or real_advise(*a))
+    monkeypatch.setattr(fsutil, "_is_cached", lambda path: False)
+    convert([tmp_path / "src"], tmp_path / "ahead", workers=workers)
+    if workers == 1:
+        assert len(advised) == 2 * 80  # every file, in the scan and again in the copy
+    for name in ("data.npy", "index.json", "sources.jsonl"):
+        assert (tmp_path / "ahead" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()

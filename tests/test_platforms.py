@@ -1,7 +1,7 @@
 """macOS and Windows, played on Linux: every command with the Linux-only facilities taken away.
 
 The fixture removes fcntl (the lock then goes through msvcrt, played here by
-flock), pread, pwrite, posix_fadvise, fallocate, renameat2 and
+flock), pread, pwrite, preadv, posix_fadvise, fallocate, renameat2 and
 sync_file_range, and makes the
 worker pool spawn; spawned workers inherit the removal through the
 environment. Each test checks the outcome against the same work done with
@@ -28,7 +28,16 @@ from npz2mmap.cli import cli
 from npz2mmap.converter import convert
 from npz2mmap.errors import OutputError
 
-FACILITIES = ("fcntl", "pread", "pwrite", "posix_fadvise", "fallocate", "renameat2", "sync_file_range")
+FACILITIES = (
+    "fcntl",
+    "pread",
+    "pwrite",
+    "preadv",
+    "posix_fadvise",
+    "fallocate",
+    "renameat2",
+    "sync_file_range",
+)
 NUM_SAMPLES = 12
 
 
