@@ -16,6 +16,7 @@ import mmap
 import os
 import secrets
 import stat
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
@@ -431,34 +432,42 @@ def advise(fd: int, nbytes: int, advice: str) -> None:
         posix_fadvise(fd, 0, nbytes, flag)
 
 
-READ_AHEAD_FILES = 32
-READ_AHEAD_MAX_NBYTES = 4 << 20
+READ_AHEAD_FILES = 256
+READ_AHEAD_NBYTES = 32 << 20
+READ_AHEAD_MAX_FILE_NBYTES = 4 << 20
 CACHED_PROBE_NBYTES = 64 << 10
 
 
 def read_ahead(
-    paths: Sequence[str], ahead: int = READ_AHEAD_FILES, max_nbytes: int = READ_AHEAD_MAX_NBYTES
+    paths: Sequence[str], ahead_files: int = READ_AHEAD_FILES, ahead_nbytes: int = READ_AHEAD_NBYTES
 ) -> Iterator[str]:
     """Yield ``paths`` in order; when their pages are not cached, first ask the kernel to read
-    each file ``ahead`` files before it is yielded (posix_fadvise WILLNEED).
+    the files ahead (posix_fadvise WILLNEED): up to ``ahead_files`` files, ``ahead_nbytes`` in all.
 
     Small files read one after the other each wait for the disk; asked for
-    ahead, their reads overlap (50,000 small files: 3.5-4.2 s cold read one
-    by one, 1.1 s with 32 ahead). Whether they are cached is probed once, on
-    the last path, by a read that never waits (RWF_NOWAIT), so cached files
-    cost nothing more. Advice only: nothing where there is no posix_fadvise
-    (macOS, Windows); a path that is not a regular file of at most
-    ``max_nbytes`` is passed over unopened (whoever reads it names any problem).
+    together, their reads overlap and merge (10,000 small files scanned from
+    a cold cache: 1.9 s one by one, 1.0 s asked 32 files ahead, 0.55 s
+    asked 256 ahead, as fast as from the cache). Whether they are cached is
+    probed once, on the last path, by a read that never waits (RWF_NOWAIT),
+    so cached files cost nothing more. Advice only: nothing where there is
+    no posix_fadvise (macOS, Windows); a path that is not a regular file of
+    at most READ_AHEAD_MAX_FILE_NBYTES is passed over unopened (whoever
+    reads it names any problem).
     """
     if posix_fadvise is None or not paths or _is_cached(paths[-1]):
         yield from paths
         return
+    advised_nbytes: deque[int] = deque()  # of the files from the one yielded next on
+    pending = 0
     advised = 0
     for k, path in enumerate(paths):
-        while advised < min(k + ahead, len(paths)):
-            _will_need(paths[advised], max_nbytes)
+        while advised < len(paths) and advised - k < ahead_files and (pending < ahead_nbytes or advised == k):
+            nbytes = _will_need(paths[advised])
+            advised_nbytes.append(nbytes)
+            pending += nbytes
             advised += 1
         yield path
+        pending -= advised_nbytes.popleft()
 
 
 def _is_cached(path: str) -> bool:
@@ -480,18 +489,21 @@ def _is_cached(path: str) -> bool:
         os.close(fd)
 
 
-def _will_need(path: str, max_nbytes: int) -> None:
+def _will_need(path: str) -> int:
+    """Ask for the regular file at ``path`` to be read into the page cache; the bytes asked for."""
     if posix_fadvise is None:
-        return
+        return 0
     with contextlib.suppress(OSError, NotRegularFile):
         status = os.stat(path)  # never opens what is not a regular file
-        if not stat.S_ISREG(status.st_mode) or not 0 < status.st_size <= max_nbytes:
-            return
+        if not stat.S_ISREG(status.st_mode) or not 0 < status.st_size <= READ_AHEAD_MAX_FILE_NBYTES:
+            return 0
         fd, nbytes = open_regular_sized(path)
         try:
             posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_WILLNEED)
+            return nbytes
         finally:
             os.close(fd)
+    return 0
 
 
 def load_into_page_cache(fd: int, nbytes: int, on_progress: Callable[[int], None] | None = None) -> int:

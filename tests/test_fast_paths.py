@@ -398,7 +398,7 @@ def test_uncached_files_are_read_ahead_in_order_each_once_and_cached_ones_are_no
     monkeypatch.setattr(fsutil, "posix_fadvise", advise)
     names = [str(p) for p in paths]
     _evict(paths)
-    for path in fsutil.read_ahead(names, ahead=3):
+    for path in fsutil.read_ahead(names, ahead_files=3):
         events.append(("read", path))
     expected: list[tuple[str, str]] = []
     for k, name in enumerate(names):
@@ -409,7 +409,7 @@ def test_uncached_files_are_read_ahead_in_order_each_once_and_cached_ones_are_no
     for path in paths:
         path.read_bytes()
     events.clear()
-    assert list(fsutil.read_ahead(names, ahead=3)) == names
+    assert list(fsutil.read_ahead(names, ahead_files=3)) == names
     assert events == []  # cached: no advice at all
 
 
@@ -429,8 +429,30 @@ def test_read_ahead_opens_only_regular_files_of_at_most_max_nbytes(tmp_path, mon
         fsutil, "posix_fadvise", lambda fd, *a: advised.append(os.readlink(f"/proc/self/fd/{fd}"))
     )
     monkeypatch.setattr(fsutil, "_is_cached", lambda path: False)
-    assert list(fsutil.read_ahead(names, ahead=2, max_nbytes=1000)) == names  # no hang on the FIFO
+    monkeypatch.setattr(fsutil, "READ_AHEAD_MAX_FILE_NBYTES", 1000)
+    assert list(fsutil.read_ahead(names, ahead_files=2)) == names  # no hang on the FIFO
     assert opened == advised == [str(tmp_path / "small")]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names descriptors through /proc (Linux)")
+def test_read_ahead_asks_for_at_most_ahead_nbytes_beyond_the_file_being_read(tmp_path, monkeypatch) -> None:
+    paths = [str(p) for p in _small_files(tmp_path / "files", 12)]  # 5,000 to 5,011 bytes each
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        fsutil, "posix_fadvise", lambda fd, *a: events.append(("advise", os.readlink(f"/proc/self/fd/{fd}")))
+    )
+    monkeypatch.setattr(fsutil, "_is_cached", lambda path: False)
+    for path in fsutil.read_ahead(paths, ahead_files=100, ahead_nbytes=12_000):
+        events.append(("read", path))
+    expected: list[tuple[str, str]] = []
+    for k, path in enumerate(paths):  # three files ahead at first, then one more as each is read
+        expected += [("advise", p) for p in paths[k + 2 if k else 0 : k + 3]]
+        expected.append(("read", path))
+    assert events == expected
+    events.clear()
+    for path in fsutil.read_ahead(paths, ahead_files=100, ahead_nbytes=1):
+        events.append(("read", path))
+    assert events == [e for path in paths for e in (("advise", path), ("read", path))]  # one at a time
 
 
 def test_without_posix_fadvise_read_ahead_only_yields_the_paths(tmp_path, monkeypatch) -> None:
