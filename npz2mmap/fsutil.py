@@ -450,9 +450,11 @@ def read_ahead(
     asked 256 ahead, as fast as from the cache). Whether they are cached is
     probed once, on the last path, by a read that never waits (RWF_NOWAIT),
     so cached files cost nothing more. Advice only: nothing where there is
-    no posix_fadvise (macOS, Windows); a path that is not a regular file of
-    at most READ_AHEAD_MAX_FILE_NBYTES is passed over unopened (whoever
-    reads it names any problem).
+    no posix_fadvise (macOS, Windows). A path that stat finds is not a
+    regular file of at most READ_AHEAD_MAX_FILE_NBYTES is passed over
+    unopened; one swapped in after the stat is opened without blocking, as
+    the sources are (open_regular_sized), and closed again. Whoever reads a
+    path names any problem with it.
     """
     if posix_fadvise is None or not paths or _is_cached(paths[-1]):
         yield from paths

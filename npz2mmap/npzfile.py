@@ -241,7 +241,8 @@ class _MemberStart:
     The stored bytes are read through ``view`` a piece (HEADER_PIECE_NBYTES)
     ahead at most, so a header takes one read, and when the member is
     deflated only what the header needs is inflated (HEADER_INFLATE_NBYTES at
-    a time); never past the member.
+    a time); never past the member, nor past the size the zip gives it
+    (as zipfile stops there).
     """
 
     def __init__(self, view: FileView, location: MemberLocation) -> None:
@@ -249,6 +250,7 @@ class _MemberStart:
         self.position = location.offset
         self.end = location.offset + location.stored_nbytes
         self.inflater = zlib.decompressobj(-zlib.MAX_WBITS) if location.flags & DEFLATED else None
+        self.left = location.nbytes  # uncompressed bytes the zip says the member holds
         self.pending = b""
         self.used = 0  # bytes of ``pending`` already returned
 
@@ -263,12 +265,13 @@ class _MemberStart:
         """Hold at least ``nbytes`` unread bytes, fewer only at the member's end."""
         pieces = [self.pending[self.used :]]
         wanted = nbytes - len(pieces[0])
-        while wanted > 0:
-            more = self._more(wanted)
+        while wanted > 0 and self.left > 0:
+            more = self._more(wanted)[: self.left]
             if not more:
                 break
             pieces.append(more)
             wanted -= len(more)
+            self.left -= len(more)
         self.pending, self.used = b"".join(pieces), 0
 
     def _more(self, wanted: int) -> bytes:

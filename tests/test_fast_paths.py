@@ -11,7 +11,9 @@ from __future__ import annotations
 import ast
 import io
 import os
+import struct
 import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -487,3 +489,52 @@ def test_a_conversion_read_ahead_writes_the_same_bytes(tmp_path, monkeypatch, wo
         assert len(advised) == 2 * 80  # every file, in the scan and again in the copy
     for name in ("data.npy", "index.json", "sources.jsonl"):
         assert (tmp_path / "ahead" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
+
+
+def test_a_deflated_member_smaller_by_its_zip_size_than_its_header_ends_early_as_np_load_finds(
+    tmp_path,
+) -> None:
+    """The header is read no further than the size the zip gives the member, as zipfile stops there,
+    even when the deflate stream holds more."""
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros(3, dtype=[("x" * 300, "<i4")]))
+    raw = buffer.getvalue()
+    deflater = zlib.compressobj(6, zlib.DEFLATED, -15)
+    stream = deflater.compress(raw) + deflater.flush()
+    size, name, crc = 64, b"a.npy", zlib.crc32(raw[:64])
+    local = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 8, 0, 0x21, crc, len(stream), size, len(name), 0)
+    central = struct.pack(
+        "<IHHHHHHIIIHHHHHII",
+        0x02014B50,
+        20,
+        20,
+        0,
+        8,
+        0,
+        0x21,
+        crc,
+        len(stream),
+        size,
+        len(name),
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+    )
+    end = struct.pack(
+        "<IHHHHIIH", 0x06054B50, 0, 0, 1, 1, len(central) + len(name), len(local + name + stream), 0
+    )
+    path = tmp_path / "short.npz"
+    path.write_bytes(local + name + stream + central + name + end)
+    header_nbytes = 10 + int.from_bytes(raw[8:10], "little")
+    with (
+        pytest.raises(ValueError, match=f"expected {header_nbytes - 10} bytes got {size - 10}"),
+        np.load(path) as npz,
+    ):
+        npz["a"]
+    with pytest.raises(SourceError) as caught:
+        convert([path], tmp_path / "out", workers=1)
+    assert str(caught.value) == f"{path}[a]: ends early ({size - 10} of {header_nbytes - 10} bytes)"
+    assert not (tmp_path / "out").exists()
