@@ -177,7 +177,7 @@ def test_spawn_workers_run_without_any_warning(small_dataset, tmp_path) -> None:
     lines = result.stderr.splitlines()
     tracker = {i for i, line in enumerate(lines) if "resource_tracker" in line}
     tracker |= {i + 1 for i in tracker if i + 1 < len(lines) and "warnings.warn" in lines[i + 1]}
-    assert [line for i, line in enumerate(lines) if i not in tracker] == []
+    assert [line for i, line in enumerate(lines) if i not in tracker] == [], result.stderr
 
 
 def test_a_dataset_replaced_after_opening_is_not_mixed_with_the_old_index(tmp_path, small_dataset) -> None:
