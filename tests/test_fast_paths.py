@@ -376,6 +376,15 @@ def _evict(paths: list[Path]) -> None:
             os.close(fd)
 
 
+def _resident_nbytes(path: Path) -> int | None:
+    """Bytes of the file in the page cache, by mincore (independent of read_ahead's probe)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return fsutil.resident_nbytes(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
 def _small_files(directory: Path, count: int) -> list[Path]:
     directory.mkdir()
     paths = [directory / f"{k:02d}.bin" for k in range(count)]
@@ -400,6 +409,8 @@ def test_uncached_files_are_read_ahead_in_order_each_once_and_cached_ones_are_no
     monkeypatch.setattr(fsutil, "posix_fadvise", advise)
     names = [str(p) for p in paths]
     _evict(paths)
+    if any(_resident_nbytes(path) for path in paths):
+        pytest.skip("this file system keeps the files' pages cached (tmpfs?)")
     for path in fsutil.read_ahead(names, ahead_files=3):
         events.append(("read", path))
     expected: list[tuple[str, str]] = []
