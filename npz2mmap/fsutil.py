@@ -473,7 +473,12 @@ def read_ahead(
 
 
 def _is_cached(path: str) -> bool:
-    """Whether the start of the regular file at ``path`` is in the page cache; False when unknown."""
+    """Whether the start of the regular file at ``path`` is in the page cache; False when unknown.
+
+    A read that never waits, not resident_nbytes: Linux's mincore reports a
+    file's cached pages only to its owner or to a process that may write it,
+    and sources are often neither.
+    """
     if preadv is None or _RWF_NOWAIT is None:
         return False
     try:
@@ -493,15 +498,13 @@ def _is_cached(path: str) -> bool:
 
 def _will_need(path: str) -> int:
     """Ask for the regular file at ``path`` to be read into the page cache; the bytes asked for."""
-    if posix_fadvise is None:
-        return 0
     with contextlib.suppress(OSError, NotRegularFile):
         status = os.stat(path)  # never opens what is not a regular file
         if not stat.S_ISREG(status.st_mode) or not 0 < status.st_size <= READ_AHEAD_MAX_FILE_NBYTES:
             return 0
         fd, nbytes = open_regular_sized(path)
         try:
-            posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_WILLNEED)
+            advise(fd, nbytes, "willneed")
             return nbytes
         finally:
             os.close(fd)
