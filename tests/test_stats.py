@@ -6,15 +6,26 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
+import warnings
+from decimal import Decimal, localcontext
+from fractions import Fraction
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import extreme_arrays, numeric_dtypes
 
 import npz2mmap
+from npz2mmap import summary
 from npz2mmap.summary import field_statistics
 
 SCRIPT = Path(sys.executable).parent / "npz2mmap"
+SMALLEST_SUBNORMAL = 5e-324
 
 
 def write_field(out_dir: Path, samples: list[np.ndarray]) -> Path:
@@ -114,3 +125,62 @@ def test_a_field_of_only_nan_or_of_no_values_has_counts_and_no_figures(tmp_path)
     result = inspect_stats(nan)
     assert (result.returncode, result.stderr) == (0, "")
     assert stats_rows(result.stdout)[1] == ["x", "2", "2", "0", "-", "-", "-", "-"]
+
+
+def exact_figures(values: np.ndarray) -> dict[str, Any]:
+    """What the statistics must be, from Python ints and exact rationals (never numpy's sums)."""
+    if values.dtype.kind in "biu":
+        present = [int(v) for v in values.tolist()]
+        finite = [Fraction(v) for v in present]
+        nan = inf = 0
+    else:
+        nan = int(np.isnan(values).sum())
+        inf = int(np.isinf(values).sum())
+        present = [float(v) for v in values if not np.isnan(v)]
+        finite = [Fraction(*v.as_integer_ratio()) for v in values if np.isfinite(v)]
+    out: dict[str, Any] = {"count": values.size, "nan": nan, "inf": inf}
+    if present:
+        out.update(min=min(present), max=max(present))
+    if finite:
+        mean = sum(finite) / len(finite)
+        variance = sum((v - mean) ** 2 for v in finite) / len(finite)
+        with localcontext() as context:
+            context.prec = 40
+            std = float((Decimal(variance.numerator) / Decimal(variance.denominator)).sqrt())
+        out.update(mean=float(mean), std=std, peak=float(max(abs(v) for v in finite)))
+    return out
+
+
+def assert_matches_exact(got: dict[str, Any], values: np.ndarray) -> None:
+    """Counts, min and max exactly; mean and std within rounding of the data's own size.
+
+    A formula that cancels (E[x^2] - mean^2 on 1.7e12 + noise) is off by about
+    sqrt(2**-52) * 1.7e12 = 25,000, far beyond 1e-13 of the largest value.
+    """
+    exact = exact_figures(values)
+    assert {k: got.get(k) for k in ("count", "nan", "inf", "min", "max")} == {
+        k: exact.get(k) for k in ("count", "nan", "inf", "min", "max")
+    }
+    assert ("mean" in got, "std" in got) == ("mean" in exact, "std" in exact)
+    if "mean" in exact:
+        slack = 1e-13 * exact["peak"] + 2 * SMALLEST_SUBNORMAL
+        assert abs(got["mean"] - exact["mean"]) <= slack, (got, exact)
+        assert abs(got["std"] - exact["std"]) <= 1e-9 * exact["std"] + slack, (got, exact)
+
+
+@settings(max_examples=150, deadline=None)
+@given(dtype=numeric_dtypes(), data=st.data())
+def test_statistics_match_exact_arithmetic_over_extremes(dtype, data) -> None:
+    values = data.draw(extreme_arrays(dtype), label="values")
+    cuts = sorted(data.draw(st.lists(st.integers(0, values.size), max_size=4), label="cuts"))
+    chunk_nbytes = data.draw(st.sampled_from([1, 24, 80, 64 << 20]), label="chunk_nbytes")
+    with tempfile.TemporaryDirectory() as tmp:
+        dataset = write_field(Path(tmp) / "ds", np.split(values, cuts))
+        with (
+            mock.patch.object(summary, "STATS_CHUNK_NBYTES", chunk_nbytes),
+            warnings.catch_warnings(),
+            np.errstate(over="raise", invalid="raise", divide="raise"),
+        ):
+            warnings.simplefilter("error")
+            got = field_statistics(dataset)["x"]
+    assert_matches_exact(got, values)
