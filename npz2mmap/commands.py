@@ -349,7 +349,7 @@ def _growth_note(data_nbytes: int, sources_nbytes: int) -> str | None:
 @click.option(
     "--stats",
     is_flag=True,
-    help="Also compute min, max, mean and std of every numeric field (reads all data).",
+    help="Also compute count, NaN and inf counts, min, max, mean and std of numeric fields (reads all data).",
 )
 @friendly_errors
 def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> None:

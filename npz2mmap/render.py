@@ -46,10 +46,11 @@ def render_summary(summary: dict[str, Any]) -> str:
     else:
         lines.append("fields   none (no samples)")
     if "stats" in summary:
-        stat_rows = [("field", "count", "min", "max", "mean", "std")]
+        stat_rows = [("field", "count", "nan", "inf", "min", "max", "mean", "std")]
         for name, s in summary["stats"].items():
-            figures = [f"{s[k]:.6g}" if k in s else "-" for k in ("min", "max", "mean", "std")]
-            stat_rows.append((name, f"{s['count']:,}", *figures))
+            counts = [f"{s[k]:,}" for k in ("count", "nan", "inf")]
+            figures = [_figure(s[k]) if k in s else "-" for k in ("min", "max", "mean", "std")]
+            stat_rows.append((name, *counts, *figures))
         lines += ["", *_table(stat_rows)]
     for f in summary["fields"]:
         if f.get("lengths"):

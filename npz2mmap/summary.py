@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from .moments import FLOAT_KINDS, INTEGER_KINDS, running_statistics
 from .parts import FieldInfo, Parts, PartsReader, describe_parts, is_manifest_dir
 from .progress import Progress, SilentProgress
 from .reader import DatasetReader
@@ -112,47 +113,39 @@ def dtype_name(dtype: np.dtype) -> str:
 
 
 STATS_CHUNK_NBYTES = 64 << 20
+NUMERIC_KINDS = INTEGER_KINDS + FLOAT_KINDS
 
 
 def field_statistics(
     path: str | os.PathLike[str], progress: Progress | None = None
-) -> dict[str, dict[str, float]]:
-    """Min, max, mean and standard deviation of every numeric field, in one streaming pass.
+) -> dict[str, dict[str, int | float]]:
+    """Count, NaN and infinity counts, min, max, mean and std of every numeric field, in one pass.
 
-    Reads each field's data region (all parts) in bounded chunks; sums are
-    accumulated in float64. Fields of other kinds (strings, records) are left out.
+    Reads each field's data region (all parts) in bounded chunks and merges the
+    chunks' figures (``moments``): exact for integers, stable for a large offset,
+    NaN-aware for floats, whose mean and std are those of the finite values.
+    Fields of other kinds (complex, dates, strings, records) are left out.
     """
     progress = progress or SilentProgress()
     parts = Parts(path)
     readers = [DatasetReader(p, index) for p, index in zip(parts.paths, parts.indexes, strict=True)]
-    numeric = [name for name in parts.field_names if parts.field(name).dtype.kind in "biuf"]
+    numeric = [name for name in parts.field_names if parts.field(name).dtype.kind in NUMERIC_KINDS]
     total = sum(r.index.field(name).data.nbytes for r in readers for name in numeric)
     progress.stage("stats", len(numeric), total, unit="fields")
-    return {name: _stream_stats(readers, name, progress) for name in numeric}
+    return {name: _stream_stats(readers, parts.field(name).dtype, name, progress) for name in numeric}
 
 
-def _stream_stats(readers: list[DatasetReader], name: str, progress: Progress) -> dict[str, float]:
-    count, total, squares = 0, 0.0, 0.0
-    low, high = np.inf, -np.inf
+def _stream_stats(
+    readers: list[DatasetReader], dtype: np.dtype, name: str, progress: Progress
+) -> dict[str, int | float]:
+    running = running_statistics(dtype)
+    step = max(1, STATS_CHUNK_NBYTES // max(dtype.itemsize, 8))  # the work arrays hold 8-byte numbers
     for reader in readers:
         field = reader.index.field(name)
         values = reader.payload[field.data.offset : field.data.end].view(field.dtype)
-        step = max(1, STATS_CHUNK_NBYTES // field.dtype.itemsize)
         for start in range(0, len(values), step):
-            chunk = values[start : start + step].astype(np.float64)
-            count += len(chunk)
-            total += float(chunk.sum())
-            squares += float(np.square(chunk).sum())
-            low, high = min(low, float(chunk.min())), max(high, float(chunk.max()))
-            progress.advance(0, len(chunk) * field.dtype.itemsize)
+            chunk = values[start : start + step]
+            running.add(chunk)
+            progress.advance(0, chunk.nbytes)
     progress.advance(1, 0)
-    if not count:
-        return {"count": 0}
-    mean = total / count
-    return {
-        "count": count,
-        "min": low,
-        "max": high,
-        "mean": mean,
-        "std": max(squares / count - mean * mean, 0.0) ** 0.5,
-    }
+    return running.result()

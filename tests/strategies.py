@@ -77,3 +77,66 @@ def padded_record_dtypes(draw: st.DrawFn, depth: int = 2) -> np.dtype:
         dtype = np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})
     order = draw(st.sampled_from([None, "<", ">"]))
     return dtype if order is None else dtype.newbyteorder(order)
+
+
+def numeric_dtypes() -> st.SearchStrategy[np.dtype]:
+    """The dtypes `inspect --stats` covers: bool, integers of every width, floats up to longdouble."""
+    return st.one_of(
+        hnp.boolean_dtypes(),
+        hnp.integer_dtypes(endianness="<"),
+        hnp.unsigned_integer_dtypes(endianness="<"),
+        hnp.floating_dtypes(endianness="<", sizes=(16, 32, 64)),
+        st.just(np.dtype(np.longdouble)),
+    )
+
+
+def extreme_values(dtype: np.dtype) -> list[object]:
+    """The values of ``dtype`` that break naive statistics: range ends, denormals, NaN, infinities."""
+    if dtype.kind == "b":
+        return [False, True]
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return [int(info.min), int(info.max), int(info.max) - 1, 0, 1]
+    f = np.finfo(dtype)
+    return [f.max, -f.max, f.smallest_subnormal, -f.smallest_subnormal, f.tiny, 0.0, -0.0, 1.0]
+
+
+def _offset_arrays(dtype: np.dtype, size: int) -> st.SearchStrategy[np.ndarray]:
+    """A large common offset plus small noise (millisecond timestamps near 1.7e12 and the like)."""
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        spread = min(1000, int(info.max) // 2)
+        bases = [int(info.min), int(info.max) - spread] + ([1_700_000_000_000] if dtype.itemsize == 8 else [])
+        unit = 1
+    else:
+        f = np.finfo(dtype)
+        spread = 1000
+        bases = [float(f.max) / 2, -float(f.max) / 2, 1.7e12 if float(f.max) > 1e13 else 1000.0]
+        unit = None
+    noise = st.lists(st.integers(0, spread), min_size=size, max_size=size)
+
+    def build(base: object, steps: list[int]) -> np.ndarray:
+        if unit is not None:
+            return np.array([base + k * unit for k in steps], dtype=dtype)  # type: ignore[operator]
+        start = np.asarray(base, dtype=dtype)
+        step = np.maximum(np.spacing(start), np.asarray(1, dtype=dtype))
+        return start + np.asarray(steps, dtype=dtype) * step
+
+    return st.builds(build, st.sampled_from(bases), noise)
+
+
+@st.composite
+def extreme_arrays(draw: st.DrawFn, dtype: np.dtype, max_size: int = 40) -> np.ndarray:
+    """One-dimensional arrays of ``dtype``: a mix of extremes and any values, a constant, or an offset."""
+    if dtype == np.longdouble:  # float64's values: the figures are Python floats
+        return draw(extreme_arrays(np.dtype(np.float64), max_size)).astype(dtype)
+    size = draw(st.integers(0, max_size))
+    element = st.one_of(st.sampled_from(extreme_values(dtype)), hnp.from_dtype(dtype))
+    mode = draw(
+        st.sampled_from(["mixed", "constant", "offset"] if dtype.kind != "b" else ["mixed", "constant"])
+    )
+    if mode == "offset":
+        return draw(_offset_arrays(dtype, size))
+    if mode == "constant":
+        return np.full(size, draw(element), dtype=dtype)
+    return np.array(draw(st.lists(element, min_size=size, max_size=size)), dtype=dtype)

@@ -1,0 +1,186 @@
+"""inspect --stats: every figure right for every numeric dtype, checked against exact arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import warnings
+from decimal import Decimal, localcontext
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import extreme_arrays, numeric_dtypes
+
+import npz2mmap
+from npz2mmap import summary
+from npz2mmap.summary import field_statistics
+
+SCRIPT = Path(sys.executable).parent / "npz2mmap"
+SMALLEST_SUBNORMAL = 5e-324
+
+
+def write_field(out_dir: Path, samples: list[np.ndarray]) -> Path:
+    with npz2mmap.Writer(out_dir) as w:
+        for sample in samples:
+            w.append({"x": sample})
+    return out_dir
+
+
+def inspect_stats(dataset: Path, *options: str) -> subprocess.CompletedProcess:
+    """The real console script, so that a RuntimeWarning would reach its stderr as a user sees it."""
+    return subprocess.run(
+        [SCRIPT, "inspect", str(dataset), "--stats", *options], capture_output=True, text=True, timeout=120
+    )
+
+
+def stats_rows(text: str) -> list[list[str]]:
+    """The stats table's header and first row, each split into its cells."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["field", "count"])
+    return [line.split() for line in lines[start:] if line.strip()][:2]
+
+
+def test_one_nan_is_counted_and_left_out_of_min_max_mean_and_std(tmp_path) -> None:
+    dataset = write_field(
+        tmp_path / "ds", [np.array([1.5, np.nan], np.float32), np.array([-2, 4.5, np.inf], np.float32)]
+    )
+    result = inspect_stats(dataset)
+    assert (result.returncode, result.stderr) == (0, "")
+    # finite values 1.5, -2, 4.5: mean 4/3, variance 127/18
+    assert stats_rows(result.stdout) == [
+        ["field", "count", "nan", "inf", "min", "max", "mean", "std"],
+        ["x", "5", "1", "1", "-2", "inf", "1.33333", "2.65623"],
+    ]
+    as_json = json.loads(inspect_stats(dataset, "--json").stdout)["stats"]["x"]
+    assert as_json == {
+        "count": 5,
+        "nan": 1,
+        "inf": 1,
+        "min": -2.0,
+        "max": math.inf,
+        "mean": pytest.approx(4 / 3, rel=1e-15),
+        "std": pytest.approx(math.sqrt(127 / 18), rel=1e-15),
+    }
+
+
+def test_millisecond_timestamps_have_the_std_of_their_spread_not_of_cancellation(tmp_path) -> None:
+    timestamps = 1_700_000_000_000 + np.arange(60_000, dtype=np.int64)
+    dataset = write_field(tmp_path / "ds", list(timestamps.reshape(100, 600)))
+    result = inspect_stats(dataset)
+    assert (result.returncode, result.stderr) == (0, "")
+    # n consecutive integers: variance (n**2 - 1) / 12 = 299,999,999.9167, std 17,320.508
+    assert stats_rows(result.stdout)[1] == [
+        "x",
+        "60,000",
+        "0",
+        "0",
+        "1700000000000",
+        "1700000059999",
+        "1.7e+12",
+        "17320.5",
+    ]
+    as_json = json.loads(inspect_stats(dataset, "--json").stdout)["stats"]["x"]
+    assert (as_json["min"], as_json["max"], as_json["mean"]) == (
+        1_700_000_000_000,
+        1_700_000_059_999,
+        1_700_000_029_999.5,
+    )
+    assert as_json["std"] == pytest.approx(math.sqrt((60_000**2 - 1) / 12), rel=1e-12)
+
+
+def test_values_near_the_float64_limit_neither_overflow_nor_warn(tmp_path) -> None:
+    dataset = write_field(tmp_path / "ds", [np.array([1e308, 1e308, -1e308, 1e308])])
+    result = inspect_stats(dataset)
+    assert (result.returncode, result.stderr) == (0, "")
+    # mean 5e307; deviations 5e307 (three times) and -1.5e308: variance 7.5e615
+    assert stats_rows(result.stdout)[1] == ["x", "4", "0", "0", "-1e+308", "1e+308", "5e+307", "8.66025e+307"]
+
+
+def test_uint64_near_two_to_the_64_and_int64_extremes_are_exact(tmp_path) -> None:
+    top = 2**64 - 1
+    dataset = write_field(tmp_path / "ds", [np.array([top, top - 1, top - 2], np.uint64)])
+    stats = field_statistics(dataset)["x"]
+    assert (stats["min"], stats["max"], stats["mean"]) == (top - 2, top, float(top - 1))
+    assert stats["std"] == pytest.approx(math.sqrt(2 / 3), rel=1e-12)
+    extremes = write_field(tmp_path / "ints", [np.array([-(2**63), 2**63 - 1], np.int64)])
+    stats = field_statistics(extremes)["x"]
+    assert (stats["min"], stats["max"], stats["mean"]) == (-(2**63), 2**63 - 1, -0.5)
+    assert stats["std"] == pytest.approx(2**63 - 0.5, rel=1e-15)
+
+
+def test_a_field_of_only_nan_or_of_no_values_has_counts_and_no_figures(tmp_path) -> None:
+    nan = write_field(tmp_path / "nan", [np.array([np.nan, np.nan], np.float16)])
+    assert field_statistics(nan)["x"] == {"count": 2, "nan": 2, "inf": 0}
+    empty = write_field(tmp_path / "empty", [np.zeros(0, np.float32), np.zeros(0, np.float32)])
+    assert field_statistics(empty)["x"] == {"count": 0, "nan": 0, "inf": 0}
+    result = inspect_stats(nan)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert stats_rows(result.stdout)[1] == ["x", "2", "2", "0", "-", "-", "-", "-"]
+
+
+def exact_figures(values: np.ndarray) -> dict[str, Any]:
+    """What the statistics must be, from Python ints and exact rationals (never numpy's sums)."""
+    if values.dtype.kind in "biu":
+        present = [int(v) for v in values.tolist()]
+        finite = [Fraction(v) for v in present]
+        nan = inf = 0
+    else:
+        nan = int(np.isnan(values).sum())
+        inf = int(np.isinf(values).sum())
+        present = [float(v) for v in values if not np.isnan(v)]
+        finite = [Fraction(*v.as_integer_ratio()) for v in values if np.isfinite(v)]
+    out: dict[str, Any] = {"count": values.size, "nan": nan, "inf": inf}
+    if present:
+        out.update(min=min(present), max=max(present))
+    if finite:
+        mean = sum(finite) / len(finite)
+        variance = sum((v - mean) ** 2 for v in finite) / len(finite)
+        with localcontext() as context:
+            context.prec = 40
+            std = float((Decimal(variance.numerator) / Decimal(variance.denominator)).sqrt())
+        out.update(mean=float(mean), std=std, peak=float(max(abs(v) for v in finite)))
+    return out
+
+
+def assert_matches_exact(got: dict[str, Any], values: np.ndarray) -> None:
+    """Counts, min and max exactly; mean and std within rounding of the data's own size.
+
+    A formula that cancels (E[x^2] - mean^2 on 1.7e12 + noise) is off by about
+    sqrt(2**-52) * 1.7e12 = 25,000, far beyond 1e-13 of the largest value.
+    """
+    exact = exact_figures(values)
+    assert {k: got.get(k) for k in ("count", "nan", "inf", "min", "max")} == {
+        k: exact.get(k) for k in ("count", "nan", "inf", "min", "max")
+    }
+    assert ("mean" in got, "std" in got) == ("mean" in exact, "std" in exact)
+    if "mean" in exact:
+        slack = 1e-13 * exact["peak"] + 2 * SMALLEST_SUBNORMAL
+        assert abs(got["mean"] - exact["mean"]) <= slack, (got, exact)
+        assert abs(got["std"] - exact["std"]) <= 1e-9 * exact["std"] + slack, (got, exact)
+
+
+@settings(max_examples=150, deadline=None)
+@given(dtype=numeric_dtypes(), data=st.data())
+def test_statistics_match_exact_arithmetic_over_extremes(dtype, data) -> None:
+    values = data.draw(extreme_arrays(dtype), label="values")
+    cuts = sorted(data.draw(st.lists(st.integers(0, values.size), max_size=4), label="cuts"))
+    chunk_nbytes = data.draw(st.sampled_from([1, 24, 80, 64 << 20]), label="chunk_nbytes")
+    with tempfile.TemporaryDirectory() as tmp:
+        dataset = write_field(Path(tmp) / "ds", np.split(values, cuts))
+        with (
+            mock.patch.object(summary, "STATS_CHUNK_NBYTES", chunk_nbytes),
+            warnings.catch_warnings(),
+            np.errstate(over="raise", invalid="raise", divide="raise"),
+        ):
+            warnings.simplefilter("error")
+            got = field_statistics(dataset)["x"]
+    assert_matches_exact(got, values)
