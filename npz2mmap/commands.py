@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -27,7 +26,7 @@ from .errors import Npz2mmapError
 from .inputs import npy_with_sample_dirs
 from .merge import merge as merge_parts
 from .progress import PROGRESS_MODES, showing_progress
-from .render import human_bytes, plural, render_sample, render_summary
+from .render import human_bytes, plural, render_json, render_sample, render_summary
 from .sources import is_npy_path
 from .spec import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
 from .summary import describe_dataset, describe_sample, field_statistics
@@ -363,13 +362,13 @@ def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> Non
             info = describe_sample(dataset, sample)
         except IndexError as exc:
             raise click.BadParameter(str(exc), param_hint="--sample") from None
-        click.echo(json.dumps(info, indent=1) if as_json else render_sample(info))
+        click.echo(render_json(info) if as_json else render_sample(info))
         return
     summary = describe_dataset(dataset)
     if stats:
         with showing_progress("none" if as_json else "auto", echo_err) as progress:
             summary["stats"] = field_statistics(dataset, progress)
-    click.echo(json.dumps(summary, indent=1) if as_json else render_summary(summary))
+    click.echo(render_json(summary) if as_json else render_summary(summary))
 
 
 @cli.command()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,9 +107,9 @@ def _shape_text(field: dict[str, Any]) -> str:
 
 def render_sample(info: dict[str, Any]) -> str:
     """What `npz2mmap inspect --sample I` prints: one row of figures per field."""
-    rows = [("field", "dtype", "shape", "min", "max", "mean")]
+    rows = [("field", "dtype", "shape", "min", "max", "mean", "nan", "inf")]
     for f in info["fields"]:
-        stats = [_figure(f[k]) if k in f else "-" for k in ("min", "max", "mean")]
+        stats = [_figure(f[k]) if k in f else "-" for k in ("min", "max", "mean", "nan", "inf")]
         rows.append((f["name"], f["dtype"], str(tuple(f["shape"])), *stats))
     return "\n".join([f"sample {info['sample']}", *_table(rows)])
 
@@ -120,3 +122,22 @@ def _figure(value: float) -> str:
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def render_json(document: Any) -> str:
+    """Strict JSON for ``--json``: a NaN or infinite figure is ``null`` (the ``nan``/``inf`` counts say why).
+
+    Python's ``json`` would write ``NaN`` and ``Infinity``, which JSON does not
+    have and ``jq`` or a browser refuse.
+    """
+    return json.dumps(_finite_or_null(document), indent=1, allow_nan=False)
+
+
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(item) for item in value]
+    return value

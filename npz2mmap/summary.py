@@ -90,6 +90,10 @@ def _rounded(value: float) -> float:
     return float(f"{float(value):.6g}")
 
 
+STATS_CHUNK_NBYTES = 64 << 20
+NUMERIC_KINDS = INTEGER_KINDS + FLOAT_KINDS
+
+
 def describe_sample(path: str | os.PathLike[str], i: int) -> dict[str, Any]:
     """Shape, dtype and min/max/mean of each field of sample ``i``. Raises IndexError, FormatError."""
     reader = PartsReader(Parts(path))
@@ -102,18 +106,24 @@ def describe_sample(path: str | os.PathLike[str], i: int) -> dict[str, Any]:
 
 def _describe_array(name: str, array: np.ndarray) -> dict[str, Any]:
     out: dict[str, Any] = {"name": name, "shape": list(array.shape), "dtype": dtype_name(array.dtype)}
-    if array.size and array.dtype.kind in "biuf":
-        out.update(min=array.min().item(), max=array.max().item(), mean=float(array.mean(dtype=np.float64)))
+    if array.size and array.dtype.kind in NUMERIC_KINDS:
+        figures = _chunked_statistics(array.reshape(-1), array.dtype)
+        out.update((key, figures[key]) for key in ("min", "max", "mean", "nan", "inf") if key in figures)
     return out
+
+
+def _chunked_statistics(values: np.ndarray, dtype: np.dtype) -> dict[str, int | float]:
+    """The ``moments`` figures of ``values``, read in bounded chunks (a sample may be gigabytes)."""
+    running = running_statistics(dtype)
+    step = max(1, STATS_CHUNK_NBYTES // max(dtype.itemsize, 8))  # the work arrays hold 8-byte numbers
+    for start in range(0, len(values), step):
+        running.add(values[start : start + step])
+    return running.result()
 
 
 def dtype_name(dtype: np.dtype) -> str:
     """'float32' for numbers, numpy's own spelling ('<U8', 'datetime64[s]', records) otherwise."""
     return dtype.name if dtype.kind in "biufc" else str(dtype)
-
-
-STATS_CHUNK_NBYTES = 64 << 20
-NUMERIC_KINDS = INTEGER_KINDS + FLOAT_KINDS
 
 
 def field_statistics(

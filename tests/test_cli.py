@@ -62,6 +62,8 @@ def test_convert_inspect_verify(tmp_path, sources) -> None:
         "min": 3,
         "max": 3,
         "mean": 3.0,
+        "nan": 0,
+        "inf": 0,
     }
     result = run("verify", out, "--sources")
     assert result.exit_code == 0
@@ -301,8 +303,8 @@ def test_inspect_sample_prints_integers_exactly(tmp_path) -> None:
         line.split()[0]: line.split()
         for line in run("inspect", tmp_path / "ds", "--sample", "0").output.splitlines()
     }
-    assert rows["big"][-3:] == ["7", "3000000001", "1.5e+09"]
-    assert rows["f"][-3:] == ["0.5", "0.5", "0.5"]
+    assert rows["big"][-5:] == ["7", "3000000001", "1.5e+09", "0", "0"]
+    assert rows["f"][-5:] == ["0.5", "0.5", "0.5", "0", "0"]
 
 
 def test_list_files_may_start_with_a_bom_and_a_huge_one_is_refused(tmp_path, monkeypatch) -> None:

@@ -22,6 +22,7 @@ from strategies import extreme_arrays, numeric_dtypes
 
 import npz2mmap
 from npz2mmap import summary
+from npz2mmap.render import render_json
 from npz2mmap.summary import field_statistics
 
 SCRIPT = Path(sys.executable).parent / "npz2mmap"
@@ -42,6 +43,15 @@ def inspect_stats(dataset: Path, *options: str) -> subprocess.CompletedProcess:
     )
 
 
+def strict_json(text: str) -> Any:
+    """``json.loads`` that refuses ``NaN`` and ``Infinity``, which are not JSON (jq refuses them too)."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def stats_rows(text: str) -> list[list[str]]:
     """The stats table's header and first row, each split into its cells."""
     lines = text.splitlines()
@@ -60,13 +70,13 @@ def test_one_nan_is_counted_and_left_out_of_min_max_mean_and_std(tmp_path) -> No
         ["field", "count", "nan", "inf", "min", "max", "mean", "std"],
         ["x", "5", "1", "1", "-2", "inf", "1.33333", "2.65623"],
     ]
-    as_json = json.loads(inspect_stats(dataset, "--json").stdout)["stats"]["x"]
+    as_json = strict_json(inspect_stats(dataset, "--json").stdout)["stats"]["x"]
     assert as_json == {
         "count": 5,
         "nan": 1,
         "inf": 1,
         "min": -2.0,
-        "max": math.inf,
+        "max": None,  # infinite: strict JSON has no Infinity
         "mean": pytest.approx(4 / 3, rel=1e-15),
         "std": pytest.approx(math.sqrt(127 / 18), rel=1e-15),
     }
@@ -184,3 +194,64 @@ def test_statistics_match_exact_arithmetic_over_extremes(dtype, data) -> None:
             warnings.simplefilter("error")
             got = field_statistics(dataset)["x"]
     assert_matches_exact(got, values)
+
+
+def inspect_sample(dataset: Path, i: int, *options: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [SCRIPT, "inspect", str(dataset), "--sample", str(i), *options],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_sample_with_nan_shows_its_counts_and_the_figures_of_the_rest(tmp_path) -> None:
+    dataset = write_field(tmp_path / "ds", [np.array([1.5, np.nan, -2.0, np.inf], np.float64)])
+    result = inspect_sample(dataset, 0)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.splitlines()[1:] == [
+        "field  dtype    shape  min  max  mean   nan  inf",
+        "x      float64  (4,)   -2   inf  -0.25  1    1",
+    ]
+    figures = strict_json(inspect_sample(dataset, 0, "--json").stdout)["fields"][0]
+    assert figures == {
+        "name": "x",
+        "shape": [4],
+        "dtype": "float64",
+        "min": -2.0,
+        "max": None,
+        "mean": -0.25,
+        "nan": 1,
+        "inf": 1,
+    }
+
+
+def test_a_sample_near_the_float64_limit_has_its_mean_without_a_warning(tmp_path) -> None:
+    dataset = write_field(tmp_path / "ds", [np.full(4, 1e308)])
+    result = inspect_sample(dataset, 0, "--json")
+    assert (result.returncode, result.stderr) == (0, "")
+    assert strict_json(result.stdout)["fields"][0]["mean"] == 1e308
+
+
+def test_a_sample_of_timestamps_has_its_exact_extremes_and_mean(tmp_path) -> None:
+    stamps = 1_700_000_000_000 + np.arange(3, dtype=np.int64)
+    dataset = write_field(tmp_path / "ds", [stamps])
+    figures = strict_json(inspect_sample(dataset, 0, "--json").stdout)["fields"][0]
+    assert (figures["min"], figures["max"], figures["mean"]) == (
+        1_700_000_000_000,
+        1_700_000_000_002,
+        1.700000000001e12,
+    )
+
+
+@given(
+    values=st.lists(
+        st.sampled_from([0.0, 1.0, -1e308, 1e308, math.nan, math.inf, -math.inf]), min_size=1, max_size=8
+    )
+)
+@settings(max_examples=40, deadline=None)
+def test_json_output_of_any_sample_is_strict_json(values: list[float]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        dataset = write_field(Path(tmp) / "ds", [np.array(values)])
+        info = summary.describe_sample(dataset, 0)
+        strict_json(render_json(info))
