@@ -15,7 +15,7 @@ from typing import NamedTuple
 from . import fsutil
 from .errors import SourceError
 from .npzfile import NPY_SUFFIX
-from .sources import holds_npy_files, is_npy_path
+from .sources import holds_npy_files, is_hidden, is_npy_path
 
 NPZ_SUFFIX = ".npz"
 LIST_PREFIX = "@"
@@ -32,10 +32,10 @@ def discover_sources(
 ) -> list[str]:
     """Expand files, directories and ``@list.txt`` files into absolute source paths.
 
-    Directories are searched recursively (symlinks followed, loops skipped)
-    for ``*.npz`` and ``*.npy`` files, or with ``sample_dirs`` for ``*.npz``
-    files and directories holding ``*.npy`` files, all sorted by path;
-    otherwise the order is the order given.
+    Directories are searched recursively (symlinks followed, loops skipped,
+    hidden names skipped) for ``*.npz`` and ``*.npy`` files, or with
+    ``sample_dirs`` for ``*.npz`` files and directories holding ``*.npy``
+    files, all sorted by path; otherwise the order is the order given.
     Raises SourceError for missing paths, duplicates, or when nothing is found,
     and for pipes, devices and broken links unless ``skip_bad``: then they
     are sources too, for the scan to refuse and record like any bad file.
@@ -110,7 +110,7 @@ def _walk(top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> l
 
     A source's absolute and real paths are its name joined to its directory's,
     found once per directory: no per-file path resolution. Messages name
-    paths as reached from ``top``, as given.
+    paths as reached from ``top``, as given. Hidden entries are skipped.
     """
     found: list[Found] = []
     seen_dirs: set[tuple[int, int]] = set()
@@ -129,6 +129,8 @@ def _walk(top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> l
         if sample_dirs and holds_npy_files(entries):
             found.append((directory.absolute, directory.real))
         for entry in entries:
+            if is_hidden(entry.name):
+                continue
             if _is(entry.is_dir):
                 pending.append(_Directory(entry.path, *resolve.entry(directory, entry)))
             elif entry.name.lower().endswith(NPZ_SUFFIX) or (is_npy_path(entry.name) and not sample_dirs):
