@@ -6,6 +6,7 @@ that directly holds ``.npy`` files (one sample, one field per file).
 
 from __future__ import annotations
 
+import heapq
 import os
 import posixpath
 import stat
@@ -35,7 +36,9 @@ def discover_sources(
     Directories are searched recursively (symlinks followed, loops skipped,
     hidden names skipped) for ``*.npz`` and ``*.npy`` files, or with
     ``sample_dirs`` for ``*.npz`` files and directories holding ``*.npy``
-    files, all sorted by path; otherwise the order is the order given.
+    files, all sorted by path; otherwise the order is the order given. A
+    directory reached by several paths is walked once, under the one that
+    sorts first, whatever order the file system lists them in.
     Raises SourceError for missing paths, duplicates, or when nothing is found,
     and for pipes, devices and broken links unless ``skip_bad``: then they
     are sources too, for the scan to refuse and record like any bad file.
@@ -108,6 +111,9 @@ def npy_with_sample_dirs(path: str) -> str:
 def _walk(top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> list[Found]:
     """Every source below ``top``, following directory links but never a loop twice.
 
+    Directories are walked in the order of their absolute paths (each path
+    sorts after its parent's), so one reached twice is walked under the path
+    that sorts first, however the file system orders its listings.
     A source's absolute and real paths are its name joined to its directory's,
     found once per directory: no per-file path resolution. Messages name
     paths as reached from ``top``, as given. Hidden entries are skipped.
@@ -115,30 +121,38 @@ def _walk(top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> l
     found: list[Found] = []
     seen_dirs: set[tuple[int, int]] = set()
     absolute = os.path.abspath(top)
-    pending = [_Directory(top, absolute, resolve(absolute))]
+    pending = [(absolute, _Directory(top, absolute, resolve(absolute)))]
     while pending:
-        directory = pending.pop()
-        try:
-            info = os.stat(directory.path)
-            entries = list(os.scandir(directory.path))
-        except OSError as exc:
-            raise SourceError(f"{directory.path}: cannot list directory ({exc.strerror})") from None
-        if (info.st_dev, info.st_ino) in seen_dirs:
+        directory = heapq.heappop(pending)[1]
+        entries = _list_unseen(directory.path, seen_dirs)
+        if entries is None:
             continue
-        seen_dirs.add((info.st_dev, info.st_ino))
         if sample_dirs and holds_npy_files(entries):
             found.append((directory.absolute, directory.real))
         for entry in entries:
             if is_hidden(entry.name):
                 continue
             if _is(entry.is_dir):
-                pending.append(_Directory(entry.path, *resolve.entry(directory, entry)))
+                inner = _Directory(entry.path, *resolve.entry(directory, entry))
+                heapq.heappush(pending, (inner.absolute, inner))
             elif entry.name.lower().endswith(NPZ_SUFFIX) or (is_npy_path(entry.name) and not sample_dirs):
                 if not skip_bad and not _is(entry.is_file):
                     raise SourceError(f"{entry.path}: {fsutil.describe_kind(entry.path)}, not a regular file")
                 found.append(resolve.entry(directory, entry))
     found.sort(key=_path_of)
     return found
+
+
+def _list_unseen(path: str, seen_dirs: set[tuple[int, int]]) -> list[os.DirEntry[str]] | None:
+    """The entries of the directory at ``path``, or None if it was listed before (by another path)."""
+    try:
+        info = os.stat(path)
+        if (info.st_dev, info.st_ino) in seen_dirs:
+            return None
+        seen_dirs.add((info.st_dev, info.st_ino))
+        return list(os.scandir(path))
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot list directory ({exc.strerror})") from None
 
 
 class _Directory(NamedTuple):

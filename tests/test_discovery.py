@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import write_npz
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from npz2mmap.cli import cli
 from npz2mmap.converter import convert
-from npz2mmap.errors import SourceError
+from npz2mmap.errors import Npz2mmapError, SourceError
 from npz2mmap.inputs import discover_sources
 from npz2mmap.reader import DatasetReader
 from npz2mmap.verify import verify
@@ -233,3 +233,168 @@ def test_hidden_names_anywhere_change_nothing_converted(num_samples, litter, sam
         convert([src], out, workers=1, sample_dirs=sample_dirs, skip_bad=skip_bad)
         assert stored(out) == [a.tobytes() for a in arrays]
         assert not (out / "skipped.jsonl").read_text()
+
+
+# --- one order whatever the file system lists -------------------------------------------------------------
+
+
+def versioned_tree(root: Path, creation_order: list[str]) -> None:
+    """``m/``, ``v3/`` and ``latest -> v3``, made in ``creation_order``; samples numbered by content."""
+    makers = {
+        "m": lambda: write_npz(root / "m" / "s0.npz", x=np.array([0])),
+        "v3": lambda: [write_npz(root / "v3" / f"s{i}.npz", x=np.array([3, i])) for i in range(2)],
+        "latest": lambda: os.symlink("v3", root / "latest"),
+    }
+    root.mkdir(parents=True)
+    for name in creation_order:
+        makers[name]()
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("sample_dirs", [False, True])
+def test_a_directory_reached_twice_is_walked_under_its_sorted_first_path(
+    tmp_path, order, sample_dirs
+) -> None:
+    """``latest`` sorts before ``v3``: its files are named through the link, whatever readdir says first."""
+    versioned_tree(tmp_path / "src", ["v3", "m", "latest"])
+    with listing_order(order):
+        found = discover_sources([tmp_path / "src"], sample_dirs=sample_dirs)
+    assert found == [str(tmp_path / "src" / p) for p in ("latest/s0.npz", "latest/s1.npz", "m/s0.npz")]
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=lambda f: f.__name__)
+def test_a_sample_dir_reached_twice_is_the_sample_at_its_sorted_first_path(tmp_path, order) -> None:
+    save_npy(tmp_path / "src" / "v3" / "x.npy", np.arange(3.0))
+    save_npy(tmp_path / "src" / "m" / "x.npy", np.arange(2.0))
+    os.symlink("v3", tmp_path / "src" / "latest")
+    with listing_order(order):
+        found = discover_sources([tmp_path / "src"], sample_dirs=True)
+    assert found == [str(tmp_path / "src" / "latest"), str(tmp_path / "src" / "m")]
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=lambda f: f.__name__)
+def test_a_file_reached_twice_is_named_by_the_same_two_paths_in_any_listing_order(tmp_path, order) -> None:
+    versioned_tree(tmp_path / "src", ["v3", "m", "latest"])
+    os.symlink(tmp_path / "src" / "v3" / "s1.npz", tmp_path / "src" / "m" / "s1.npz")
+    with listing_order(order), pytest.raises(SourceError) as caught:
+        discover_sources([tmp_path / "src"])
+    assert str(caught.value) == (
+        f"{tmp_path / 'src' / 'm' / 's1.npz'}: is the same file as {tmp_path / 'src' / 'latest' / 's1.npz'}; "
+        "each sample file may appear only once"
+    )
+
+
+def tmpfs_dir() -> str | None:
+    """A directory on tmpfs, whose listings follow creation order (unlike ext4's hashed order)."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+@pytest.mark.skipif(tmpfs_dir() is None, reason="needs /dev/shm (tmpfs)")
+def test_trees_created_in_other_orders_convert_to_the_same_bytes() -> None:
+    with tempfile.TemporaryDirectory(dir=tmpfs_dir()) as scratch:
+        roots = [Path(scratch) / "one", Path(scratch) / "two"]
+        versioned_tree(roots[0], ["m", "v3", "latest"])
+        versioned_tree(roots[1], ["latest", "v3", "m"])
+        listings = [os.listdir(root) for root in roots]
+        if listings[0] == listings[1]:
+            pytest.skip("this file system lists entries in one order whatever the creation order")
+        for root in roots:
+            convert([root], root.with_suffix(".mmap"), workers=1)
+        outs = [root.with_suffix(".mmap") for root in roots]
+        expected = [np.array([3, 0]).tobytes(), np.array([3, 1]).tobytes(), np.array([0]).tobytes()]
+        assert stored(outs[0]) == stored(outs[1]) == expected
+        for root, out in zip(roots, outs, strict=True):
+            relative = [os.path.relpath(p, root) for p in read_sources(out)]
+            assert relative == ["latest/s0.npz", "latest/s1.npz", "m/s0.npz"]
+        assert (outs[0] / "data.npy").read_bytes() == (outs[1] / "data.npy").read_bytes()
+
+
+NAMES = ["a", "a-b", "a.b", "b", "latest", "m", "v3", "z"]
+
+
+@st.composite
+def linked_trees(draw: st.DrawFn) -> dict[str, list[tuple[str, ...]]]:
+    """Directories (one or two levels) of NPZ files, with symlinks at the root or in them to
+    directories (loops included) and files; names chosen so that '-' and '.' sort before '/'."""
+    tops = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=3, unique=True))
+    dirs = list(tops)
+    for top in tops:
+        inner = draw(st.none() | st.sampled_from(NAMES))
+        if inner is not None:
+            dirs.append(f"{top}/{inner}")
+    files = [(d, f"s{k}.npz") for d in dirs for k in range(draw(st.integers(0, 2)))]
+    places = ["", *dirs]
+    targets = dirs + [f"{d}/{name}" for d, name in files]
+    links = draw(
+        st.lists(
+            st.tuples(st.sampled_from(places), st.sampled_from(NAMES), st.sampled_from(targets)), max_size=3
+        )
+    )
+    taken = set(dirs) | {f"{d}/{n}" for d, n in files}
+    kept = []
+    for place, name, target in links:
+        path = f"{place}/{name}" if place else name
+        if path not in taken and not any(t.startswith(path + "/") for t in taken):
+            taken.add(path)
+            kept.append((path, target))
+    return {"dirs": [(d,) for d in dirs], "files": files, "links": kept}
+
+
+def build_tree(root: Path, spec: dict[str, list[tuple[str, ...]]], creation_seed: int) -> None:
+    """Make the tree, its entries created in an order drawn from ``creation_seed``; file k holds [k]."""
+    steps: list[Callable[[], object]] = []
+    for k, (directory, name) in enumerate(spec["files"]):
+        steps.append(lambda d=directory, n=name, k=k: write_npz(root / d / n, x=np.array([k])))
+    for path, target in spec["links"]:
+        steps.append(lambda p=path, t=target: os.symlink(root / t, root / p))
+    random.Random(creation_seed).shuffle(steps)
+    root.mkdir()
+    for (directory,) in spec["dirs"]:
+        (root / directory).mkdir(parents=True, exist_ok=True)
+    for step in steps:
+        with contextlib.suppress(FileExistsError):
+            step()
+
+
+def outcome(run: Callable[[], list[str]], root: Path) -> list[str] | str:
+    """What discovery gives: the paths relative to ``root``, or the error with ``root`` taken out."""
+    try:
+        return [os.path.relpath(p, root) for p in run()]
+    except Npz2mmapError as exc:
+        return str(exc).replace(str(root), "ROOT")
+
+
+VERSIONED = {
+    "dirs": [("m",), ("v3",)],
+    "files": [("m", "s0.npz"), ("v3", "s0.npz"), ("v3", "s1.npz")],
+    "links": [("latest", "v3")],
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(linked_trees(), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1))
+@example(VERSIONED, 0, 1)
+def test_discovery_and_converted_bytes_do_not_depend_on_listing_or_creation_order(
+    spec, seed, creation_seed
+) -> None:
+    with tempfile.TemporaryDirectory(dir=tmpfs_dir()) as scratch:
+        roots = [Path(scratch) / "one", Path(scratch) / "two"]
+        build_tree(roots[0], spec, creation_seed)
+        build_tree(roots[1], spec, creation_seed + 1)
+        outcomes = []
+        for root in roots:
+            for order in (*ORDERS, shuffled(seed)):
+                with listing_order(order):
+                    outcomes.append(outcome(lambda r=root: discover_sources([r]), root))
+        assert all(o == outcomes[0] for o in outcomes), outcomes
+        if isinstance(outcomes[0], str):
+            return
+        assert outcomes[0] == sorted(outcomes[0])
+        converted = []
+        for root, order in zip(roots, (by_name, by_name_reversed), strict=True):
+            with listing_order(order):
+                convert([root], root.with_suffix(".mmap"), workers=1)
+            out = root.with_suffix(".mmap")
+            sources = [os.path.relpath(p, root) for p in read_sources(out)]
+            converted.append(((out / "data.npy").read_bytes(), (out / "index.json").read_bytes(), sources))
+        assert converted[0] == converted[1]
