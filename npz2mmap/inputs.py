@@ -14,9 +14,19 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from . import fsutil
-from .errors import SourceError
+from .errors import FormatError, SourceError
 from .npzfile import NPY_SUFFIX
+from .parts import MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_NBYTES
 from .sources import holds_npy_files, is_hidden, is_npy_path
+from .spec import (
+    BLOB_NAME,
+    FORMAT_NAME,
+    INDEX_NAME,
+    MAX_INDEX_NBYTES,
+    SOURCES_NAME,
+    decode_json,
+    read_regular_file,
+)
 
 NPZ_SUFFIX = ".npz"
 LIST_PREFIX = "@"
@@ -26,6 +36,12 @@ MAX_LIST_CHARS = 256 << 20
 # A found source: its absolute path, and the same with every symlink resolved
 # (two sources with one real path are the same file).
 Found = tuple[str, str]
+
+# The file that makes a directory an npz2mmap dataset, the "format" it declares, and its largest size.
+DATASET_MARKERS = {
+    INDEX_NAME: (FORMAT_NAME, MAX_INDEX_NBYTES),
+    MANIFEST_NAME: (MANIFEST_FORMAT, MAX_MANIFEST_NBYTES),
+}
 
 
 def discover_sources(
@@ -39,9 +55,11 @@ def discover_sources(
     files, all sorted by path; otherwise the order is the order given. A
     directory reached by several paths is walked once, under the one that
     sorts first, whatever order the file system lists them in.
-    Raises SourceError for missing paths, duplicates, or when nothing is found,
-    and for pipes, devices and broken links unless ``skip_bad``: then they
-    are sources too, for the scan to refuse and record like any bad file.
+    Raises SourceError for missing paths, duplicates, npz2mmap datasets (even
+    with ``skip_bad``: naming one is a mistake, not a bad file), or when
+    nothing is found, and for pipes, devices and broken links unless
+    ``skip_bad``: then they are sources too, for the scan to refuse and
+    record like any bad file.
     """
     found: list[Found] = []
     resolve = _RealPaths()
@@ -92,6 +110,7 @@ def _expand_path(path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPat
     if sample_dirs and is_npy_path(path) and os.path.lexists(path):
         raise SourceError(npy_with_sample_dirs(path))
     if os.path.isfile(path) or (skip_bad and os.path.lexists(path)):
+        _refuse_blob_of_dataset(path)
         absolute = os.path.abspath(path)
         return [(absolute, resolve(absolute))]
     if os.path.lexists(path):
@@ -127,6 +146,7 @@ def _walk(top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> l
         entries = _list_unseen(directory.path, seen_dirs)
         if entries is None:
             continue
+        _refuse_dataset(directory.path, entries)
         if sample_dirs and holds_npy_files(entries):
             found.append((directory.absolute, directory.real))
         for entry in entries:
@@ -153,6 +173,52 @@ def _list_unseen(path: str, seen_dirs: set[tuple[int, int]]) -> list[os.DirEntry
         return list(os.scandir(path))
     except OSError as exc:
         raise SourceError(f"{path}: cannot list directory ({exc.strerror})") from None
+
+
+def _refuse_dataset(path: str, entries: Iterable[os.DirEntry[str]]) -> None:
+    """SourceError if the directory at ``path`` is an npz2mmap dataset: its blob is no sample."""
+    for entry in entries:
+        if entry.name in DATASET_MARKERS and _is(entry.is_file) and _declares_npz2mmap(entry.path):
+            raise SourceError(
+                f"{path}: is an npz2mmap dataset (it holds {entry.name}), {_not_a_source(entry.name)}"
+            )
+
+
+def _refuse_blob_of_dataset(path: str) -> None:
+    """SourceError for a ``data.npy`` named directly whose directory is an npz2mmap dataset."""
+    if os.path.basename(path) != BLOB_NAME:
+        return
+    dataset_dir = os.path.dirname(path) or os.curdir
+    for name in DATASET_MARKERS:
+        marker_path = os.path.join(dataset_dir, name)
+        if os.path.isfile(marker_path) and _declares_npz2mmap(marker_path):
+            raise SourceError(
+                f"{path}: lies in an npz2mmap dataset (its directory holds {name}), {_not_a_source(name)}"
+            )
+
+
+def _not_a_source(marker: str) -> str:
+    """The way out, for a dataset named as a source."""
+    listed_in = SOURCES_NAME if marker == INDEX_NAME else f"parts' {SOURCES_NAME}"
+    return (
+        "not a source: join datasets with npz2mmap merge, or convert its sources again "
+        f"by naming the paths listed in its {listed_in}"
+    )
+
+
+def _declares_npz2mmap(marker_path: str) -> bool:
+    """Whether the file at ``marker_path`` (an index.json or manifest.json) is npz2mmap's.
+
+    Called only for a regular file by stat; opened as one (a pipe swapped in is
+    refused, never waited on) and read up to the size npz2mmap allows it.
+    Other tools' files of the same name, and files that are not JSON, are not npz2mmap's.
+    """
+    expected_format, max_nbytes = DATASET_MARKERS[os.path.basename(marker_path)]
+    try:
+        document = decode_json(read_regular_file(marker_path, max_nbytes), marker_path)
+    except FormatError:
+        return False
+    return isinstance(document, dict) and document.get("format") == expected_format
 
 
 class _Directory(NamedTuple):

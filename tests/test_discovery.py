@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import tempfile
 from collections.abc import Callable, Iterator
@@ -23,10 +24,11 @@ from conftest import write_npz
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from npz2mmap import publish
 from npz2mmap.cli import cli
 from npz2mmap.converter import convert
 from npz2mmap.errors import Npz2mmapError, SourceError
-from npz2mmap.inputs import discover_sources
+from npz2mmap.inputs import discover_sources, npy_with_sample_dirs
 from npz2mmap.reader import DatasetReader
 from npz2mmap.verify import verify
 
@@ -398,3 +400,138 @@ def test_discovery_and_converted_bytes_do_not_depend_on_listing_or_creation_orde
             sources = [os.path.relpath(p, root) for p in read_sources(out)]
             converted.append(((out / "data.npy").read_bytes(), (out / "index.json").read_bytes(), sources))
         assert converted[0] == converted[1]
+
+
+# --- a dataset is never a source ------------------------------------------------------------------
+
+
+def make_dataset(tmp_path: Path) -> tuple[Path, Path]:
+    """A converted dataset of three samples, and the directory of its sources."""
+    sources = tmp_path / "src"
+    for i in range(3):
+        write_npz(sources / f"s{i}.npz", x=np.arange(3) + i)
+    convert([sources], tmp_path / "images.mmap", workers=1)
+    return tmp_path / "images.mmap", sources
+
+
+def dataset_case(tmp_path: Path, case: str) -> tuple[list[str], str]:
+    """INPUT arguments naming a dataset one way, and the error they must give."""
+    dataset, sources = make_dataset(tmp_path)
+    index_held = f"is an npz2mmap dataset (it holds index.json), {WAY_OUT}sources.jsonl"
+    if case == "dataset":
+        return [str(dataset)], f"{dataset}: {index_held}"
+    if case == "blob named directly":
+        blob = dataset / "data.npy"
+        lies_in = f"lies in an npz2mmap dataset (its directory holds index.json), {WAY_OUT}sources.jsonl"
+        return [str(blob)], f"{blob}: {lies_in}"
+    if case == "manifest":
+        result = CliRunner().invoke(cli, ["merge", "-q", str(dataset), "-o", str(tmp_path / "parts")])
+        assert result.exit_code == 0, result.output
+        manifest_held = f"is an npz2mmap dataset (it holds manifest.json), {WAY_OUT}parts' sources.jsonl"
+        return [str(tmp_path / "parts")], f"{tmp_path / 'parts'}: {manifest_held}"
+    tree = tmp_path / "tree"
+    shutil.copytree(sources, tree / "raw")
+    shutil.copytree(dataset, tree / "deep" / "old.mmap")
+    if case == "dataset in a tree":
+        return [str(tree)], f"{tree / 'deep' / 'old.mmap'}: {index_held}"
+    (tmp_path / "list.txt").write_text("tree\n")
+    listed = f"{tmp_path / 'list.txt'}, line 1: {tree / 'deep' / 'old.mmap'}: {index_held}"
+    return [f"@{tmp_path / 'list.txt'}"], listed
+
+
+@pytest.mark.parametrize(
+    "case", ["dataset", "blob named directly", "manifest", "dataset in a tree", "listed tree"]
+)
+@pytest.mark.parametrize("options", [[], ["--skip-bad"], ["--sample-dirs"], ["--sample-dirs", "--skip-bad"]])
+def test_a_dataset_named_as_input_is_refused_with_the_way_out(tmp_path, case, options) -> None:
+    """--skip-bad does not skip it: a dataset among the inputs is a mistake, not a bad file."""
+    inputs, message = dataset_case(tmp_path, case)
+    expected_code = 1
+    if case == "blob named directly" and "--sample-dirs" in options:  # refused before any look at it
+        message = npy_with_sample_dirs(inputs[0])
+        expected_code = 2
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    code, output = convert_cli(*inputs, *options, "-o", str(tmp_path / "again.mmap"))
+    assert code == expected_code
+    assert output.splitlines()[-1] == f"Error: {message}"
+    assert not (tmp_path / "again.mmap").exists()
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_the_way_out_given_works(tmp_path) -> None:
+    """merge joins the dataset; its sources.jsonl names files that convert to the very same bytes."""
+    dataset, _ = make_dataset(tmp_path)
+    result = CliRunner().invoke(cli, ["merge", "-q", "--copy", str(dataset), "-o", str(tmp_path / "merged")])
+    assert result.exit_code == 0, result.output
+    convert(read_sources(dataset), tmp_path / "again.mmap", workers=1)
+    for copy in ("merged", "again.mmap"):
+        assert (tmp_path / copy / "data.npy").read_bytes() == (dataset / "data.npy").read_bytes()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+@pytest.mark.parametrize("name", ["index.json", "manifest.json"])
+def test_a_pipe_named_like_an_index_is_not_opened_and_makes_no_dataset(tmp_path, name) -> None:
+    write_npz(tmp_path / "src" / "a" / "s0.npz", x=np.arange(3))
+    os.mkfifo(tmp_path / "src" / "a" / name)
+    with no_hang():
+        found = discover_sources([tmp_path / "src"])
+    assert found == [str(tmp_path / "src" / "a" / "s0.npz")]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"format": "other-tool", "files": ["s0.npz"]}', "not json", '{"format": "npz2mmap"', "[" * 100000],
+)
+@pytest.mark.parametrize("name", ["index.json", "manifest.json"])
+def test_another_tools_index_beside_sources_makes_no_dataset(tmp_path, name, text) -> None:
+    """Only npz2mmap's own index.json or manifest.json marks a dataset; sources often come with others."""
+    write_npz(tmp_path / "src" / "s0.npz", x=np.arange(3))
+    save_npy(tmp_path / "src" / "data.npy", np.arange(3))
+    (tmp_path / "src" / name).write_text(text)
+    found = discover_sources([tmp_path / "src"])
+    assert found == [str(tmp_path / "src" / "data.npy"), str(tmp_path / "src" / "s0.npz")]
+    assert discover_sources([tmp_path / "src" / "data.npy"]) == [str(tmp_path / "src" / "data.npy")]
+
+
+@pytest.mark.parametrize("mark", [publish.STAGING_MARK, publish.RETIRED_MARK])
+@pytest.mark.parametrize("complete", [False, True])
+def test_a_conversions_hidden_directories_in_a_tree_are_not_sources(tmp_path, mark, complete) -> None:
+    """A conversion in progress, killed or replacing a dataset leaves .OUT.npz2mmap-tmp-*/-old-* beside OUT."""
+    dataset, sources = make_dataset(tmp_path)
+    tree = tmp_path / "tree"
+    shutil.copytree(sources, tree)
+    leftover = tree / f".images.mmap{mark}1a2b3c4d"
+    shutil.copytree(dataset, leftover)
+    if not complete:  # the index is written last
+        (leftover / "index.json").unlink()
+    code, output = convert_cli(str(tree), "-o", str(tmp_path / "again.mmap"))
+    assert (code, output) == (0, "")
+    assert read_sources(tmp_path / "again.mmap") == [str(tree / f"s{i}.npz") for i in range(3)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(linked_trees(), st.data())
+def test_a_dataset_anywhere_in_a_tree_is_refused_unless_hidden(spec, data) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch) / "root"
+        build_tree(root, {**spec, "links": []}, 0)
+        place = data.draw(st.sampled_from(["", *(d for (d,) in spec["dirs"])]))
+        name = data.draw(st.sampled_from(["out.mmap", ".out.mmap.npz2mmap-tmp-0a1b2c3d", "parts"]))
+        marker = data.draw(st.sampled_from(["index.json", "manifest.json"]))
+        dataset = root / place / name
+        dataset.mkdir()
+        document = {"format": "npz2mmap" if marker == "index.json" else "npz2mmap-parts", "version": 2}
+        (dataset / marker).write_text(json.dumps(document))
+        save_npy(dataset / "data.npy", np.zeros(3, np.uint8))
+        sample_dirs = data.draw(st.booleans())
+        with listing_order(data.draw(st.sampled_from(ORDERS))):
+            try:
+                found = discover_sources([root], sample_dirs=sample_dirs, skip_bad=data.draw(st.booleans()))
+            except SourceError as exc:
+                found = str(exc)
+        if name.startswith("."):
+            assert isinstance(found, list) or found.startswith("no .npz or .npy files found in: "), found
+            assert not [p for p in found if p.startswith(str(dataset))]
+        else:
+            listed_in = "sources.jsonl" if marker == "index.json" else "parts' sources.jsonl"
+            assert found == f"{dataset}: is an npz2mmap dataset (it holds {marker}), {WAY_OUT}{listed_in}"
