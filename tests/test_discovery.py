@@ -472,10 +472,35 @@ def test_the_way_out_given_works(tmp_path) -> None:
 @pytest.mark.parametrize("name", ["index.json", "manifest.json"])
 def test_a_pipe_named_like_an_index_is_not_opened_and_makes_no_dataset(tmp_path, name) -> None:
     write_npz(tmp_path / "src" / "a" / "s0.npz", x=np.arange(3))
+    blob = save_npy(tmp_path / "src" / "a" / "data.npy", np.arange(3))
     os.mkfifo(tmp_path / "src" / "a" / name)
     with no_hang():
-        found = discover_sources([tmp_path / "src"])
-    assert found == [str(tmp_path / "src" / "a" / "s0.npz")]
+        assert discover_sources([tmp_path / "src"]) == [str(blob), str(tmp_path / "src" / "a" / "s0.npz")]
+        assert discover_sources([blob]) == [str(blob)]
+
+
+def test_looking_for_datasets_opens_only_files_named_like_an_index(tmp_path, monkeypatch) -> None:
+    """One stat and one listing per directory, as before; only a regular index.json is opened."""
+    for directory in ("a", "b", "c"):
+        for i in range(20):
+            write_npz(tmp_path / "src" / directory / f"s{i:02d}.npz", x=np.arange(3))
+    (tmp_path / "src" / "b" / "index.json").write_text('{"format": "other-tool"}')
+    (tmp_path / "src" / "c" / "manifest.json").mkdir()
+    opened: list[str] = []
+    stats: list[str] = []
+    real_open, real_stat = os.open, os.stat
+    monkeypatch.setattr(
+        os, "open", lambda path, *a, **k: opened.append(os.fspath(path)) or real_open(path, *a, **k)
+    )
+    monkeypatch.setattr(
+        os, "stat", lambda path, *a, **k: stats.append(os.fspath(path)) or real_stat(path, *a, **k)
+    )
+    found = discover_sources([tmp_path / "src"])
+    assert len(found) == 60
+    assert opened == [str(tmp_path / "src" / "b" / "index.json")]
+    src = str(tmp_path / "src")
+    walked = [src, *(os.path.join(src, d) for d in ("a", "b", "c", "c/manifest.json"))]
+    assert sorted(stats) == sorted([src, *walked])  # the input's isdir, then one per directory walked
 
 
 @pytest.mark.parametrize(
