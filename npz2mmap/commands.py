@@ -275,10 +275,10 @@ def convert(
     """Convert INPUT... into the dataset directory OUT.
 
     Each INPUT is an .npz or .npy file, a directory (searched recursively for
-    *.npz and *.npy, in sorted order) or @LIST, a text file naming one path per
-    line. Each file becomes one sample, in that order (with --rows, each row of
-    it); a .npy file holds the one field arr_0 (with --sample-dirs, each
-    directory holding .npy files is one sample instead).
+    *.npz and *.npy, hidden names skipped, in sorted order) or @LIST, a text
+    file naming one path per line. Each file becomes one sample, in that order
+    (with --rows, each row of it); a .npy file holds the one field arr_0 (with
+    --sample-dirs, each directory holding .npy files is one sample instead).
     """
     if sample_dirs:
         named_npy = [path for path in inputs if is_npy_path(path) and not os.path.isdir(path)]

@@ -27,7 +27,7 @@ from .parallel import Mapper, worker_map
 from .plan import Plan, PlanBuilder, drop_files
 from .progress import Progress, progress_display
 from .render import human_bytes
-from .sources import is_npy_path, scan_source
+from .sources import is_field_name, is_npy_path, scan_source
 from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
 
 # The copy pass sends at most this many consecutive files to a worker at once.
@@ -279,7 +279,7 @@ def _source_nbytes(path: str) -> int:
     if not os.path.isdir(path):
         return os.stat(path).st_size
     with os.scandir(path) as entries:
-        return sum(e.stat().st_size for e in entries if is_npy_path(e.name) and e.is_file())
+        return sum(e.stat().st_size for e in entries if is_field_name(e.name) and e.is_file())
 
 
 def make_staging_dir(out: str) -> str:

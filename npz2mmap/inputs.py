@@ -6,6 +6,7 @@ that directly holds ``.npy`` files (one sample, one field per file).
 
 from __future__ import annotations
 
+import heapq
 import os
 import posixpath
 import stat
@@ -13,9 +14,19 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from . import fsutil
-from .errors import SourceError
+from .errors import FormatError, SourceError
 from .npzfile import NPY_SUFFIX
-from .sources import holds_npy_files, is_npy_path
+from .parts import MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_NBYTES
+from .sources import holds_npy_files, is_hidden, is_npy_path
+from .spec import (
+    BLOB_NAME,
+    FORMAT_NAME,
+    INDEX_NAME,
+    MAX_INDEX_NBYTES,
+    SOURCES_NAME,
+    decode_json,
+    read_regular_file,
+)
 
 NPZ_SUFFIX = ".npz"
 LIST_PREFIX = "@"
@@ -26,19 +37,29 @@ MAX_LIST_CHARS = 256 << 20
 # (two sources with one real path are the same file).
 Found = tuple[str, str]
 
+# The file that makes a directory an npz2mmap dataset, the "format" it declares, and its largest size.
+DATASET_MARKERS = {
+    INDEX_NAME: (FORMAT_NAME, MAX_INDEX_NBYTES),
+    MANIFEST_NAME: (MANIFEST_FORMAT, MAX_MANIFEST_NBYTES),
+}
+
 
 def discover_sources(
     inputs: Sequence[str | os.PathLike[str]], sample_dirs: bool = False, skip_bad: bool = False
 ) -> list[str]:
     """Expand files, directories and ``@list.txt`` files into absolute source paths.
 
-    Directories are searched recursively (symlinks followed, loops skipped)
-    for ``*.npz`` and ``*.npy`` files, or with ``sample_dirs`` for ``*.npz``
-    files and directories holding ``*.npy`` files, all sorted by path;
-    otherwise the order is the order given.
-    Raises SourceError for missing paths, duplicates, or when nothing is found,
-    and for pipes, devices and broken links unless ``skip_bad``: then they
-    are sources too, for the scan to refuse and record like any bad file.
+    Directories are searched recursively (symlinks followed, loops skipped,
+    hidden names skipped) for ``*.npz`` and ``*.npy`` files, or with
+    ``sample_dirs`` for ``*.npz`` files and directories holding ``*.npy``
+    files, all sorted by path; otherwise the order is the order given. A
+    directory reached by several paths is walked once, under the one that
+    sorts first, whatever order the file system lists them in.
+    Raises SourceError for missing paths, duplicates, npz2mmap datasets (even
+    with ``skip_bad``: naming one is a mistake, not a bad file), or when
+    nothing is found, and for pipes, devices and broken links unless
+    ``skip_bad``: then they are sources too, for the scan to refuse and
+    record like any bad file.
     """
     found: list[Found] = []
     resolve = _RealPaths()
@@ -89,6 +110,7 @@ def _expand_path(path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPat
     if sample_dirs and is_npy_path(path) and os.path.lexists(path):
         raise SourceError(npy_with_sample_dirs(path))
     if os.path.isfile(path) or (skip_bad and os.path.lexists(path)):
+        _refuse_blob_of_dataset(path)
         absolute = os.path.abspath(path)
         return [(absolute, resolve(absolute))]
     if os.path.lexists(path):
@@ -108,35 +130,95 @@ def npy_with_sample_dirs(path: str) -> str:
 def _walk(top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> list[Found]:
     """Every source below ``top``, following directory links but never a loop twice.
 
+    Directories are walked in the order of their absolute paths (each path
+    sorts after its parent's), so one reached twice is walked under the path
+    that sorts first, however the file system orders its listings.
     A source's absolute and real paths are its name joined to its directory's,
     found once per directory: no per-file path resolution. Messages name
-    paths as reached from ``top``, as given.
+    paths as reached from ``top``, as given. Hidden entries are skipped.
     """
     found: list[Found] = []
     seen_dirs: set[tuple[int, int]] = set()
     absolute = os.path.abspath(top)
-    pending = [_Directory(top, absolute, resolve(absolute))]
+    pending = [(absolute, _Directory(top, absolute, resolve(absolute)))]
     while pending:
-        directory = pending.pop()
-        try:
-            info = os.stat(directory.path)
-            entries = list(os.scandir(directory.path))
-        except OSError as exc:
-            raise SourceError(f"{directory.path}: cannot list directory ({exc.strerror})") from None
-        if (info.st_dev, info.st_ino) in seen_dirs:
+        directory = heapq.heappop(pending)[1]
+        entries = _list_unseen(directory.path, seen_dirs)
+        if entries is None:
             continue
-        seen_dirs.add((info.st_dev, info.st_ino))
+        _refuse_dataset(directory.path, entries)
         if sample_dirs and holds_npy_files(entries):
             found.append((directory.absolute, directory.real))
         for entry in entries:
+            if is_hidden(entry.name):
+                continue
             if _is(entry.is_dir):
-                pending.append(_Directory(entry.path, *resolve.entry(directory, entry)))
+                inner = _Directory(entry.path, *resolve.entry(directory, entry))
+                heapq.heappush(pending, (inner.absolute, inner))
             elif entry.name.lower().endswith(NPZ_SUFFIX) or (is_npy_path(entry.name) and not sample_dirs):
                 if not skip_bad and not _is(entry.is_file):
                     raise SourceError(f"{entry.path}: {fsutil.describe_kind(entry.path)}, not a regular file")
                 found.append(resolve.entry(directory, entry))
     found.sort(key=_path_of)
     return found
+
+
+def _list_unseen(path: str, seen_dirs: set[tuple[int, int]]) -> list[os.DirEntry[str]] | None:
+    """The entries of the directory at ``path``, or None if it was listed before (by another path)."""
+    try:
+        info = os.stat(path)
+        if (info.st_dev, info.st_ino) in seen_dirs:
+            return None
+        seen_dirs.add((info.st_dev, info.st_ino))
+        return list(os.scandir(path))
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot list directory ({exc.strerror})") from None
+
+
+def _refuse_dataset(path: str, entries: Iterable[os.DirEntry[str]]) -> None:
+    """SourceError if the directory at ``path`` is an npz2mmap dataset: its blob is no sample."""
+    for entry in entries:
+        if entry.name in DATASET_MARKERS and _is(entry.is_file) and _declares_npz2mmap(entry.path):
+            raise SourceError(
+                f"{path}: is an npz2mmap dataset (it holds {entry.name}), {_not_a_source(entry.name)}"
+            )
+
+
+def _refuse_blob_of_dataset(path: str) -> None:
+    """SourceError for a ``data.npy`` named directly whose directory is an npz2mmap dataset."""
+    if os.path.basename(path) != BLOB_NAME:
+        return
+    dataset_dir = os.path.dirname(path) or os.curdir
+    for name in DATASET_MARKERS:
+        marker_path = os.path.join(dataset_dir, name)
+        if os.path.isfile(marker_path) and _declares_npz2mmap(marker_path):
+            raise SourceError(
+                f"{path}: lies in an npz2mmap dataset (its directory holds {name}), {_not_a_source(name)}"
+            )
+
+
+def _not_a_source(marker: str) -> str:
+    """The way out, for a dataset named as a source."""
+    listed_in = SOURCES_NAME if marker == INDEX_NAME else f"parts' {SOURCES_NAME}"
+    return (
+        "not a source: join datasets with npz2mmap merge, or convert its sources again "
+        f"by naming the paths listed in its {listed_in}"
+    )
+
+
+def _declares_npz2mmap(marker_path: str) -> bool:
+    """Whether the file at ``marker_path`` (an index.json or manifest.json) is npz2mmap's.
+
+    Called only for a regular file by stat; opened as one (a pipe swapped in is
+    refused, never waited on) and read up to the size npz2mmap allows it.
+    Other tools' files of the same name, and files that are not JSON, are not npz2mmap's.
+    """
+    expected_format, max_nbytes = DATASET_MARKERS[os.path.basename(marker_path)]
+    try:
+        document = decode_json(read_regular_file(marker_path, max_nbytes), marker_path)
+    except FormatError:
+        return False
+    return isinstance(document, dict) and document.get("format") == expected_format
 
 
 class _Directory(NamedTuple):

@@ -6,7 +6,7 @@ header, and its data in bounded chunks. A ``.npy`` file is one array under
 the key ``arr_0``, the name ``np.savez(f, array)`` gives it, so it converts
 exactly as that NPZ would; a sample directory holds one array per
 ``NAME.npy`` file directly inside it, under the key NAME. Other files in a
-sample directory are ignored.
+sample directory are ignored, hidden ones (``.DS_Store``, ``._NAME.npy``) too.
 """
 
 from __future__ import annotations
@@ -65,6 +65,17 @@ class Source(Protocol):
 
 def is_npy_path(path: str) -> bool:
     return path.lower().endswith(NPY_SUFFIX)
+
+
+def is_hidden(name: str) -> bool:
+    """Whether a directory entry is hidden, so never a source nor a field: ``.DS_Store``, macOS's
+    ``._NAME.npy`` companions, a bare ``.npy``, the hidden directories beside a dataset being written."""
+    return name.startswith(".")
+
+
+def is_field_name(name: str) -> bool:
+    """Whether an entry of a sample directory, if a file, is one of its fields: ``NAME.npy``, not hidden."""
+    return is_npy_path(name) and not is_hidden(name)
 
 
 SAMPLE_DIR, NPY, NPZ = "a directory of .npy files", "a .npy file", "an NPZ file"
@@ -326,14 +337,15 @@ class _SampleDir:
 
 
 def sample_dir_files(path: str) -> dict[str, str]:
-    """Field name -> path of each ``*.npy`` entry directly in ``path``; SourceError if none."""
+    """Field name -> path of each ``*.npy`` entry directly in ``path``, hidden ones left out;
+    SourceError if none."""
     try:
         entries = sorted(os.scandir(path), key=lambda e: e.name)
     except OSError as exc:
         raise SourceError(f"{path}: cannot list directory ({exc.strerror})") from None
     files: dict[str, str] = {}
     for entry in entries:
-        if is_npy_path(entry.name) and not _is_dir(entry):
+        if is_field_name(entry.name) and not _is_dir(entry):
             key = entry.name[: -len(NPY_SUFFIX)]
             if key in files:
                 raise SourceError(f"{path}: field {key!r} appears twice ({entry.name})")
@@ -345,7 +357,7 @@ def sample_dir_files(path: str) -> dict[str, str]:
 
 def holds_npy_files(entries: Sequence[os.DirEntry[str]]) -> bool:
     """Whether a directory with these entries is a sample directory."""
-    return any(is_npy_path(e.name) and not _is_dir(e) for e in entries)
+    return any(is_field_name(e.name) and not _is_dir(e) for e in entries)
 
 
 def _is_dir(entry: os.DirEntry[str]) -> bool:
