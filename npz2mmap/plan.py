@@ -93,6 +93,8 @@ class Plan:
     payload_nbytes: int
     file_starts: NDArray[np.int64]
     mode: str = "files"  # "rows": each file holds many samples along axis 0
+    # Per field planned with a cast, the files whose values are cast (so a file dropped takes its cast along).
+    cast_files: Mapping[str, NDArray[np.int64]] = dataclasses.field(default_factory=dict)
 
     @property
     def num_samples(self) -> int:
@@ -123,7 +125,7 @@ class _FieldCollector:
         self.dims: array[int] = array("q")
         self.accepted_dtype: np.dtype | None = None  # the last source dtype _check_dtype accepted
         self.accepted_is_cast = False  # whether storing accepted_dtype casts its values
-        self.any_cast = False  # whether a recorded source's values are cast
+        self.cast_files: array[int] = array("q")  # the recorded sources whose values are cast, by number
         if self.ndim + 1 > MAX_NDIM:
             raise SourceError(
                 f"{path}[{header.key}]: a {self.ndim}-d array leaves no room for the sample axis "
@@ -282,7 +284,7 @@ class PlanBuilder:
             self.first_source, self.first_members = sources[0], other.first_members
         for mine, theirs in zip(self.collectors.values(), other.collectors.values(), strict=True):
             mine.dims.extend(theirs.dims)
-            mine.any_cast |= theirs.any_cast
+            mine.cast_files.extend(array("q", [self.num_sources + k for k in theirs.cast_files]))
         self.counts.extend(other.counts)
         self.num_samples += other.num_samples
 
@@ -345,7 +347,8 @@ class PlanBuilder:
             self.first_source = pending.source
         for collector, dims, cast in zip(self.collectors.values(), pending.dims, pending.cast, strict=True):
             collector.dims.extend(dims)
-            collector.any_cast |= cast
+            if cast:
+                collector.cast_files.append(self.num_sources)
         self.counts.append(pending.num_rows)
         self.num_samples += pending.num_rows
 
@@ -360,9 +363,15 @@ class PlanBuilder:
         starts = np.zeros(len(self.counts) + 1, dtype=np.int64)
         np.cumsum(np.frombuffer(self.counts, dtype=np.int64), out=starts[1:])
         fields = [
-            (name, c.dtype, c.shapes(self.num_samples), c.any_cast) for name, c in self.collectors.items()
+            (name, c.dtype, c.shapes(self.num_samples), bool(c.cast_files))
+            for name, c in self.collectors.items()
         ]
-        return lay_out(sources, fields, self.align, starts, mode)
+        cast_files = {
+            name: np.frombuffer(c.cast_files, dtype=np.int64)
+            for name, c in self.collectors.items()
+            if c.cast is not None
+        }
+        return dataclasses.replace(lay_out(sources, fields, self.align, starts, mode), cast_files=cast_files)
 
 
 def _check_table_space(
@@ -405,8 +414,16 @@ def drop_files(plan: Plan, files: Iterable[int], allow_empty: bool = False) -> P
         return _nothing_usable(plan.align, plan.mode, allow_empty)
     counts = np.diff(plan.file_starts)[kept_files]
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    fields = [(f.name, f.dtype, f.shapes[keep], f.cast) for f in plan.fields]
-    return lay_out([plan.sources[k] for k in kept_files], fields, plan.align, starts, plan.mode)
+    kept = np.array(kept_files, dtype=np.int64)
+    cast_files = {
+        name: np.searchsorted(kept, files[np.isin(files, kept)]) for name, files in plan.cast_files.items()
+    }
+    fields = [
+        (f.name, f.dtype, f.shapes[keep], bool(len(cast_files[f.name])) if f.name in cast_files else f.cast)
+        for f in plan.fields
+    ]
+    laid_out = lay_out([plan.sources[k] for k in kept_files], fields, plan.align, starts, plan.mode)
+    return dataclasses.replace(laid_out, cast_files=cast_files)
 
 
 def _nothing_usable(align: int, mode: str, allow_empty: bool) -> Plan:

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from conftest import write_npz, write_samples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_workers import corrupt_far_past_the_header
 
 import npz2mmap
 from npz2mmap import converter
@@ -150,3 +151,19 @@ def test_verify_sources_compares_exactly_with_and_without_a_cast(tmp_path) -> No
     assert verify(tmp_path / "mixed.mmap", sources=True).problems == [
         f"sample 1 ({changed}): field 'x': values differ from the source"
     ]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize(("corrupt", "expected"), [("s00002.npz", False), ("s00001.npz", True)])
+def test_a_file_left_out_while_copying_takes_its_cast_with_it(tmp_path, workers, corrupt, expected) -> None:
+    """--skip-bad drops a file found corrupt only while copying: cast is what the kept files need."""
+    values = np.random.default_rng(5).random(20_000).astype(np.float32)  # float64 holds each exactly
+    dtypes = ["<f4", "<f4", "<f8", "<f4"]  # the only file that needs the cast is s00002
+    write_samples(tmp_path / "src", [{"x": values.astype(d)} for d in dtypes])
+    corrupt_far_past_the_header(tmp_path / "src" / corrupt, "x")
+    result = convert(
+        [tmp_path / "src"], tmp_path / "out", casts={"x": "float32"}, skip_bad=True, workers=workers
+    )
+    assert [Path(path).name for path, _ in result.skipped] == [corrupt]
+    assert stored_casts(tmp_path / "out") == {"x": expected}
+    assert verify(tmp_path / "out", sources=True).ok
