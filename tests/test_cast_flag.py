@@ -54,9 +54,6 @@ def test_a_cast_that_no_source_needs_is_written_as_false(tmp_path) -> None:
     assert stored_casts(tmp_path / "mixed") == {"x": True}
 
 
-source_dtypes = st.sampled_from(DTYPES)
-
-
 @st.composite
 def sources_and_target(draw: st.DrawFn) -> tuple[list[np.dtype], np.dtype]:
     """A cast target and, for each of a few sources, a dtype that casts to it by the same-kind rule."""
