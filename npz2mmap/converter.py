@@ -287,7 +287,7 @@ def make_staging_dir(out: str) -> str:
     try:
         return publish.make_staging_dir(out)
     except OSError as exc:
-        raise OutputError(f"{out}: cannot create the output beside it ({exc.strerror or exc})") from exc
+        raise publish.creation_error(out, exc) from exc
 
 
 def check_align(align: int) -> None:

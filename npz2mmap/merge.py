@@ -58,6 +58,7 @@ def merge(
 
 
 def _write_manifest(parts: list[str], out: str, overwrite: bool) -> None:
+    publish.check_creatable_dir(out)
     if os.path.exists(os.path.join(out, INDEX_NAME)):
         raise OutputError(f"{out}: holds a dataset; write the manifest into another directory")
     manifest = os.path.join(out, MANIFEST_NAME)

@@ -73,7 +73,7 @@ class FieldPlan:
     sample_offsets: NDArray[np.int64]  # (num_samples + 1,) byte offsets within data
     fixed_shape: tuple[int, ...] | None
     data: Region
-    cast: bool = False  # stored dtype chosen with --cast, not the sources'
+    cast: bool = False  # some source's dtype differs from the stored one beyond byte order (--cast)
     sample_crc32: Region = Region(0, 0)  # tables are placed after all data
     offsets: Region | None = None
     shapes_region: Region | None = None
@@ -93,6 +93,8 @@ class Plan:
     payload_nbytes: int
     file_starts: NDArray[np.int64]
     mode: str = "files"  # "rows": each file holds many samples along axis 0
+    # Per field planned with a cast, the files whose values are cast (so a file dropped takes its cast along).
+    cast_files: Mapping[str, NDArray[np.int64]] = dataclasses.field(default_factory=dict)
 
     @property
     def num_samples(self) -> int:
@@ -122,6 +124,8 @@ class _FieldCollector:
         self.first_path = path
         self.dims: array[int] = array("q")
         self.accepted_dtype: np.dtype | None = None  # the last source dtype _check_dtype accepted
+        self.accepted_is_cast = False  # whether storing accepted_dtype casts its values
+        self.cast_files: array[int] = array("q")  # the recorded sources whose values are cast, by number
         if self.ndim + 1 > MAX_NDIM:
             raise SourceError(
                 f"{path}[{header.key}]: a {self.ndim}-d array leaves no room for the sample axis "
@@ -133,11 +137,13 @@ class _FieldCollector:
                 "more than a dataset may hold"
             )
 
-    def check(self, header: MemberHeader, path: str) -> array[int]:
-        """The dims this member adds (one sample's shape per row); SourceError if it disagrees."""
+    def check(self, header: MemberHeader, path: str) -> tuple[array[int], bool]:
+        """The dims this member adds (one sample's shape per row) and whether its values are cast
+        (its dtype differs from the stored one beyond byte order); SourceError if it disagrees."""
         if header.dtype is not self.accepted_dtype:  # numpy shares builtin dtypes: checked once
             self._check_dtype(header, path)
             self.accepted_dtype = header.dtype
+            self.accepted_is_cast = storage_dtype(header.dtype) != self.dtype
         sample_shape = header.shape[1:] if self.rows else header.shape
         if len(sample_shape) != self.ndim:
             what = "rows" if self.rows else "arrays"
@@ -145,7 +151,7 @@ class _FieldCollector:
                 f"{path}[{header.key}]: {len(header.shape)}-d array {header.shape} differs from the "
                 f"{self.ndim + self.rows}-d {what} in {self.first_path}"
             )
-        return array("q", sample_shape) * (header.shape[0] if self.rows else 1)
+        return array("q", sample_shape) * (header.shape[0] if self.rows else 1), self.accepted_is_cast
 
     def _check_dtype(self, header: MemberHeader, path: str) -> None:
         where = f"{path}[{header.key}]"
@@ -205,6 +211,7 @@ class PendingSource(NamedTuple):
     collectors: dict[str, _FieldCollector]
     dims: tuple[array[int], ...]  # per field, in the collectors' order
     num_rows: int  # samples the source holds
+    cast: tuple[bool, ...]  # per field: whether the source's values are cast to the stored dtype
 
     def stored_dtype(self, key: str) -> np.dtype:
         return self.collectors[key].dtype
@@ -277,6 +284,7 @@ class PlanBuilder:
             self.first_source, self.first_members = sources[0], other.first_members
         for mine, theirs in zip(self.collectors.values(), other.collectors.values(), strict=True):
             mine.dims.extend(theirs.dims)
+            mine.cast_files.extend(array("q", [self.num_sources + k for k in theirs.cast_files]))
         self.counts.extend(other.counts)
         self.num_samples += other.num_samples
 
@@ -314,8 +322,9 @@ class PlanBuilder:
                 _describe_key_mismatch(source, sorted(members), sorted(collectors), self.first_source)
                 + self.hints.keys
             )
-        dims = tuple(collector.check(members[key], source) for key, collector in collectors.items())
-        return PendingSource(source, collectors, dims, count)
+        checked = [collector.check(members[key], source) for key, collector in collectors.items()]
+        dims = tuple(member_dims for member_dims, _ in checked)
+        return PendingSource(source, collectors, dims, count, tuple(cast for _, cast in checked))
 
     def _first_collectors(
         self, source: str, members: Mapping[str, MemberHeader]
@@ -336,8 +345,10 @@ class PlanBuilder:
         if not self.counts:
             self.collectors = pending.collectors
             self.first_source = pending.source
-        for collector, dims in zip(self.collectors.values(), pending.dims, strict=True):
+        for collector, dims, cast in zip(self.collectors.values(), pending.dims, pending.cast, strict=True):
             collector.dims.extend(dims)
+            if cast:
+                collector.cast_files.append(self.num_sources)
         self.counts.append(pending.num_rows)
         self.num_samples += pending.num_rows
 
@@ -352,10 +363,15 @@ class PlanBuilder:
         starts = np.zeros(len(self.counts) + 1, dtype=np.int64)
         np.cumsum(np.frombuffer(self.counts, dtype=np.int64), out=starts[1:])
         fields = [
-            (name, c.dtype, c.shapes(self.num_samples), c.cast is not None)
+            (name, c.dtype, c.shapes(self.num_samples), bool(c.cast_files))
             for name, c in self.collectors.items()
         ]
-        return lay_out(sources, fields, self.align, starts, mode)
+        cast_files = {
+            name: np.frombuffer(c.cast_files, dtype=np.int64)
+            for name, c in self.collectors.items()
+            if c.cast is not None
+        }
+        return dataclasses.replace(lay_out(sources, fields, self.align, starts, mode), cast_files=cast_files)
 
 
 def _check_table_space(
@@ -398,8 +414,16 @@ def drop_files(plan: Plan, files: Iterable[int], allow_empty: bool = False) -> P
         return _nothing_usable(plan.align, plan.mode, allow_empty)
     counts = np.diff(plan.file_starts)[kept_files]
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    fields = [(f.name, f.dtype, f.shapes[keep], f.cast) for f in plan.fields]
-    return lay_out([plan.sources[k] for k in kept_files], fields, plan.align, starts, plan.mode)
+    kept = np.array(kept_files, dtype=np.int64)
+    cast_files = {
+        name: np.searchsorted(kept, files[np.isin(files, kept)]) for name, files in plan.cast_files.items()
+    }
+    fields = [
+        (f.name, f.dtype, f.shapes[keep], bool(len(cast_files[f.name])) if f.name in cast_files else f.cast)
+        for f in plan.fields
+    ]
+    laid_out = lay_out([plan.sources[k] for k in kept_files], fields, plan.align, starts, plan.mode)
+    return dataclasses.replace(laid_out, cast_files=cast_files)
 
 
 def _nothing_usable(align: int, mode: str, allow_empty: bool) -> Plan:

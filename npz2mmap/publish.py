@@ -9,6 +9,7 @@ holder remove what killed conversions left behind.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
@@ -28,9 +29,13 @@ def check_output(out_dir: str, overwrite: bool) -> None:
     """Refuse early what publish() would refuse late: an existing OUT without overwrite.
 
     With ``overwrite``, refuses anything but an npz2mmap dataset, a manifest
-    directory written by ``merge``, or an empty directory.
+    directory written by ``merge``, or an empty directory. Refuses a symbolic
+    link at OUT, and a parent of OUT that cannot hold it, with the reason.
     """
+    if os.path.islink(out_dir):
+        raise OutputError(f"{out_dir}: {_link_problem(out_dir)}")
     if not os.path.lexists(out_dir):
+        check_parent(out_dir)
         return
     if not overwrite:
         raise OutputError(f"{out_dir}: already exists; pass --overwrite to replace it")
@@ -42,6 +47,86 @@ def check_output(out_dir: str, overwrite: bool) -> None:
         raise OutputError(
             f"{out_dir}: exists and is not an npz2mmap dataset ({reason}); refusing to replace it"
         )
+
+
+def check_creatable_dir(out_dir: str) -> None:
+    """OutputError unless OUT is a directory or can be made one (merge writes its manifest inside OUT)."""
+    if os.path.isdir(out_dir):
+        return
+    if os.path.islink(out_dir):
+        raise OutputError(f"{out_dir}: {_link_problem(out_dir)}")
+    check_parent(out_dir)
+
+
+def _link_problem(link: str) -> str:
+    """Why a symbolic link at OUT is refused, and the way out: it names what the link points to."""
+    broken = _unresolved_link(link)
+    if broken is not None:
+        return f"is {broken}; remove it, or choose another OUT"
+    target = os.path.realpath(link)
+    return (
+        f"is a symbolic link to {target}; npz2mmap neither replaces a link nor writes a dataset "
+        f"through one: name {target} itself as OUT, or remove the link"
+    )
+
+
+def _unresolved_link(path: str) -> str | None:
+    """What ``path`` is when it is a link that leads nowhere (a loop, or to nothing), else None."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        if os.path.islink(path):
+            return f"a broken symbolic link (to {os.path.realpath(path)}, which does not exist)"
+    return None
+
+
+def check_parent(out_dir: str) -> None:
+    """OutputError unless the nearest ancestor of OUT that exists is a directory.
+
+    A broken symbolic link or a file there would otherwise fail as "File exists".
+    """
+    ancestor = _nearest_existing_ancestor(out_dir)
+    if os.path.isdir(ancestor):
+        return
+    where = f"{out_dir}: its {'parent' if ancestor == _parent(out_dir) else 'ancestor'} {ancestor} is"
+    broken = _unresolved_link(ancestor)
+    if broken is None:
+        kind = "a file" if os.path.isfile(ancestor) else fsutil.describe_kind(ancestor)
+        raise OutputError(f"{where} {kind}, not a directory; choose another OUT")
+    if broken.startswith("a broken"):
+        target = os.path.realpath(ancestor)
+        raise OutputError(f"{where} {broken}; create {target}, or choose another OUT")
+    raise OutputError(f"{where} {broken}; choose another OUT")
+
+
+def _parent(out_dir: str) -> str:
+    return os.path.dirname(os.path.normpath(out_dir)) or os.curdir
+
+
+def _nearest_existing_ancestor(out_dir: str) -> str:
+    """OUT's parent, or its nearest ancestor that exists (as a link, even a broken one) when it does not."""
+    path = _parent(out_dir)
+    while not os.path.lexists(path) and os.path.dirname(path) not in ("", path):
+        path = os.path.dirname(path)
+    return path if os.path.lexists(path) else os.curdir
+
+
+def creation_error(out_dir: str, exc: OSError) -> OutputError:
+    """The OutputError for ``exc``, raised while creating files beside OUT: the reason in words
+    where one is known (a parent that is no directory, or that this user may not write)."""
+    try:
+        check_parent(out_dir)
+    except OutputError as problem:
+        return problem
+    ancestor = _nearest_existing_ancestor(out_dir)
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and not os.access(ancestor, os.W_OK | os.X_OK):
+        return OutputError(
+            f"{out_dir}: cannot create it in {ancestor} ({exc.strerror}); "
+            "choose an OUT in a directory you can write"
+        )
+    return OutputError(f"{out_dir}: cannot create the output beside it ({exc.strerror or exc})")
 
 
 def _why_not_ours(path: str) -> str | None:
@@ -104,9 +189,7 @@ def output_lock(out_dir: str) -> Iterator[int]:
             lock = fsutil.exclusive_lock(os.path.join(parent, f".{name}{LOCK_SUFFIX}"))
             lock_fd = lock.__enter__()
         except OSError as exc:
-            raise OutputError(
-                f"{out_dir}: cannot create the output beside it ({exc.strerror or exc})"
-            ) from exc
+            raise creation_error(out_dir, exc) from exc
         stack.push(lock)
         if lock_fd is None:
             raise OutputError(f"{out_dir}: another npz2mmap conversion or Writer is writing it")

@@ -423,7 +423,7 @@ def open_blob(blob_path: str, index: Index) -> int:
 
 
 def _map_blob(blob_path: str, index: Index, check_identity: bool = True) -> mmap.mmap:
-    """Map the blob read-only after checking its type, size, header and identity.
+    """Map the blob read-only after checking its type, size, identity and header.
 
     The size check comes first: mapping a truncated file and touching past its
     end would kill the process with SIGBUS. The identity names the exact index
@@ -438,17 +438,36 @@ def _map_blob(blob_path: str, index: Index, check_identity: bool = True) -> mmap
 
 
 def _check_blob(fd: int, blob_path: str, index: Index, check_identity: bool = True) -> None:
-    expected_identity = blob_identity(index.digest)
-    if check_identity and fsutil.read_at(fd, IDENTITY_NBYTES, BLOB_HEADER_NBYTES) != expected_identity:
-        raise FormatError(identity_problem(blob_path))
+    """FormatError unless the blob is the index's size, names the index and has its header.
+
+    The size is known before the identity is read: a blob too short to hold
+    an identity is truncated whatever the index, and one of the wrong size
+    is another index's only if it holds another identity.
+    """
     size = os.fstat(fd).st_size
+    identity_nbytes = BLOB_HEADER_NBYTES + IDENTITY_NBYTES
+    names_index = size >= identity_nbytes and (
+        fsutil.read_at(fd, IDENTITY_NBYTES, BLOB_HEADER_NBYTES) == blob_identity(index.digest)
+    )
     if size != index.blob_nbytes:
-        raise FormatError(
-            f"{blob_path}: {size} bytes, but the index expects {index.blob_nbytes}; "
-            "the blob is truncated or does not belong to this index"
-        )
+        belongs = names_index or size < identity_nbytes
+        raise FormatError(size_problem(blob_path, size, index) if belongs else identity_problem(blob_path))
+    if check_identity and not names_index:
+        raise FormatError(identity_problem(blob_path))
     if fsutil.read_at(fd, BLOB_HEADER_NBYTES, 0) != blob_header(index.payload_nbytes):
         raise FormatError(f"{blob_path}: .npy header does not match the index")
+
+
+def size_problem(blob_path: str, size: int, index: Index) -> str:
+    """A blob ``size`` bytes long where its index expects another size: how much shorter or longer."""
+    expected = (
+        f"the index expects {index.blob_nbytes:,} ({BLOB_HEADER_NBYTES} + payload_nbytes "
+        f"{index.payload_nbytes:,}); convert its sources again"
+    )
+    if size < index.blob_nbytes:
+        return f"{blob_path}: truncated: {size:,} bytes, but {expected}"
+    extra = size - index.blob_nbytes
+    return f"{blob_path}: {extra:,} byte{'s' if extra > 1 else ''} too long: {size:,} bytes, but {expected}"
 
 
 def identity_problem(blob_path: str) -> str:
