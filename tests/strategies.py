@@ -77,3 +77,21 @@ def padded_record_dtypes(draw: st.DrawFn, depth: int = 2) -> np.dtype:
         dtype = np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize})
     order = draw(st.sampled_from([None, "<", ">"]))
     return dtype if order is None else dtype.newbyteorder(order)
+
+
+@st.composite
+def shape_mixes(draw: st.DrawFn, max_sources: int = 30, ndim: int = 2) -> list[tuple[int, ...]]:
+    """One field's sample shape in each of up to ``max_sources`` sources: a main shape that most
+    sources share, or not, and a few or many others (a transposed image, a ragged tail)."""
+    pool = draw(
+        st.lists(
+            hnp.array_shapes(min_dims=ndim, max_dims=ndim, min_side=1, max_side=4),
+            min_size=2,
+            max_size=7,
+            unique=True,
+        )
+    )
+    num_sources = draw(st.integers(1, 12) | st.integers(1, max_sources) | st.just(max_sources))
+    num_odd = min(num_sources, draw(st.integers(1, 6) | st.integers(0, num_sources)))
+    odd = draw(st.sets(st.integers(0, num_sources - 1), min_size=num_odd, max_size=num_odd))
+    return [draw(st.sampled_from(pool[1:])) if k in odd else pool[0] for k in range(num_sources)]
