@@ -31,3 +31,7 @@ class FixedShapeError(SourceError):
 
 class UnknownKeyError(SourceError):
     """An option names a key the sources do not hold; the CLI reports it as a usage error (exit 2)."""
+
+
+class RaggedFieldWarning(UserWarning):
+    """A field is stored ragged only because a few samples differ from a shape nearly all share."""

@@ -251,6 +251,11 @@ class PlanBuilder:
     def num_sources(self) -> int:
         return len(self.counts)
 
+    def first_shape(self, key: str) -> tuple[int, ...]:
+        """The sample shape ``key`` has in the first sample recorded (files mode)."""
+        collector = self.collectors[key]
+        return tuple(collector.dims[: collector.ndim])
+
     def add(self, source: str, members: Mapping[str, MemberHeader]) -> None:
         """Check one source (``source`` names it in messages) and record it."""
         pending = self.check(source, members)

@@ -1,4 +1,4 @@
-"""Fields nearly fixed (reported) and fields held fixed (--fixed).
+"""Fields nearly fixed (reported) and fields held fixed (--fixed, Writer(fixed=)).
 
 The oracle of the report is the rule of npz2mmap.shapes written again here
 with a Counter over each source's shape; the oracle of --fixed with
@@ -9,6 +9,7 @@ shape, compared byte for byte.
 from __future__ import annotations
 
 import json
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -20,9 +21,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from strategies import shape_mixes
 
+import npz2mmap
 from npz2mmap.cli import cli
 from npz2mmap.converter import convert
-from npz2mmap.errors import FixedShapeError, UnknownKeyError
+from npz2mmap.errors import FixedShapeError, RaggedFieldWarning, UnknownKeyError
 from npz2mmap.plan import lay_out
 from npz2mmap.shapes import NearlyFixed, nearly_fixed
 from npz2mmap.spec import BLOB_HEADER_NBYTES, IDENTITY_NBYTES, INDEX_NAME, SKIPPED_NAME, SOURCES_NAME
@@ -228,6 +230,56 @@ def test_genuinely_ragged_fields_are_not_reported(tmp_path) -> None:
         )
     result = convert([src], tmp_path / "out")
     assert reported(result.nearly_fixed) == [("image", (2, 3), 400, 4, 50)]
+
+
+def test_writer_fixed_refuses_a_sample_and_stays_usable(tmp_path) -> None:
+    with npz2mmap.Writer(tmp_path / "w", fixed=["image"]) as w:
+        w.append({"image": np.zeros((3, 4), dtype=np.uint8), "label": np.int64(0)}, source="a")
+        with pytest.raises(FixedShapeError) as caught:
+            w.append({"image": np.zeros((4, 3), dtype=np.uint8), "label": np.int64(1)}, source="b")
+        w.append({"image": np.ones((3, 4), dtype=np.uint8), "label": np.int64(2)}, source="c")
+    assert str(caught.value) == (
+        "sample 1 (b)[image]: shape (4, 3) differs from (3, 4) in sample 0 (a), and fixed=['image'] "
+        "requires one shape"
+    )
+    assert w.nearly_fixed == ()
+    with npz2mmap.Writer(tmp_path / "expected") as e:
+        e.append({"image": np.zeros((3, 4), dtype=np.uint8), "label": np.int64(0)}, source="a")
+        e.append({"image": np.ones((3, 4), dtype=np.uint8), "label": np.int64(2)}, source="c")
+    for name in (INDEX_NAME, SOURCES_NAME, "data.npy"):
+        assert (tmp_path / "w" / name).read_bytes() == (tmp_path / "expected" / name).read_bytes()
+
+
+def test_writer_fixed_names_fields(tmp_path) -> None:
+    w = npz2mmap.Writer(tmp_path / "w", fixed=["imag"])
+    with pytest.raises(UnknownKeyError) as caught:
+        w.append({"image": np.zeros(3), "label": np.int64(0)})
+    assert (
+        str(caught.value)
+        == "sample 0: fixed=['imag'] names no field of the dataset (its fields: image, label)"
+    )
+    assert w.num_samples == 0
+    w.abort()
+    with pytest.raises(TypeError):
+        npz2mmap.Writer(tmp_path / "w", fixed="image")
+
+
+def test_writer_warns_once_at_close(tmp_path) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with npz2mmap.Writer(tmp_path / "w") as w:
+            for k in range(200):
+                w.append({"x": np.zeros((2, 3) if k != 7 else (3, 2))}, source=f"gen/{k}")
+            assert caught == []
+    assert [(c.category, str(c.message), Path(c.filename).name) for c in caught] == [
+        (
+            RaggedFieldWarning,
+            "field x is ragged only because 1 of 200 samples differs from shape (2, 3): the first, "
+            "sample 7 (gen/7), has (3, 2); fixed=['x'] refuses such samples",
+            Path(__file__).name,
+        )
+    ]
+    assert w.nearly_fixed == (NearlyFixed("x", (2, 3), 200, 1, 7, "gen/7", (3, 2)),)
 
 
 @settings(max_examples=200, deadline=None)
