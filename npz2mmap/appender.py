@@ -45,7 +45,7 @@ from .errors import FixedShapeError, OutputError, RaggedFieldWarning, SourceErro
 from .npzfile import CHUNK_NBYTES, MemberHeader
 from .plan import WRITER_HINTS, PendingSource, Plan, PlanBuilder, check_field_name
 from .provenance import MAX_LINE_NBYTES
-from .shapes import NearlyFixed, describe_nearly_fixed, nearly_fixed, unfixed_problem
+from .shapes import NearlyFixed, describe_nearly_fixed, find_nearly_fixed, unfixed_problem
 from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN, brief, escape_controls
 
 SPOOL_BUFFER_NBYTES = 1 << 20
@@ -289,7 +289,7 @@ class Writer:
         if not self._builder.num_sources and self.part is None:
             raise SourceError(f"{self.out_dir}: no sample was appended; a dataset needs at least one")
         plan = self._builder.finish(self._names, allow_empty=True)
-        found = nearly_fixed(plan)
+        found = find_nearly_fixed(plan)
         check_free_space(self.out_dir, dataset_nbytes(plan, (), self.part), free_nbytes(self.out_dir))
         staging = make_staging_dir(self.out_dir)
         try:

@@ -27,7 +27,7 @@ from .parallel import Mapper, worker_map
 from .plan import CLI_HINTS, Plan, PlanBuilder, drop_files
 from .progress import Progress, progress_display
 from .render import human_bytes
-from .shapes import NearlyFixed, describe_unfixed, first_holder, nearly_fixed, unfixed_sources
+from .shapes import NearlyFixed, describe_unfixed, find_nearly_fixed, find_unfixed, first_holder
 from .sources import is_npy_path, scan_source
 from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
 
@@ -132,7 +132,7 @@ def convert(
             publish.remove_staging(staging)
     seconds = time.perf_counter() - started
     return ConvertResult(
-        out, index, plan.data_nbytes, seconds, tuple(skipped), sources_nbytes, nearly_fixed(plan)
+        out, index, plan.data_nbytes, seconds, tuple(skipped), sources_nbytes, find_nearly_fixed(plan)
     )
 
 
@@ -146,19 +146,22 @@ def hold_fixed(
 ) -> tuple[Plan, np.ndarray]:
     """The plan and member locations without the files whose sample shape breaks ``fixed``, each
     listed in ``skipped``; without ``skip_bad``, FixedShapeError naming the first of them instead."""
-    differing = unfixed_sources(plan, fixed)
-    if not differing:
+    differing, fields = find_unfixed(plan, fixed)
+    if not len(differing):
         return plan, locations
     first = first_holder(plan)
+
+    def reason(k: int, j: int) -> str:
+        return describe_unfixed(plan, k, plan.fields[j], CLI_HINTS, first)
+
     if not skip_bad:
-        k, key = next(iter(differing.items()))
-        raise FixedShapeError(describe_unfixed(plan, k, key, CLI_HINTS, first) + CLI_HINTS.fixed_way_out)
+        raise FixedShapeError(reason(int(differing[0]), int(fields[0])) + CLI_HINTS.fixed_way_out)
     skipped.extend(
-        (plan.sources[k], describe_unfixed(plan, k, key, CLI_HINTS, first)) for k, key in differing.items()
+        (plan.sources[k], reason(k, j)) for k, j in zip(differing.tolist(), fields.tolist(), strict=True)
     )
     kept = np.ones(len(plan.sources), dtype=bool)
-    kept[list(differing)] = False
-    return drop_files(plan, differing, allow_empty=part is not None), locations[kept]
+    kept[differing] = False
+    return drop_files(plan, differing.tolist(), allow_empty=part is not None), locations[kept]
 
 
 def looks_like_sample_dirs(sources: Sequence[str]) -> bool:

@@ -238,7 +238,7 @@ class PlanBuilder:
         self.align = align
         self.hints = hints
         self.casts = dict(casts or {})
-        self.fixed = frozenset(fixed)  # only checked to name fields here; see shapes.unfixed_sources
+        self.fixed = frozenset(fixed)  # only checked to name fields here; see shapes.find_unfixed
         self.rows = rows
         self.max_payload_nbytes = max_payload_nbytes
         self.collectors: dict[str, _FieldCollector] = {}

@@ -20,7 +20,7 @@ MAX_SHAPES shapes are passed, so the work is a few vectorised passes over the
 plan's shape table, with no per-sample Python objects.
 
 A field held fixed (``--fixed KEY``) must have the first source's sample shape
-in every source that holds samples; unfixed_sources finds those that differ.
+in every source that holds samples; find_unfixed finds those that differ.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class NearlyFixed:
     first_odd_shape: tuple[int, ...]
 
 
-def nearly_fixed(plan: Plan) -> tuple[NearlyFixed, ...]:
+def find_nearly_fixed(plan: Plan) -> tuple[NearlyFixed, ...]:
     """The fields of ``plan`` that the module's rule reports, in field order."""
     found = (_nearly_fixed_field(plan, field) for field in plan.fields if field.fixed_shape is None)
     return tuple(item for item in found if item is not None)
@@ -59,7 +59,7 @@ def nearly_fixed(plan: Plan) -> tuple[NearlyFixed, ...]:
 
 def _nearly_fixed_field(plan: Plan, field: FieldPlan) -> NearlyFixed | None:
     holders, shapes = source_shapes(plan, field)
-    counts = distinct_shapes(shapes, MAX_SHAPES)
+    counts = count_distinct_shapes(shapes, MAX_SHAPES)
     if counts is None or len(counts) < 2:
         return None
     num_sources = len(shapes)
@@ -92,7 +92,7 @@ def source_shapes(plan: Plan, field: FieldPlan) -> tuple[NDArray[np.int64], NDAr
     return holders, field.shapes[plan.file_starts[holders]]
 
 
-def distinct_shapes(shapes: NDArray[np.int64], limit: int) -> list[tuple[int, int]] | None:
+def count_distinct_shapes(shapes: NDArray[np.int64], limit: int) -> list[tuple[int, int]] | None:
     """(first row, count) of each distinct row of ``shapes``, in order of first appearance;
     None once there are more than ``limit`` (one vectorised pass per distinct row)."""
     matched = np.zeros(len(shapes), dtype=bool)
@@ -116,19 +116,21 @@ def describe_nearly_fixed(item: NearlyFixed, unit: str, first_odd: str, advice: 
     )
 
 
-def unfixed_sources(plan: Plan, fixed: Collection[str]) -> dict[int, str]:
-    """Of the sources holding samples, those whose sample shape differs from the first one's for a
-    key in ``fixed``, each with the first such key (in field order); in source order."""
-    differing: dict[int, str] = {}
-    for field in plan.fields:
+def find_unfixed(plan: Plan, fixed: Collection[str]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """The sources, in order, whose sample shape differs from the first one's for a key in
+    ``fixed``, and for each the index in ``plan.fields`` of the first such field. Vectorised:
+    a field held fixed that is ragged throughout costs no Python work per source."""
+    breaks = np.full(len(plan.sources), -1, dtype=np.int64)
+    for j, field in enumerate(plan.fields):
         if field.name not in fixed or field.fixed_shape is not None:
             continue
         holders, shapes = source_shapes(plan, field)
         if not len(holders):  # rows mode, every file empty
             continue
-        for k in holders[(shapes != shapes[0]).any(axis=1)].tolist():
-            differing.setdefault(k, field.name)
-    return dict(sorted(differing.items()))
+        differing = holders[(shapes != shapes[0]).any(axis=1)]
+        breaks[differing[breaks[differing] < 0]] = j
+    sources = np.flatnonzero(breaks >= 0)
+    return sources, breaks[sources]
 
 
 def first_holder(plan: Plan) -> int:
@@ -136,15 +138,15 @@ def first_holder(plan: Plan) -> int:
     return int(np.argmax(np.diff(plan.file_starts) > 0))
 
 
-def describe_unfixed(plan: Plan, k: int, key: str, hints: Hints, first: int) -> str:
-    """Why source ``k`` breaks ``--fixed key``: its shape and that of ``first`` (first_holder), both named."""
-    field = next(f for f in plan.fields if f.name == key)
+def describe_unfixed(plan: Plan, k: int, field: FieldPlan, hints: Hints, first: int) -> str:
+    """Why source ``k`` breaks ``--fixed`` for ``field``: its shape and that of ``first``
+    (first_holder), both named."""
     return unfixed_problem(
-        f"{plan.sources[k]}[{key}]",
+        f"{plan.sources[k]}[{field.name}]",
         _shape(field.shapes[int(plan.file_starts[k])]),
         _shape(field.shapes[int(plan.file_starts[first])]),
         plan.sources[first],
-        hints.fixed.format(key=key),
+        hints.fixed.format(key=field.name),
         rows=plan.mode == "rows",
     )
 

@@ -26,7 +26,7 @@ from npz2mmap.cli import cli
 from npz2mmap.converter import convert
 from npz2mmap.errors import FixedShapeError, RaggedFieldWarning, UnknownKeyError
 from npz2mmap.plan import lay_out
-from npz2mmap.shapes import NearlyFixed, nearly_fixed
+from npz2mmap.shapes import NearlyFixed, find_nearly_fixed
 from npz2mmap.spec import BLOB_HEADER_NBYTES, IDENTITY_NBYTES, INDEX_NAME, SKIPPED_NAME, SOURCES_NAME
 
 IMAGE = (3, 96, 96)
@@ -290,7 +290,7 @@ def test_writer_warns_once_at_close(tmp_path) -> None:
 @example([(1, 1)] * 396 + [(1, 2), (2, 1), (2, 2), (1, 3)], False)  # five shapes, 1% odd
 @example([(1, 1)] * 297 + [(1, 2), (2, 1), (2, 2)], False)  # four shapes, 1% odd
 def test_the_rule_over_shape_tables(shapes, rows) -> None:
-    """nearly_fixed on a plan reports exactly what the rule says (files, or rows with empty files)."""
+    """find_nearly_fixed on a plan reports exactly what the rule says (files, or rows with empty files)."""
     if rows:  # each file holds two rows, and an empty file follows each
         sources = [name for k in range(len(shapes)) for name in (f"f{k}", f"empty{k}")]
         starts = np.concatenate([[0], np.cumsum([2, 0] * len(shapes))]).astype(np.int64)
@@ -300,7 +300,7 @@ def test_the_rule_over_shape_tables(shapes, rows) -> None:
         sources = [f"f{k}" for k in range(len(shapes))]
         plan = lay_out(sources, [("x", np.dtype("u1"), np.array(shapes, dtype=np.int64), False)], 64)
     expected = rule_says(shapes)
-    got = reported(nearly_fixed(plan))
+    got = reported(find_nearly_fixed(plan))
     if expected is None:
         assert got == []
     else:
