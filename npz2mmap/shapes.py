@@ -20,7 +20,9 @@ MAX_SHAPES shapes are passed, so the work is a few vectorised passes over the
 plan's shape table, with no per-sample Python objects.
 
 A field held fixed (``--fixed KEY``) must have the first source's sample shape
-in every source that holds samples; find_unfixed finds those that differ.
+in every source that holds samples; find_unfixed finds those that differ. The
+first, not the most common: a Writer must decide at each append, and convert
+decides the same, so that both write the same bytes for the same samples.
 """
 
 from __future__ import annotations
