@@ -154,6 +154,22 @@ def test_a_fixed_key_that_is_not_a_field_is_a_usage_error(tmp_path, images) -> N
         convert([first], tmp_path / "out", fixed="image")
 
 
+def test_fixed_is_repeatable_and_names_the_first_field_a_file_breaks(tmp_path) -> None:
+    src = tmp_path / "src"
+    write_npz(src / "0.npz", a=np.zeros(2), b=np.zeros(3))
+    write_npz(src / "1.npz", a=np.zeros(2), b=np.zeros(4))
+    write_npz(src / "2.npz", a=np.zeros(5), b=np.zeros(4))
+    result = run("convert", src, "-o", tmp_path / "out", "--fixed", "b", "--fixed", "a", "--skip-bad", "-q")
+    assert result.exit_code == 0, result.output
+    assert [r["reason"] for r in skipped_records(tmp_path / "out")] == [
+        f"{src / '1.npz'}[b]: shape (4,) differs from (3,) in {src / '0.npz'}, and --fixed b requires one shape",
+        f"{src / '2.npz'}[a]: shape (5,) differs from (2,) in {src / '0.npz'}, and --fixed a requires one shape",
+    ]
+    result = run("convert", src, "-o", tmp_path / "empty-key", "--fixed", "")
+    assert result.exit_code == 2
+    assert result.stderr.endswith("Error: Invalid value for '--fixed': give a key, e.g. --fixed image\n")
+
+
 def test_rows_count_files_and_refuse_a_shard(tmp_path) -> None:
     """In rows mode a file's rows share one shape: files are counted, an empty file holds none."""
     src = tmp_path / "src"
