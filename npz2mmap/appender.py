@@ -21,7 +21,7 @@ import warnings
 import weakref
 import zlib
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, overload
 
@@ -36,14 +36,16 @@ from .converter import (
     free_nbytes,
     make_staging_dir,
     parse_casts,
+    parse_fixed,
     part_directory,
     part_from_environment,
 )
 from .elements import Piece, stored_pieces
-from .errors import OutputError, SourceError
+from .errors import FixedShapeError, OutputError, RaggedFieldWarning, SourceError
 from .npzfile import CHUNK_NBYTES, MemberHeader
 from .plan import WRITER_HINTS, PendingSource, Plan, PlanBuilder, check_field_name
 from .provenance import MAX_LINE_NBYTES
+from .shapes import NearlyFixed, describe_nearly_fixed, find_nearly_fixed, unfixed_problem
 from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN, brief, escape_controls
 
 SPOOL_BUFFER_NBYTES = 1 << 20
@@ -60,7 +62,11 @@ class Writer:
 
     Each sample is a dict of field name to array (numpy arrays and scalars;
     anything else goes through ``np.asarray``). ``casts``, ``align`` and
-    ``overwrite`` are ``convert``'s. With ``part=(i, n)``, or ``"auto"`` (from
+    ``overwrite`` are ``convert``'s. Each key in ``fixed`` must keep the first
+    sample's shape: ``append`` refuses a sample that differs. At close, a
+    ``RaggedFieldWarning`` names each ragged field that only a few samples
+    keep from being fixed (see npz2mmap.shapes), as ``nearly_fixed`` does
+    from then on. With ``part=(i, n)``, or ``"auto"`` (from
     torchrun's or Slurm's environment), the dataset is part i of n and goes to
     OUT/part-IIIII (or OUT with ``{part}`` replaced), as ``convert --part``
     does; a part may hold no samples, and ``npz2mmap merge`` joins the parts.
@@ -85,12 +91,15 @@ class Writer:
         out_dir: str | os.PathLike[str],
         *,
         casts: Mapping[str, np.dtype | str] | None = None,
+        fixed: Collection[str] = (),
         align: int = MIN_ALIGN,
         overwrite: bool = False,
         part: tuple[int, int] | Literal["auto"] | None = None,
     ) -> None:
         check_align(align)
         parsed_casts = parse_casts(casts)
+        self._fixed = parse_fixed(fixed)
+        self.nearly_fixed: tuple[NearlyFixed, ...] = ()  # set by close
         self.part = _resolve_part(part)
         out = os.fspath(out_dir)
         self.out_dir = out if self.part is None else part_directory(out, self.part)
@@ -115,7 +124,11 @@ class Writer:
             self._finalizer()
             raise
         self._builder = PlanBuilder(
-            align, parsed_casts, max_payload_nbytes=free_nbytes(self.out_dir), hints=WRITER_HINTS
+            align,
+            parsed_casts,
+            max_payload_nbytes=free_nbytes(self.out_dir),
+            hints=WRITER_HINTS,
+            fixed=self._fixed,
         )
         self._spools: dict[str, _Spool] = {}
         self._num_spools_made = 0
@@ -131,9 +144,11 @@ class Writer:
         """Add one sample; ``source`` names where it came from in sources.jsonl (empty when None).
 
         Raises SourceError naming the sample (and its source) when it differs
-        from the first sample in keys, dtype or ndim, holds objects, or a cast
-        would change a value; TypeError for a sample that is not a dict. A
-        refused sample leaves the writer as it was, usable.
+        from the first sample in keys, dtype or ndim, or in shape for a key of
+        ``fixed`` (FixedShapeError), holds objects, or a cast would change a
+        value; UnknownKeyError when the first sample lacks a key of ``fixed``;
+        TypeError for a sample that is not a dict. A refused sample leaves the
+        writer as it was, usable.
         """
         self._check_open()
         if not isinstance(sample, Mapping):
@@ -143,12 +158,26 @@ class Writer:
             raise TypeError(f"source must be a str or a path, not {type(source).__name__}")
         line = self._names.line(name, f"sample {self.num_samples}")
         # Stored as given (sources.jsonl is JSON), shown escaped: a message stays one line.
-        label = f"sample {self.num_samples}" + (f" ({escape_controls(name)})" if name else "")
+        label = _sample_label(self.num_samples, name)
         arrays = {
             _field_name(key, label): _as_array(value, f"{label}[{key}]") for key, value in sample.items()
         }
         pending = self._builder.check(label, {key: _header(key, a) for key, a in arrays.items()})
+        self._check_fixed(arrays, label)
         self._write_sample(pending, arrays, line, label)
+
+    def _check_fixed(self, arrays: dict[str, np.ndarray], label: str) -> None:
+        """FixedShapeError if a key of ``fixed`` has a shape other than the first sample's."""
+        if not self._builder.num_sources:
+            return
+        for key in sorted(self._fixed):
+            expected = self._builder.first_shape(key)
+            if arrays[key].shape != expected:
+                option = WRITER_HINTS.fixed.format(key=key)
+                first = _sample_label(0, self._names[0])
+                raise FixedShapeError(
+                    unfixed_problem(f"{label}[{key}]", arrays[key].shape, expected, first, option)
+                )
 
     def _write_sample(
         self, pending: PendingSource, arrays: dict[str, np.ndarray], line: bytes, label: str
@@ -191,8 +220,13 @@ class Writer:
 
         Raises SourceError when no sample was appended (except for a part,
         which may be empty), OutputError when the dataset cannot be written.
+        Warns RaggedFieldWarning for each field in ``nearly_fixed``.
         Closing a closed writer does nothing.
         """
+        self._close(warn_stacklevel=3)
+
+    def _close(self, warn_stacklevel: int) -> None:
+        """close(); warnings point ``warn_stacklevel`` frames up, at the caller's line."""
         self._check_owner()
         if self._closed:
             return
@@ -203,6 +237,8 @@ class Writer:
         finally:
             self._closed = True
             self._finalizer()
+        for item in self.nearly_fixed:
+            warnings.warn(_describe_nearly_fixed(item), RaggedFieldWarning, stacklevel=warn_stacklevel)
 
     def abort(self) -> None:
         """Discard everything appended; OUT stays as it was."""
@@ -217,7 +253,7 @@ class Writer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if exc_type is None:
-            self.close()
+            self._close(warn_stacklevel=3)  # the with statement's line
         else:
             self.abort()
 
@@ -253,6 +289,7 @@ class Writer:
         if not self._builder.num_sources and self.part is None:
             raise SourceError(f"{self.out_dir}: no sample was appended; a dataset needs at least one")
         plan = self._builder.finish(self._names, allow_empty=True)
+        found = find_nearly_fixed(plan)
         check_free_space(self.out_dir, dataset_nbytes(plan, (), self.part), free_nbytes(self.out_dir))
         staging = make_staging_dir(self.out_dir)
         try:
@@ -265,6 +302,7 @@ class Writer:
             raise OutputError(f"{self.out_dir}: cannot write the dataset ({exc.strerror or exc})") from exc
         finally:
             publish.remove_staging(staging)
+        self.nearly_fixed = found
 
     def _copy_spools(self, plan: Plan, blob_path: str) -> None:
         """Each field's spool into its data region; a spool goes as soon as it is copied."""
@@ -313,6 +351,16 @@ def _resolve_part(part: tuple[int, int] | Literal["auto"] | None) -> tuple[int, 
     if part == "auto":
         return part_from_environment()
     return check_part(part)
+
+
+def _describe_nearly_fixed(item: NearlyFixed) -> str:
+    first = _sample_label(item.first_odd, item.first_odd_source)
+    return describe_nearly_fixed(item, "sample", first, f"fixed=[{item.field!r}] refuses such samples")
+
+
+def _sample_label(k: int, source: str) -> str:
+    """How messages name sample ``k``: with its source name, escaped, when it has one."""
+    return f"sample {k}" + (f" ({escape_controls(source)})" if source else "")
 
 
 def _field_name(key: object, label: str) -> str:

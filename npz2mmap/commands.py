@@ -22,11 +22,12 @@ from . import __version__
 from .cache import warm as warm_dataset
 from .converter import cast_dtype, parse_part, part_directory, part_from_environment
 from .converter import convert as convert_files
-from .errors import Npz2mmapError
+from .errors import Npz2mmapError, UnknownKeyError
 from .inputs import npy_with_sample_dirs
 from .merge import merge as merge_parts
 from .progress import PROGRESS_MODES, showing_progress
 from .render import human_bytes, plural, render_json, render_sample, render_summary
+from .shapes import NearlyFixed, describe_nearly_fixed
 from .sources import is_npy_path
 from .spec import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
 from .summary import describe_dataset, describe_sample, field_statistics
@@ -172,6 +173,12 @@ def _parse_casts(ctx: click.Context, param: click.Parameter, values: tuple[str, 
     return casts
 
 
+def _parse_fixed(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    if not all(values):
+        raise click.BadParameter("give a key, e.g. --fixed image")
+    return values
+
+
 def _parse_part(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
     if value is None:
         return None
@@ -219,9 +226,18 @@ def output_option(help_text: str) -> Callable[[F], F]:
     help="Store KEY as DTYPE where sources differ, e.g. x=float32 (same-kind casts only). Repeatable.",
 )
 @click.option(
+    "--fixed",
+    multiple=True,
+    callback=_parse_fixed,
+    metavar="KEY",
+    help="KEY must have one sample shape, the first file's: a file that differs is an error "
+    "(with --skip-bad, left out). Repeatable.",
+)
+@click.option(
     "--skip-bad",
     is_flag=True,
-    help="Leave out unreadable or corrupt files and list them in OUT/skipped.jsonl instead of stopping.",
+    help="Leave out unreadable or corrupt files (and those --fixed refuses) and list them in "
+    "OUT/skipped.jsonl instead of stopping.",
 )
 @click.option(
     "--rows",
@@ -262,6 +278,7 @@ def convert(
     out_dir: str,
     keys: list[str] | None,
     casts: dict[str, np.dtype],
+    fixed: tuple[str, ...],
     skip_bad: bool,
     rows: bool,
     sample_dirs: bool,
@@ -286,12 +303,13 @@ def convert(
             raise click.UsageError(npy_with_sample_dirs(named_npy[0]))
     if part is not None:
         out_dir = part_directory(out_dir, part)
-    with showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress:
+    with showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress, _usage_errors():
         result = convert_files(
             list(inputs),
             out_dir,
             keys=keys,
             casts=casts,
+            fixed=fixed,
             skip_bad=skip_bad,
             part=part,
             rows=rows,
@@ -310,6 +328,8 @@ def convert(
             ),
             err=True,
         )
+    for item in result.nearly_fixed:
+        echo_err(f"Warning: {_describe_nearly_fixed(item)}")
     if not quiet:
         index = result.index
         click.echo(
@@ -321,6 +341,20 @@ def convert(
         growth = _growth_note(result.data_nbytes, result.sources_nbytes)
         if growth:
             click.echo(growth)
+
+
+@contextlib.contextmanager
+def _usage_errors() -> Iterator[None]:
+    """An option naming a key the inputs do not hold is a usage error (exit 2), found only once read."""
+    try:
+        yield
+    except UnknownKeyError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _describe_nearly_fixed(item: NearlyFixed) -> str:
+    advice = f"--fixed {item.field} refuses such files (with --skip-bad, leaves them out)"
+    return describe_nearly_fixed(item, "file", item.first_odd_source, advice)
 
 
 MUCH_LARGER_FACTOR = 4

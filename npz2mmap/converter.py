@@ -13,20 +13,21 @@ import os
 import shutil
 import time
 from array import array
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from . import fsutil, provenance, publish, writer
-from .errors import MismatchError, OutputError, SourceError
+from .errors import FixedShapeError, MismatchError, OutputError, SourceError
 from .inputs import discover_sources
 from .npzfile import MemberHeader, MemberLocation
 from .parallel import Mapper, worker_map
-from .plan import Plan, PlanBuilder, drop_files
+from .plan import CLI_HINTS, Plan, PlanBuilder, drop_files
 from .progress import Progress, progress_display
 from .render import human_bytes
+from .shapes import NearlyFixed, describe_unfixed, find_nearly_fixed, find_unfixed, first_holder
 from .sources import is_field_name, is_npy_path, scan_source
 from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
 
@@ -43,6 +44,7 @@ class ConvertResult:
     seconds: float
     skipped: tuple[tuple[str, str], ...] = ()  # (path, reason) of each file --skip-bad left out
     sources_nbytes: int = 0  # the converted files' sizes on disk, compressed or not
+    nearly_fixed: tuple[NearlyFixed, ...] = ()  # ragged fields only a few files keep from being fixed
 
 
 def convert(
@@ -51,6 +53,7 @@ def convert(
     *,
     keys: Sequence[str] | None = None,
     casts: Mapping[str, np.dtype | str] | None = None,
+    fixed: Collection[str] = (),
     skip_bad: bool = False,
     part: tuple[int, int] | None = None,
     rows: bool = False,
@@ -68,8 +71,13 @@ def convert(
 
     ``casts`` maps keys to the dtype to store them as, for sources that differ
     (numpy's 'same_kind' casts only); otherwise every file must agree exactly.
-    With ``skip_bad``, unreadable or corrupt files are left out and listed in
-    the dataset's ``skipped.jsonl`` instead of ending the conversion. With
+    Each key in ``fixed`` must have the first file's sample shape in every file
+    (FixedShapeError naming the first that differs; UnknownKeyError for a key
+    that is not a field). With ``skip_bad``, unreadable or corrupt files, and
+    files that break ``fixed``, are left out and listed in the dataset's
+    ``skipped.jsonl`` instead of ending the conversion. ``nearly_fixed`` of the
+    result names each ragged field that only a few files keep from being
+    fixed (see npz2mmap.shapes for the rule). With
     ``part=(i, n)``, only the i-th of n contiguous slices of the sorted inputs
     is converted, into a complete dataset of its own. With ``rows``, every
     array of a file shares its first dimension and each row is one sample.
@@ -84,6 +92,7 @@ def convert(
     out = os.fspath(out_dir)
     display = progress_display(progress)
     check_align(align)
+    fixed_keys = parse_fixed(fixed)
     publish.check_output(out, overwrite)
     sources = select_part(discover_sources(inputs, sample_dirs, skip_bad), part)
     _refuse_output_inside_inputs(out, inputs)
@@ -95,7 +104,9 @@ def convert(
     ):
         space = free_nbytes(out)
         found = writer.MemberLocations()
-        scan = Scan(tuple(keys) if keys else None, skip_bad, parse_casts(casts), rows, align, space)
+        scan = Scan(
+            tuple(keys) if keys else None, skip_bad, parse_casts(casts), rows, align, space, fixed=fixed_keys
+        )
         try:
             batch_files = scan_batch_files(len(sources), workers or os.cpu_count() or 1)
             plan = scan.run(sources, imap, batch_files, shown, skipped, part, found)
@@ -103,9 +114,10 @@ def convert(
             if sample_dirs or not looks_like_sample_dirs(sources):
                 raise
             raise MismatchError(f"{exc} (each directory one sample? use --sample-dirs)") from exc
+        locations = found.table(len(plan.sources), len(plan.fields))
+        plan, locations = hold_fixed(plan, locations, fixed_keys, skip_bad, skipped, part)
         needed = dataset_nbytes(plan, skipped, part)
         check_free_space(out, needed, space)
-        locations = found.table(len(plan.sources), len(plan.fields))
         sources_nbytes = _total_file_nbytes(plan.sources) if sample_dirs else _scanned_file_nbytes(locations)
         staging = make_staging_dir(out)
         try:
@@ -119,7 +131,37 @@ def convert(
         finally:
             publish.remove_staging(staging)
     seconds = time.perf_counter() - started
-    return ConvertResult(out, index, plan.data_nbytes, seconds, tuple(skipped), sources_nbytes)
+    return ConvertResult(
+        out, index, plan.data_nbytes, seconds, tuple(skipped), sources_nbytes, find_nearly_fixed(plan)
+    )
+
+
+def hold_fixed(
+    plan: Plan,
+    locations: np.ndarray,
+    fixed: Sequence[str],
+    skip_bad: bool,
+    skipped: list[tuple[str, str]],
+    part: tuple[int, int] | None,
+) -> tuple[Plan, np.ndarray]:
+    """The plan and member locations without the files whose sample shape breaks ``fixed``, each
+    listed in ``skipped``; without ``skip_bad``, FixedShapeError naming the first of them instead."""
+    differing, fields = find_unfixed(plan, fixed)
+    if not len(differing):
+        return plan, locations
+    first = first_holder(plan)
+
+    def reason(k: int, j: int) -> str:
+        return describe_unfixed(plan, k, plan.fields[j], CLI_HINTS, first)
+
+    if not skip_bad:
+        raise FixedShapeError(reason(int(differing[0]), int(fields[0])) + CLI_HINTS.fixed_way_out)
+    skipped.extend(
+        (plan.sources[k], reason(k, j)) for k, j in zip(differing.tolist(), fields.tolist(), strict=True)
+    )
+    kept = np.ones(len(plan.sources), dtype=bool)
+    kept[differing] = False
+    return drop_files(plan, differing.tolist(), allow_empty=part is not None), locations[kept]
 
 
 def looks_like_sample_dirs(sources: Sequence[str]) -> bool:
@@ -296,6 +338,13 @@ def check_align(align: int) -> None:
         raise ValueError(f"align must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, got {align}")
 
 
+def parse_fixed(fixed: Collection[str]) -> tuple[str, ...]:
+    """``fixed`` as a tuple of keys; TypeError for one string, which would name its characters."""
+    if isinstance(fixed, str) or not all(isinstance(key, str) for key in fixed):
+        raise TypeError(f"fixed must be a list of keys, not {_brief(fixed)}")
+    return tuple(fixed)
+
+
 def parse_casts(casts: Mapping[str, np.dtype | str] | None) -> dict[str, np.dtype]:
     """``casts`` with every value a dtype (see cast_dtype)."""
     return {key: cast_dtype(value) for key, value in (casts or {}).items()}
@@ -355,6 +404,7 @@ class Scan:
     align: int
     max_payload_nbytes: int | None
     max_batch_samples: int = MAX_BATCH_SAMPLES
+    fixed: tuple[str, ...] = ()  # keys that must be fields (hold_fixed checks their shapes after the scan)
 
     def run(
         self,
@@ -372,7 +422,8 @@ class Scan:
         files were all skipped) plans an empty dataset: no samples, no fields.
         """
         progress.stage("scan", len(sources), 0, unit="files")
-        builder = PlanBuilder(self.align, self.casts, self.rows, self.max_payload_nbytes)
+        # Only this builder names the fields, so only it checks that ``fixed`` names fields.
+        builder = PlanBuilder(self.align, self.casts, self.rows, self.max_payload_nbytes, fixed=self.fixed)
         usable: list[str] = []
 
         def batches() -> Iterator[list[str]]:

@@ -23,3 +23,15 @@ class OutputError(Npz2mmapError):
 
 class WorkerError(Npz2mmapError, RuntimeError):
     """A loader's worker process failed or died; the message names the worker and the batch."""
+
+
+class FixedShapeError(SourceError):
+    """A source's sample shape differs, for a field held fixed (--fixed), from the first source's."""
+
+
+class UnknownKeyError(SourceError):
+    """An option names a key the sources do not hold; the CLI reports it as a usage error (exit 2)."""
+
+
+class RaggedFieldWarning(UserWarning):
+    """A field is stored ragged only because a few samples differ from a shape nearly all share."""

@@ -12,14 +12,14 @@ import bisect
 import dataclasses
 import functools
 from array import array
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
 
-from .errors import MismatchError, SourceError
+from .errors import MismatchError, SourceError, UnknownKeyError
 from .npzfile import MemberHeader
 from .spec import (
     BLOB_HEADER_NBYTES,
@@ -49,6 +49,8 @@ class Hints(NamedTuple):
     cast: str  # formatted with key=
     keys: str
     casts_named: str
+    fixed: str = "--fixed {key}"  # formatted with key=
+    fixed_way_out: str = "; use --skip-bad to leave such files out"
 
 
 CLI_HINTS = Hints(
@@ -60,6 +62,8 @@ WRITER_HINTS = Hints(
     cast="pass casts={{{key!r}: DTYPE}} to store one dtype",
     keys="",
     casts_named="casts= names",
+    fixed="fixed=[{key!r}]",
+    fixed_way_out="",
 )
 
 
@@ -236,10 +240,12 @@ class PlanBuilder:
         rows: bool = False,
         max_payload_nbytes: int | None = None,
         hints: Hints = CLI_HINTS,
+        fixed: Collection[str] = (),
     ) -> None:
         self.align = align
         self.hints = hints
         self.casts = dict(casts or {})
+        self.fixed = frozenset(fixed)  # only checked to name fields here; see shapes.find_unfixed
         self.rows = rows
         self.max_payload_nbytes = max_payload_nbytes
         self.collectors: dict[str, _FieldCollector] = {}
@@ -251,6 +257,11 @@ class PlanBuilder:
     @property
     def num_sources(self) -> int:
         return len(self.counts)
+
+    def first_shape(self, key: str) -> tuple[int, ...]:
+        """The sample shape ``key`` has in the first sample recorded (files mode)."""
+        collector = self.collectors[key]
+        return tuple(collector.dims[: collector.ndim])
 
     def add(self, source: str, members: Mapping[str, MemberHeader]) -> None:
         """Check one source (``source`` names it in messages) and record it."""
@@ -337,6 +348,12 @@ class PlanBuilder:
         if unknown:
             raise SourceError(
                 f"{source}: {self.hints.casts_named} key(s) {', '.join(unknown)} that are not converted"
+            )
+        unknown = sorted(self.fixed - set(collectors))
+        if unknown:
+            option = self.hints.fixed.format(key=unknown[0])
+            raise UnknownKeyError(
+                f"{source}: {option} names no field of the dataset (its fields: {', '.join(collectors)})"
             )
         return collectors
 

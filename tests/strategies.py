@@ -140,3 +140,21 @@ def extreme_arrays(draw: st.DrawFn, dtype: np.dtype, max_size: int = 40) -> np.n
     if mode == "constant":
         return np.full(size, draw(element), dtype=dtype)
     return np.array(draw(st.lists(element, min_size=size, max_size=size)), dtype=dtype)
+
+
+@st.composite
+def shape_mixes(draw: st.DrawFn, max_sources: int = 30, ndim: int = 2) -> list[tuple[int, ...]]:
+    """One field's sample shape in each of up to ``max_sources`` sources: a main shape that most
+    sources share, or not, and a few or many others (a transposed image, a ragged tail)."""
+    pool = draw(
+        st.lists(
+            hnp.array_shapes(min_dims=ndim, max_dims=ndim, min_side=1, max_side=4),
+            min_size=2,
+            max_size=7,
+            unique=True,
+        )
+    )
+    num_sources = draw(st.integers(1, 12) | st.integers(1, max_sources) | st.just(max_sources))
+    num_odd = min(num_sources, draw(st.integers(1, 6) | st.integers(0, num_sources)))
+    odd = draw(st.sets(st.integers(0, num_sources - 1), min_size=num_odd, max_size=num_odd))
+    return [draw(st.sampled_from(pool[1:])) if k in odd else pool[0] for k in range(num_sources)]

@@ -1,0 +1,165 @@
+"""The sample shapes a field's sources take: fields nearly fixed, and fields held fixed.
+
+A field is stored ragged as soon as one source differs from the others, so
+one image saved (96, 96, 3) among (3, 96, 96) ones converts without a word
+and fails far away, in training. Counted over the sources that hold samples
+(files, sample directories, a Writer's samples; in rows mode every row of a
+file has the same shape, so files count, not rows), a ragged field is
+*nearly fixed* when
+
+- its sources take at most MAX_SHAPES distinct sample shapes,
+- the most common of them is held by more than half of the sources, and
+- the sources of other shapes number at most 1% of them, or just one.
+
+Variable-length data (sequences, point clouds, boxes) takes many distinct
+shapes, or has many sources off its most common one, so is not reported: a
+corpus of sequences whose lengths are all distinct fails the first
+condition, one where 1% of the sources take lengths of their own fails it
+too once those are more than MAX_SHAPES - 1. The counting stops as soon as
+MAX_SHAPES shapes are passed, so the work is a few vectorised passes over the
+plan's shape table, with no per-sample Python objects.
+
+A field held fixed (``--fixed KEY``) must have the first source's sample shape
+in every source that holds samples; find_unfixed finds those that differ. The
+first, not the most common: a Writer must decide at each append, and convert
+decides the same, so that both write the same bytes for the same samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .plan import FieldPlan, Hints, Plan
+from .render import plural
+
+MAX_SHAPES = 4
+MAX_ODD_PERCENT = 1
+
+
+@dataclass(frozen=True)
+class NearlyFixed:
+    """A ragged field whose sources nearly all share one sample shape: the others are likely mistakes."""
+
+    field: str
+    shape: tuple[int, ...]  # the most common sample shape
+    num_sources: int  # sources holding samples of the field
+    num_odd: int  # those of another shape
+    first_odd: int  # the first of them, as an index into the plan's sources
+    first_odd_source: str  # its name in sources.jsonl
+    first_odd_shape: tuple[int, ...]
+
+
+def find_nearly_fixed(plan: Plan) -> tuple[NearlyFixed, ...]:
+    """The fields of ``plan`` that the module's rule reports, in field order."""
+    found = (_nearly_fixed_field(plan, field) for field in plan.fields if field.fixed_shape is None)
+    return tuple(item for item in found if item is not None)
+
+
+def _nearly_fixed_field(plan: Plan, field: FieldPlan) -> NearlyFixed | None:
+    holders, shapes = source_shapes(plan, field)
+    counts = count_distinct_shapes(shapes, MAX_SHAPES)
+    if counts is None or len(counts) < 2:
+        return None
+    num_sources = len(shapes)
+    common_row, common_count = max(counts, key=lambda item: item[1])  # the first seen of equal counts
+    num_odd = num_sources - common_count
+    if 2 * common_count <= num_sources or (num_odd > 1 and 100 * num_odd > MAX_ODD_PERCENT * num_sources):
+        return None
+    odd_row = min(row for row, _ in counts if row != common_row)
+    first_odd = int(holders[odd_row])
+    return NearlyFixed(
+        field=field.name,
+        shape=_shape(shapes[common_row]),
+        num_sources=num_sources,
+        num_odd=num_odd,
+        first_odd=first_odd,
+        first_odd_source=plan.sources[first_odd],
+        first_odd_shape=_shape(shapes[odd_row]),
+    )
+
+
+def source_shapes(plan: Plan, field: FieldPlan) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """The sources holding samples (indices into ``plan.sources``) and the sample shape of each.
+
+    In files mode that is every source and the field's own shape table (no copy).
+    """
+    if plan.mode == "files":
+        return np.arange(len(plan.sources), dtype=np.int64), field.shapes
+    counts = np.diff(plan.file_starts)
+    holders = np.flatnonzero(counts > 0)
+    return holders, field.shapes[plan.file_starts[holders]]
+
+
+def count_distinct_shapes(shapes: NDArray[np.int64], limit: int) -> list[tuple[int, int]] | None:
+    """(first row, count) of each distinct row of ``shapes``, in order of first appearance;
+    None once there are more than ``limit`` (one vectorised pass per distinct row)."""
+    matched = np.zeros(len(shapes), dtype=bool)
+    found: list[tuple[int, int]] = []
+    while not matched.all():
+        if len(found) == limit:
+            return None
+        row = int(np.argmin(matched))  # the first row not matched yet
+        same = (shapes == shapes[row]).all(axis=1)
+        found.append((row, int(same.sum())))
+        matched |= same
+    return found
+
+
+def describe_nearly_fixed(item: NearlyFixed, unit: str, first_odd: str, advice: str) -> str:
+    """One line on ``item``: ``unit`` names a source ("file"), ``first_odd`` the first that differs."""
+    differ = "differs" if item.num_odd == 1 else "differ"
+    return (
+        f"field {item.field} is ragged only because {item.num_odd:,} of {plural(item.num_sources, unit)} "
+        f"{differ} from shape {item.shape}: the first, {first_odd}, has {item.first_odd_shape}; {advice}"
+    )
+
+
+def find_unfixed(plan: Plan, fixed: Collection[str]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """The sources, in order, whose sample shape differs from the first one's for a key in
+    ``fixed``, and for each the index in ``plan.fields`` of the first such field. Vectorised:
+    a field held fixed that is ragged throughout costs no Python work per source."""
+    breaks = np.full(len(plan.sources), -1, dtype=np.int64)
+    for j, field in enumerate(plan.fields):
+        if field.name not in fixed or field.fixed_shape is not None:
+            continue
+        holders, shapes = source_shapes(plan, field)
+        if not len(holders):  # rows mode, every file empty
+            continue
+        differing = holders[(shapes != shapes[0]).any(axis=1)]
+        breaks[differing[breaks[differing] < 0]] = j
+    sources = np.flatnonzero(breaks >= 0)
+    return sources, breaks[sources]
+
+
+def first_holder(plan: Plan) -> int:
+    """The first source holding samples, whose shapes a field held fixed must keep."""
+    return int(np.argmax(np.diff(plan.file_starts) > 0))
+
+
+def describe_unfixed(plan: Plan, k: int, field: FieldPlan, hints: Hints, first: int) -> str:
+    """Why source ``k`` breaks ``--fixed`` for ``field``: its shape and that of ``first``
+    (first_holder), both named."""
+    return unfixed_problem(
+        f"{plan.sources[k]}[{field.name}]",
+        _shape(field.shapes[int(plan.file_starts[k])]),
+        _shape(field.shapes[int(plan.file_starts[first])]),
+        plan.sources[first],
+        hints.fixed.format(key=field.name),
+        rows=plan.mode == "rows",
+    )
+
+
+def unfixed_problem(
+    where: str, found: tuple[int, ...], expected: tuple[int, ...], first: str, option: str, rows: bool = False
+) -> str:
+    """The message for a sample shape ``found`` at ``where`` that ``option`` holds to ``expected``."""
+    what = f"rows of shape {found} differ" if rows else f"shape {found} differs"
+    return f"{where}: {what} from {expected} in {first}, and {option} requires one shape"
+
+
+def _shape(row: NDArray[np.int64]) -> tuple[int, ...]:
+    return tuple(int(d) for d in row)
