@@ -25,7 +25,7 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 
 from .parts import Parts, PartsReader
 from .ragged import RaggedRows
-from .reader import ADVICE, copy_bytes
+from .reader import ADVICE, as_raw, copy_bytes
 
 
 class MmapDataset(Dataset[Any]):
@@ -233,9 +233,16 @@ class GatheredBatch(SequenceABC[Any]):
         return {name: self._sample(name, j) for name in self._fields}
 
     def _sample(self, name: str, j: int) -> np.ndarray:
-        """One sample's array; a ragged field's is marked so torch's default collate lists it."""
-        array = self.field(name)[j]
-        return array.view(RaggedSample) if name in self.ragged else array
+        """One sample's array, 0-d for a 0-d field as ``ds[i]`` gives it (never a numpy scalar).
+
+        A ragged field's is marked so torch's default collate lists it, one of
+        a dtype torch lacks so that it stacks it as numpy (as ``collate`` does).
+        """
+        value = self.field(name)
+        array = value[j] if isinstance(value, list) else value[j, ...]
+        if name in self.ragged:
+            return array.view(RaggedSample)
+        return array.view(NumpyOnlySample) if torch_dtype(array.dtype) is None else array
 
 
 class RaggedSample(np.ndarray):
@@ -252,9 +259,24 @@ def _collate_ragged_samples(batch: Sequence[np.ndarray], *, collate_fn_map: Any 
     return [as_tensors(np.asarray(sample)) for sample in batch]
 
 
-# torch documents extending its default collate through this registry; the key
-# is a type only GatheredBatch makes, so nothing else is collated differently.
+class NumpyOnlySample(np.ndarray):
+    """A sample of a field whose dtype torch lacks (strings, records, datetimes), as batches hand it
+    to torch's default collate, which would refuse it: stacked as numpy, as ``collate`` gives it."""
+
+
+def _collate_numpy_only_samples(batch: Sequence[np.ndarray], *, collate_fn_map: Any = None) -> np.ndarray:
+    return stack_bytes(batch)
+
+
+def stack_bytes(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """Arrays of one dtype and shape stacked into one new array, every byte (record padding too) copied."""
+    return np.stack([as_raw(np.asarray(array)) for array in arrays]).view(np.asarray(arrays[0]).dtype)
+
+
+# torch documents extending its default collate through this registry; the keys
+# are types only npz2mmap's batches make, so nothing else is collated differently.
 default_collate_fn_map[RaggedSample] = _collate_ragged_samples
+default_collate_fn_map[NumpyOnlySample] = _collate_numpy_only_samples
 
 
 class TransformedSample(dict[str, Any]):
@@ -282,6 +304,8 @@ def mark_transformed(sample: Any, ragged: frozenset[str], single: str | None) ->
         array = sample.view(TransformedRaggedArray)
         array.field_name = single
         return array
+    if type(sample) is np.ndarray and torch_dtype(sample.dtype) is None:
+        return sample.view(NumpyOnlySample)
     return sample
 
 
@@ -294,7 +318,7 @@ def _collate_transformed_samples(batch: Sequence[TransformedSample], *, collate_
         if name in ragged:
             _check_stackable(name, values)
         if _arrays_torch_lacks(values):  # strings, records: numpy, as without a transform
-            out[name] = np.stack(values)
+            out[name] = stack_bytes(values)
         else:
             out[name] = torch_collate(values, collate_fn_map=collate_fn_map)
     return out
@@ -392,7 +416,7 @@ def _collate_listing_ragged(samples: SampleList) -> Any:
 
 def _collate_values(values: list[Any]) -> Any:
     """torch's default collate, except arrays of a dtype torch lacks, stacked as numpy."""
-    return np.stack(values) if values and _arrays_torch_lacks(values) else default_collate(values)
+    return stack_bytes(values) if values and _arrays_torch_lacks(values) else default_collate(values)
 
 
 def _as_tensor(value: Any) -> Any:

@@ -98,6 +98,7 @@ class MmapLoader:
         if slot_nbytes is not None and slot_nbytes < 1:
             raise ValueError(f"slot_nbytes must be at least 1, got {slot_nbytes}")
         check_timeout(timeout)
+        check_collate_keys(dataset, collate_fn)
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -334,6 +335,17 @@ def _gather(reader: PartsReader, name: str, indices: np.ndarray, pin_memory: boo
     tensor = torch.empty((len(indices), *field.shape), dtype=dtype, pin_memory=pin_memory)
     reader.gather(name, indices, out=tensor.numpy())
     return tensor
+
+
+def check_collate_keys(dataset: MmapDataset, collate_fn: Callable[[Any], Any] | None) -> None:
+    """ValueError now, before any batch, if a PaddedCollate would put two things under one key.
+
+    Without a transform, the dataset's fields are the batch's; with one, the
+    first batch tells.
+    """
+    if isinstance(collate_fn, PaddedCollate) and dataset.transform is None:
+        said = collate_fn.ragged
+        collate_fn.check_keys(dataset.fields, dataset.ragged_fields if said is None else said)
 
 
 class _Position:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -10,7 +10,16 @@ import torch
 from torch.utils.data import get_worker_info
 
 from .dataset import GatheredBatch, as_tensors, shared_tensor
-from .ragged import RaggedRows, check_padded_size, pad_element, raw_unit, valid_mask_of
+from .ragged import (
+    RaggedRows,
+    check_padded_keys,
+    check_padded_size,
+    lengths_key,
+    mask_key,
+    pad_element,
+    raw_unit,
+    valid_mask_of,
+)
 
 
 class PaddedCollate:
@@ -35,6 +44,10 @@ class PaddedCollate:
     ``MmapDataset`` say which fields are ragged; for samples from elsewhere,
     name them with ``ragged``. A field not known to be ragged whose shapes
     differ within a batch raises ValueError. Picklable.
+
+    A generated key that is also a field's name (a field ``name_mask`` beside
+    a ragged ``name``, with ``mask``) raises ValueError naming both: here for
+    the fields ``ragged`` names, at the first batch otherwise.
     """
 
     def __init__(
@@ -48,11 +61,21 @@ class PaddedCollate:
         self.mask = mask
         self.nested = nested
         self.ragged = None if ragged is None else frozenset(ragged)
+        if self.ragged is not None:
+            self.check_keys(sorted(self.ragged), self.ragged)
+
+    def check_keys(self, field_names: Iterable[str], ragged: Collection[str]) -> None:
+        """Raise ValueError if batches of these fields would hold two things under one key.
+
+        With ``nested``, no keys are added, so none can collide.
+        """
+        check_padded_keys(field_names, () if self.nested else ragged, self.mask)
 
     def __call__(self, batch: Any) -> dict[str, Any]:
         ragged = self.ragged if self.ragged is not None else getattr(batch, "ragged", frozenset())
         if not isinstance(batch, GatheredBatch):
             batch = GatheredBatch(_by_field(batch), None, len(batch))
+        self.check_keys(batch.field_names, ragged)
         out: dict[str, Any] = {}
         for name in batch.field_names:
             rows = batch.ragged_rows(name)
@@ -70,9 +93,9 @@ class PaddedCollate:
 
     def _collate_rows(self, rows: RaggedRows) -> dict[str, Any]:
         """A ragged field located in the mapping, padded with one copy per sample (no per-sample arrays)."""
-        out = {rows.name: self._padded_tensor(rows), f"{rows.name}_lengths": torch.from_numpy(rows.lengths())}
+        out = {rows.name: self._padded_tensor(rows), lengths_key(rows.name): torch.from_numpy(rows.lengths())}
         if self.mask:
-            out[f"{rows.name}_mask"] = torch.from_numpy(rows.mask())
+            out[mask_key(rows.name)] = torch.from_numpy(rows.mask())
         return out
 
     def _padded_tensor(self, rows: RaggedRows) -> Any:
@@ -98,9 +121,9 @@ class PaddedCollate:
             tensors = [torch.from_numpy(a) for a in arrays]
             return {name: torch.nested.nested_tensor(tensors, layout=torch.jagged)}
         padded, lengths = pad(arrays, self.pad_value, name)
-        out = {name: as_tensors(padded), f"{name}_lengths": torch.from_numpy(lengths)}
+        out = {name: as_tensors(padded), lengths_key(name): torch.from_numpy(lengths)}
         if self.mask:
-            out[f"{name}_mask"] = torch.from_numpy(valid_mask(arrays, padded.shape[1:]))
+            out[mask_key(name)] = torch.from_numpy(valid_mask(arrays, padded.shape[1:]))
         return out
 
 

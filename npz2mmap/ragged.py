@@ -8,7 +8,7 @@ sample's bytes once, straight from the mapping into the result.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,47 @@ from .spec import representable_nbytes
 # an element index for the whole batch (measured: a memcpy through memoryviews
 # costs about as much as indexing 30 elements).
 LOOP_MIN_ELEMENTS = 32
+
+# The keys a padded batch adds beside each ragged field (PaddedCollate and the
+# workers' slots both name them through these two functions, and only them).
+LENGTHS_SUFFIX = "_lengths"
+MASK_SUFFIX = "_mask"
+
+
+def lengths_key(name: str) -> str:
+    """The key of ragged field ``name``'s lengths in a padded batch."""
+    return name + LENGTHS_SUFFIX
+
+
+def mask_key(name: str) -> str:
+    """The key of ragged field ``name``'s mask in a padded batch."""
+    return name + MASK_SUFFIX
+
+
+def check_padded_keys(field_names: Iterable[str], ragged: Collection[str], mask: bool) -> None:
+    """Raise ValueError if a padded batch would put two things under one key.
+
+    A ragged field's lengths (and mask) key may be another field's name, or
+    another generated key: one would silently replace the other in the batch.
+    """
+    held: dict[str, str] = {}
+    for name in field_names:
+        for key, what in _padded_keys(name, name in ragged, mask):
+            if key in held:
+                raise ValueError(
+                    f"PaddedCollate: key {key!r} would hold both {held[key]} and {what}; "
+                    "select the fields to keep with MmapDataset(path, fields=[...]) or rename one of them"
+                )
+            held[key] = what
+
+
+def _padded_keys(name: str, is_ragged: bool, mask: bool) -> Iterator[tuple[str, str]]:
+    """The keys field ``name`` takes in a padded batch, each with what it holds (for messages)."""
+    yield name, f"field {name!r}"
+    if is_ragged:
+        yield lengths_key(name), f"the lengths of ragged field {name!r}"
+        if mask:
+            yield mask_key(name), f"the mask of ragged field {name!r}"
 
 
 class RaggedRows:

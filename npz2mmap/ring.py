@@ -43,7 +43,7 @@ import torch
 from . import parallel
 from .dataset import MmapDataset, SampleList, collate, torch_dtype
 from .errors import WorkerError
-from .ragged import RaggedRows, check_padded_size
+from .ragged import RaggedRows, check_padded_size, lengths_key, mask_key
 from .reader import as_raw
 
 # Every array in a slot starts at a multiple of 64 bytes: aligned for any
@@ -329,8 +329,10 @@ def write_padded_direct(
 
     Each ragged field is padded from the mapping into the slot (each sample
     copied once), its lengths (and mask) beside it; fixed fields are
-    gathered there. Every place is taken before any byte is copied.
+    gathered there. Every place is taken before any byte is copied. Raises
+    ValueError, as ``collate_fn`` would, if a generated key is also a field.
     """
+    collate_fn.check_keys(dataset.fields, dataset.ragged_fields)
     reader = dataset.reader
     idx = reader.sample_indices(indices)
     fills: list[Callable[[], object]] = []
@@ -347,10 +349,10 @@ def write_padded_direct(
         out[name], padded = _place_array(writer, field.dtype, shape)
         fills.append(functools.partial(rows.fill_padded, padded, collate_fn.pad_value))
         lengths = rows.lengths()
-        out[f"{name}_lengths"], lengths_target = _place_array(writer, lengths.dtype, lengths.shape)
+        out[lengths_key(name)], lengths_target = _place_array(writer, lengths.dtype, lengths.shape)
         fills.append(functools.partial(np.copyto, lengths_target, lengths))
         if collate_fn.mask:
-            out[f"{name}_mask"], mask_target = _place_array(writer, np.dtype(np.bool_), shape)
+            out[mask_key(name)], mask_target = _place_array(writer, np.dtype(np.bool_), shape)
             fills.append(functools.partial(_fill_mask, rows, mask_target))
     for fill in fills:
         fill()
