@@ -121,7 +121,11 @@ def check_opens_and_reads_back(out: Path, source: np.ndarray, key: str) -> None:
     assert np.ascontiguousarray(view).tobytes() == expected_bytes(source)
     sample = MmapDataset(out, fields=key)[0]
     assert np.ascontiguousarray(sample).tobytes() == expected_bytes(source)
-    for args in (["inspect", str(out)], ["inspect", "--json", str(out)], ["inspect", "--sample", "0", str(out)]):
+    for args in (
+        ["inspect", str(out)],
+        ["inspect", "--json", str(out)],
+        ["inspect", "--sample", "0", str(out)],
+    ):
         result = CliRunner().invoke(cli, args)
         assert result.exit_code == 0, result.output
     report = verify(out, sources=True)
