@@ -22,7 +22,7 @@ import numpy as np
 from . import fsutil, provenance, publish, writer
 from .errors import MismatchError, OutputError, SourceError
 from .inputs import discover_sources
-from .npzfile import MemberHeader, MemberLocation
+from .npzfile import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, MemberLocation, header_limit
 from .parallel import Mapper, worker_map
 from .plan import Plan, PlanBuilder, drop_files
 from .progress import Progress, progress_display
@@ -59,6 +59,7 @@ def convert(
     align: int = MIN_ALIGN,
     overwrite: bool = False,
     progress: Progress | str | None = None,
+    max_header_size: int | HeaderLimit | None = None,
 ) -> ConvertResult:
     """Convert NPZ and .npy files (one sample each) into a dataset directory at ``out_dir``.
 
@@ -75,6 +76,9 @@ def convert(
     array of a file shares its first dimension and each row is one sample.
     ``progress`` is a Progress object, or a mode of ``--progress`` ("auto",
     "bar", "log", "none") to show it on stderr as the CLI does; TypeError otherwise.
+    ``max_header_size`` is np.load's: the longest ``.npy`` header read, in
+    characters (default np.load's 10,000; at most 1,000,000). Raise it only for
+    files you trust, such as records of thousands of fields.
 
     Raises SourceError for unusable inputs and OutputError when ``out_dir``
     cannot be written; on any error nothing is left at ``out_dir`` and an
@@ -84,6 +88,7 @@ def convert(
     out = os.fspath(out_dir)
     display = progress_display(progress)
     check_align(align)
+    limit = header_limit(max_header_size)
     publish.check_output(out, overwrite)
     sources = select_part(discover_sources(inputs, sample_dirs, skip_bad), part)
     _refuse_output_inside_inputs(out, inputs)
@@ -95,7 +100,15 @@ def convert(
     ):
         space = free_nbytes(out)
         found = writer.MemberLocations()
-        scan = Scan(tuple(keys) if keys else None, skip_bad, parse_casts(casts), rows, align, space)
+        scan = Scan(
+            tuple(keys) if keys else None,
+            skip_bad,
+            parse_casts(casts),
+            rows,
+            align,
+            space,
+            header_limit=limit,
+        )
         try:
             batch_files = scan_batch_files(len(sources), workers or os.cpu_count() or 1)
             plan = scan.run(sources, imap, batch_files, shown, skipped, part, found)
@@ -103,6 +116,7 @@ def convert(
             if sample_dirs or not looks_like_sample_dirs(sources):
                 raise
             raise MismatchError(f"{exc} (each directory one sample? use --sample-dirs)") from exc
+        writer.check_index_nbytes(out, plan, len(skipped) + len(plan.sources), part)
         needed = dataset_nbytes(plan, skipped, part)
         check_free_space(out, needed, space)
         locations = found.table(len(plan.sources), len(plan.fields))
@@ -355,6 +369,7 @@ class Scan:
     align: int
     max_payload_nbytes: int | None
     max_batch_samples: int = MAX_BATCH_SAMPLES
+    header_limit: HeaderLimit = NP_LOAD_LIMIT
 
     def run(
         self,
@@ -429,7 +444,7 @@ class Scan:
     def scan_one(self, path: str) -> Scanned | str:
         """A source's member headers and locations, or with --skip-bad the reason it is unusable."""
         try:
-            return scan_source(path, self.keys)
+            return scan_source(path, self.keys, self.header_limit)
         except SourceError as exc:
             if not self.skip_bad:
                 raise
