@@ -446,25 +446,29 @@ def parse_npy_header(
     length_nbytes, encoding = NPY_VERSIONS[version]
     text_nbytes = int.from_bytes(read_exactly(stream, length_nbytes, where), "little")
     # Checked before reading: a UTF-8 character takes at most 4 bytes.
-    if text_nbytes > limit.max_chars * (4 if encoding == "utf-8" else 1):
-        raise _header_too_long(text_nbytes, "bytes", limit, where)
+    bytes_per_char = 4 if encoding == "utf-8" else 1
+    if text_nbytes > limit.max_chars * bytes_per_char:
+        raise _header_too_long(text_nbytes, "bytes", -(-text_nbytes // bytes_per_char), limit, where)
     try:
         text = read_exactly(stream, text_nbytes, where).decode(encoding)
     except UnicodeDecodeError:
         raise SourceError(f"{where}: .npy header is not valid {encoding}") from None
     if len(text) > limit.max_chars:
-        raise _header_too_long(len(text), "characters", limit, where)
+        raise _header_too_long(len(text), "characters", len(text), limit, where)
     dtype, shape, fortran, nbytes = _parsed_header(text, version, where)
     return MemberHeader(key, dtype, shape, fortran, len(magic) + length_nbytes + text_nbytes, nbytes)
 
 
-def _header_too_long(length: int, unit: str, limit: HeaderLimit, where: str) -> SourceError:
-    """The error for a header over the limit: np.load's default says so, and the way out is named."""
+def _header_too_long(
+    length: int, unit: str, fewest_chars: int, limit: HeaderLimit, where: str
+) -> SourceError:
+    """The error for a header over the limit: np.load's default says so, and the way out is named
+    (a limit of ``length`` reads it, as a text of ``length`` bytes has at most that many characters)."""
     default = " (np.load's default)" if limit.max_chars == MAX_NPY_HEADER_CHARS else ""
-    if length > MAX_HEADER_SIZE_LIMIT:
+    if fewest_chars > MAX_HEADER_SIZE_LIMIT:
         way_out = f"npz2mmap reads no header over {MAX_HEADER_SIZE_LIMIT:,} characters"
     else:
-        way_out = f"pass {limit.option.format(length)} if you trust this file"
+        way_out = f"pass {limit.option.format(min(length, MAX_HEADER_SIZE_LIMIT))} if you trust this file"
     return SourceError(
         f"{where}: .npy header of {length:,} {unit} exceeds the limit of {limit.max_chars:,}"
         f"{default}; {way_out}"

@@ -245,3 +245,18 @@ def test_a_header_is_read_exactly_when_np_load_reads_it_with_that_max_header_siz
         assert "exceeds the limit" in str(exc)
         return
     assert expected is not None and (ours.dtype, ours.shape) == (expected.dtype, expected.shape)
+
+
+def test_a_long_utf8_header_is_measured_in_characters_as_np_load_measures_it(tmp_path) -> None:
+    """1,500,001 bytes of a version 3.0 header may be 500,001 characters, which the hard bound allows."""
+    path = tmp_path / "s.npy"
+    path.write_bytes(npy_with_header("\u20ac" * 500_000, version=(3, 0)))
+    with pytest.raises(SourceError) as raised:
+        convert([path], tmp_path / "out", workers=1)
+    assert str(raised.value) == (
+        f"{path}: .npy header of 1,500,001 bytes exceeds the limit of 10,000 (np.load's default); "
+        "pass max_header_size=1000000 if you trust this file"
+    )
+    with pytest.raises(SourceError) as raised:
+        convert([path], tmp_path / "out", workers=1, max_header_size=MAX_HEADER_SIZE_LIMIT)
+    assert str(raised.value) == f"{path}: .npy header is not a valid Python literal"
