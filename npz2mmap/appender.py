@@ -289,6 +289,7 @@ class Writer:
         if not self._builder.num_sources and self.part is None:
             raise SourceError(f"{self.out_dir}: no sample was appended; a dataset needs at least one")
         plan = self._builder.finish(self._names, allow_empty=True)
+        writer.check_index_nbytes(self.out_dir, plan, 0, self.part)
         found = find_nearly_fixed(plan)
         check_free_space(self.out_dir, dataset_nbytes(plan, (), self.part), free_nbytes(self.out_dir))
         staging = make_staging_dir(self.out_dir)

@@ -25,6 +25,7 @@ from .converter import convert as convert_files
 from .errors import Npz2mmapError, UnknownKeyError
 from .inputs import npy_with_sample_dirs
 from .merge import merge as merge_parts
+from .npzfile import CLI_HEADER_OPTION, MAX_HEADER_SIZE_LIMIT, MAX_NPY_HEADER_CHARS, HeaderLimit
 from .progress import PROGRESS_MODES, showing_progress
 from .render import human_bytes, plural, render_json, render_sample, render_summary
 from .shapes import NearlyFixed, describe_nearly_fixed
@@ -201,6 +202,23 @@ def cli() -> None:
     """Convert many .npz or .npy files into one memory-mapped dataset for PyTorch."""
 
 
+def _header_limit(ctx: click.Context, param: click.Parameter, value: int) -> HeaderLimit:
+    """The limit, with messages naming this option rather than convert()'s keyword."""
+    return HeaderLimit(value, CLI_HEADER_OPTION)
+
+
+max_header_size_option = click.option(
+    "--max-header-size",
+    type=click.IntRange(1, MAX_HEADER_SIZE_LIMIT),
+    default=MAX_NPY_HEADER_CHARS,
+    show_default=True,
+    callback=_header_limit,
+    metavar="N",
+    help=f"Read .npy headers of up to N characters (np.load's max_header_size; at most "
+    f"{MAX_HEADER_SIZE_LIMIT:,}). Raise it only for files you trust, such as records of thousands of fields.",
+)
+
+
 def output_option(help_text: str) -> Callable[[F], F]:
     return click.option(
         "-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False), help=help_text
@@ -270,6 +288,7 @@ def output_option(help_text: str) -> Callable[[F], F]:
 @click.option(
     "--overwrite", is_flag=True, help="Replace an existing dataset at OUT once the new one is complete."
 )
+@max_header_size_option
 @progress_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress and no summary (--progress none).")
 @friendly_errors
@@ -286,6 +305,7 @@ def convert(
     workers: int | None,
     align: int,
     overwrite: bool,
+    max_header_size: HeaderLimit,
     progress_mode: str,
     quiet: bool,
 ) -> None:
@@ -318,6 +338,7 @@ def convert(
             align=align,
             overwrite=overwrite,
             progress=progress,
+            max_header_size=max_header_size,
         )
     if result.skipped:
         first_reason = result.skipped[0][1]
@@ -408,13 +429,16 @@ def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> Non
 @cli.command()
 @click.argument("dataset", type=click.Path(file_okay=False))
 @click.option("--sources", is_flag=True, help="Also compare every sample bit for bit with its source file.")
+@max_header_size_option
 @progress_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress; print only problems (--progress none).")
 @friendly_errors
-def verify(dataset: str, sources: bool, progress_mode: str, quiet: bool) -> None:
+def verify(
+    dataset: str, sources: bool, max_header_size: HeaderLimit, progress_mode: str, quiet: bool
+) -> None:
     """Check a dataset's checksums and tables; exit 0 only if all is well."""
     with showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress:
-        report = verify_dataset(dataset, sources=sources, progress=progress)
+        report = verify_dataset(dataset, sources=sources, progress=progress, max_header_size=max_header_size)
     for problem in report.problems:
         click.echo(one_line(problem), err=True)
     if not report.ok:

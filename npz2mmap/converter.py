@@ -22,7 +22,7 @@ import numpy as np
 from . import fsutil, provenance, publish, writer
 from .errors import FixedShapeError, MismatchError, OutputError, SourceError
 from .inputs import discover_sources
-from .npzfile import MemberHeader, MemberLocation
+from .npzfile import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, MemberLocation, header_limit
 from .parallel import Mapper, worker_map
 from .plan import CLI_HINTS, Plan, PlanBuilder, drop_files
 from .progress import Progress, progress_display
@@ -62,6 +62,7 @@ def convert(
     align: int = MIN_ALIGN,
     overwrite: bool = False,
     progress: Progress | str | None = None,
+    max_header_size: int | HeaderLimit | None = None,
 ) -> ConvertResult:
     """Convert NPZ and .npy files (one sample each) into a dataset directory at ``out_dir``.
 
@@ -83,6 +84,9 @@ def convert(
     array of a file shares its first dimension and each row is one sample.
     ``progress`` is a Progress object, or a mode of ``--progress`` ("auto",
     "bar", "log", "none") to show it on stderr as the CLI does; TypeError otherwise.
+    ``max_header_size`` is np.load's: the longest ``.npy`` header read, in
+    characters (default np.load's 10,000; at most 1,000,000). Raise it only for
+    files you trust, such as records of thousands of fields.
 
     Raises SourceError for unusable inputs and OutputError when ``out_dir``
     cannot be written; on any error nothing is left at ``out_dir`` and an
@@ -93,6 +97,7 @@ def convert(
     display = progress_display(progress)
     check_align(align)
     fixed_keys = parse_fixed(fixed)
+    limit = header_limit(max_header_size)
     publish.check_output(out, overwrite)
     sources = select_part(discover_sources(inputs, sample_dirs, skip_bad), part)
     _refuse_output_inside_inputs(out, inputs)
@@ -105,7 +110,14 @@ def convert(
         space = free_nbytes(out)
         found = writer.MemberLocations()
         scan = Scan(
-            tuple(keys) if keys else None, skip_bad, parse_casts(casts), rows, align, space, fixed=fixed_keys
+            tuple(keys) if keys else None,
+            skip_bad,
+            parse_casts(casts),
+            rows,
+            align,
+            space,
+            fixed=fixed_keys,
+            header_limit=limit,
         )
         try:
             batch_files = scan_batch_files(len(sources), workers or os.cpu_count() or 1)
@@ -116,6 +128,7 @@ def convert(
             raise MismatchError(f"{exc} (each directory one sample? use --sample-dirs)") from exc
         locations = found.table(len(plan.sources), len(plan.fields))
         plan, locations = hold_fixed(plan, locations, fixed_keys, skip_bad, skipped, part)
+        writer.check_index_nbytes(out, plan, len(skipped) + len(plan.sources), part)
         needed = dataset_nbytes(plan, skipped, part)
         check_free_space(out, needed, space)
         sources_nbytes = _total_file_nbytes(plan.sources) if sample_dirs else _scanned_file_nbytes(locations)
@@ -405,6 +418,7 @@ class Scan:
     max_payload_nbytes: int | None
     max_batch_samples: int = MAX_BATCH_SAMPLES
     fixed: tuple[str, ...] = ()  # keys that must be fields (hold_fixed checks their shapes after the scan)
+    header_limit: HeaderLimit = NP_LOAD_LIMIT
 
     def run(
         self,
@@ -480,7 +494,7 @@ class Scan:
     def scan_one(self, path: str) -> Scanned | str:
         """A source's member headers and locations, or with --skip-bad the reason it is unusable."""
         try:
-            return scan_source(path, self.keys)
+            return scan_source(path, self.keys, self.header_limit)
         except SourceError as exc:
             if not self.skip_bad:
                 raise

@@ -34,8 +34,12 @@ from .zipdir import FileView, ZipEntry
 NPY_SUFFIX = ".npy"
 # .npy version -> (bytes of the header length, header text encoding), as numpy reads them.
 NPY_VERSIONS = {(1, 0): (2, "latin1"), (2, 0): (4, "latin1"), (3, 0): (4, "utf-8")}
-# numpy's own limit on header size, in characters; larger headers come only from hostile files.
+# np.load's default max_header_size, in characters: the header of a dtype with thousands of
+# fields is longer (numpy's own tests save one of 145,588 bytes), so the caller may raise it.
 MAX_NPY_HEADER_CHARS = 10_000
+# The most anyone may raise it to: literal_eval's cost grows with the text, and a dtype read from
+# a header this long still fits the index (a few MiB of JSON, well under MAX_INDEX_NBYTES).
+MAX_HEADER_SIZE_LIMIT = 1_000_000
 CHUNK_NBYTES = 4 << 20
 HEADER_PIECE_NBYTES = 4096  # of a deflated member read at a time for its header
 HEADER_INFLATE_NBYTES = 256  # inflated at a time for it: a .npy header is mostly 128 bytes
@@ -66,6 +70,39 @@ ZIP_UTF8_FLAG = 0x800
 
 # What reading a damaged or hostile file can raise from the standard library.
 _READ_ERRORS = (zlib.error, OSError, ValueError)
+
+
+class HeaderLimit(NamedTuple):
+    """The longest .npy header read, in characters (np.load's ``max_header_size``), and how a
+    message names the option that raises it (formatted with the length that would do)."""
+
+    max_chars: int = MAX_NPY_HEADER_CHARS
+    option: str = "max_header_size={}"
+
+
+NP_LOAD_LIMIT = HeaderLimit()
+CLI_HEADER_OPTION = "--max-header-size {}"
+
+
+# The copy re-reads headers the scan accepted; their length is fixed by the member's scanned size.
+SCANNED_LIMIT = HeaderLimit(MAX_HEADER_SIZE_LIMIT)
+
+
+def header_limit(max_header_size: int | HeaderLimit | None) -> HeaderLimit:
+    """The limit a caller asked for: None for np.load's default, or a number of characters (a
+    HeaderLimit, as the CLI passes, also names its option). TypeError unless an int, ValueError
+    unless from 1 to MAX_HEADER_SIZE_LIMIT."""
+    if max_header_size is None:
+        return NP_LOAD_LIMIT
+    limit = max_header_size if isinstance(max_header_size, HeaderLimit) else HeaderLimit(max_header_size)
+    chars = limit.max_chars
+    if not isinstance(chars, int) or isinstance(chars, bool):
+        raise TypeError(f"max_header_size must be an integer, not {type(chars).__name__}")
+    if not 1 <= chars <= MAX_HEADER_SIZE_LIMIT:
+        raise ValueError(
+            f"max_header_size must be from 1 to {MAX_HEADER_SIZE_LIMIT:,} characters, found {chars:,}"
+        )
+    return limit
 
 
 @dataclass(frozen=True)
@@ -212,7 +249,9 @@ def _refuse_into_directory(entry: ZipEntry, directory_offset: int, path: str) ->
     )
 
 
-def read_member_header(view: FileView, entry: ZipEntry, path: str) -> tuple[MemberHeader, MemberLocation]:
+def read_member_header(
+    view: FileView, entry: ZipEntry, path: str, limit: HeaderLimit = NP_LOAD_LIMIT
+) -> tuple[MemberHeader, MemberLocation]:
     """Check a member's zip sizes, then read its .npy header; SourceError naming file and key.
 
     The header is read from the member's bytes where the zip says they are,
@@ -223,7 +262,7 @@ def read_member_header(view: FileView, entry: ZipEntry, path: str) -> tuple[Memb
     where = f"{path}[{key}]"
     location = check_member_sizes(view, entry, path)
     try:
-        header = parse_npy_header(_MemberStart(view, location), key, where)
+        header = parse_npy_header(_MemberStart(view, location), key, where, limit)
     except zlib.error as exc:
         raise SourceError(f"{where}: {exc}") from exc
     declared = header.header_nbytes + header.nbytes
@@ -389,12 +428,14 @@ class Readable(Protocol):
     def read(self, nbytes: int, /) -> bytes: ...
 
 
-def parse_npy_header(stream: Readable, key: str, where: str) -> MemberHeader:
+def parse_npy_header(
+    stream: Readable, key: str, where: str, limit: HeaderLimit = NP_LOAD_LIMIT
+) -> MemberHeader:
     """Parse a .npy header (versions 1.0, 2.0, 3.0) from the start of ``stream``.
 
-    Accepts exactly the headers np.load accepts (numpy/lib/_format_impl.py,
-    ``_read_array_header`` and ``read_array``), except dtypes that hold Python
-    objects or have no size; never evaluates code. Raises SourceError.
+    Accepts exactly the headers np.load accepts with ``max_header_size=limit.max_chars``
+    (numpy/lib/_format_impl.py, ``_read_array_header`` and ``read_array``), except
+    dtypes that hold Python objects or have no size; never evaluates code. Raises SourceError.
     """
     magic = read_exactly(stream, len(NPY_MAGIC) + 2, where)
     if magic[: len(NPY_MAGIC)] != NPY_MAGIC:
@@ -404,19 +445,34 @@ def parse_npy_header(stream: Readable, key: str, where: str) -> MemberHeader:
         raise SourceError(f"{where}: .npy format version {version[0]}.{version[1]} is not supported")
     length_nbytes, encoding = NPY_VERSIONS[version]
     text_nbytes = int.from_bytes(read_exactly(stream, length_nbytes, where), "little")
-    max_text_nbytes = MAX_NPY_HEADER_CHARS * (4 if encoding == "utf-8" else 1)
-    if text_nbytes > max_text_nbytes:
-        raise SourceError(f"{where}: .npy header of {text_nbytes} bytes is larger than {max_text_nbytes}")
+    # Checked before reading: a UTF-8 character takes at most 4 bytes.
+    bytes_per_char = 4 if encoding == "utf-8" else 1
+    if text_nbytes > limit.max_chars * bytes_per_char:
+        raise _header_too_long(text_nbytes, "bytes", -(-text_nbytes // bytes_per_char), limit, where)
     try:
         text = read_exactly(stream, text_nbytes, where).decode(encoding)
     except UnicodeDecodeError:
         raise SourceError(f"{where}: .npy header is not valid {encoding}") from None
-    if len(text) > MAX_NPY_HEADER_CHARS:
-        raise SourceError(
-            f"{where}: .npy header of {len(text)} characters is larger than {MAX_NPY_HEADER_CHARS}"
-        )
+    if len(text) > limit.max_chars:
+        raise _header_too_long(len(text), "characters", len(text), limit, where)
     dtype, shape, fortran, nbytes = _parsed_header(text, version, where)
     return MemberHeader(key, dtype, shape, fortran, len(magic) + length_nbytes + text_nbytes, nbytes)
+
+
+def _header_too_long(
+    length: int, unit: str, fewest_chars: int, limit: HeaderLimit, where: str
+) -> SourceError:
+    """The error for a header over the limit: np.load's default says so, and the way out is named
+    (a limit of ``length`` reads it, as a text of ``length`` bytes has at most that many characters)."""
+    default = " (np.load's default)" if limit.max_chars == MAX_NPY_HEADER_CHARS else ""
+    if fewest_chars > MAX_HEADER_SIZE_LIMIT:
+        way_out = f"npz2mmap reads no header over {MAX_HEADER_SIZE_LIMIT:,} characters"
+    else:
+        way_out = f"pass {limit.option.format(min(length, MAX_HEADER_SIZE_LIMIT))} if you trust this file"
+    return SourceError(
+        f"{where}: .npy header of {length:,} {unit} exceeds the limit of {limit.max_chars:,}"
+        f"{default}; {way_out}"
+    )
 
 
 def _parsed_header(text: str, version: tuple[int, int], where: str) -> ParsedHeader:

@@ -25,7 +25,6 @@ from .spec import (
     BLOB_HEADER_NBYTES,
     CRC_DTYPE,
     IDENTITY_NBYTES,
-    MAX_DTYPE_DEPTH,
     MAX_NDIM,
     MAX_PAYLOAD_NBYTES,
     OFFSET_DTYPE,
@@ -33,7 +32,7 @@ from .spec import (
     Region,
     brief,
     checked_nbytes,
-    dtype_depth,
+    dtype_nesting_problem,
     field_name_problem,
     representable_nbytes,
     storage_dtype,
@@ -135,11 +134,9 @@ class _FieldCollector:
                 f"{path}[{header.key}]: a {self.ndim}-d array leaves no room for the sample axis "
                 f"(numpy allows {MAX_NDIM} dimensions)"
             )
-        if dtype_depth(self.dtype) > MAX_DTYPE_DEPTH:
-            raise SourceError(
-                f"{path}[{header.key}]: dtype nests records more than {MAX_DTYPE_DEPTH} levels deep, "
-                "more than a dataset may hold"
-            )
+        nesting = dtype_nesting_problem(self.dtype)
+        if nesting is not None:
+            raise SourceError(f"{path}[{header.key}]: dtype {nesting}, more than a dataset may hold")
 
     def check(self, header: MemberHeader, path: str) -> tuple[array[int], bool]:
         """The dims this member adds (one sample's shape per row) and whether its values are cast

@@ -25,8 +25,10 @@ from .npzfile import (
     CHUNK_NBYTES,
     IN_SAMPLE_DIR,
     NO_CRC32,
+    NP_LOAD_LIMIT,
     NPY_FILE,
     NPY_SUFFIX,
+    HeaderLimit,
     MemberHeader,
     MemberLocation,
     check_no_overlap,
@@ -109,9 +111,12 @@ def kind_scanned(location: MemberLocation) -> str:
 
 
 @contextlib.contextmanager
-def open_source(path: str, scanned: str | None = None) -> Iterator[Source]:
+def open_source(
+    path: str, scanned: str | None = None, limit: HeaderLimit = NP_LOAD_LIMIT
+) -> Iterator[Source]:
     """Open a source by what it is (see kind_now). Raises SourceError naming the path, also when
-    it is no longer what the scan found (``scanned``, one of kind_now's answers)."""
+    it is no longer what the scan found (``scanned``, one of kind_now's answers); headers
+    longer than ``limit`` are refused."""
     mode = _mode_now(path)
     kind = _kind(path, mode)
     if scanned is not None and kind != scanned:
@@ -121,13 +126,13 @@ def open_source(path: str, scanned: str | None = None) -> Iterator[Source]:
         # this check is refused by the type of the descriptor opened.
         _check_regular(path, mode)
     if kind == SAMPLE_DIR:
-        with _SampleDir(path) as sample_dir:
+        with _SampleDir(path, limit) as sample_dir:
             yield sample_dir
     elif kind == NPY:
-        with _NpyFile(path) as npy:
+        with _NpyFile(path, limit) as npy:
             yield _OneArray(npy)
     else:
-        with _Npz(path) as npz:
+        with _Npz(path, limit) as npz:
             yield npz
 
 
@@ -137,10 +142,10 @@ def read_headers(path: str, keys: Sequence[str] | None = None) -> dict[str, Memb
 
 
 def scan_source(
-    path: str, keys: Sequence[str] | None = None
+    path: str, keys: Sequence[str] | None = None, limit: HeaderLimit = NP_LOAD_LIMIT
 ) -> tuple[dict[str, MemberHeader], dict[str, MemberLocation]]:
     """The headers of ``keys`` (all if None) of one source and where each member lies."""
-    with open_source(path) as source:
+    with open_source(path, limit=limit) as source:
         available = source.keys()
         headers = {}
         for key in available if keys is None else keys:
@@ -153,8 +158,9 @@ def scan_source(
 class _Npz:
     """An NPZ file, opened at once; its zip directory is parsed only when keys or headers are asked."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, limit: HeaderLimit) -> None:
         self.path = path
+        self.limit = limit
         try:
             self.fd, self.file_nbytes = open_regular_file(path)
         except OSError as exc:
@@ -184,7 +190,7 @@ class _Npz:
 
     def header(self, key: str) -> MemberHeader:
         view, entries = self._zip()
-        header, self.locations[key] = read_member_header(view, entries[key], self.path)
+        header, self.locations[key] = read_member_header(view, entries[key], self.path, self.limit)
         return header
 
     def data_chunks(self, key: str, header: MemberHeader) -> Iterator[bytes]:
@@ -208,8 +214,9 @@ class _NpyFile:
     member, so that a ``.npy`` file converts exactly as the NPZ holding it would.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, limit: HeaderLimit) -> None:
         self.path = path
+        self.limit = limit
         self.fp = _open_npy(path)
         self.header_crc32 = NO_CRC32  # of the header bytes header() last read
 
@@ -225,7 +232,7 @@ class _NpyFile:
             raise SourceError(f"{self.path}: empty file (0 bytes), not a .npy array")
         with source_errors(self.path):
             self.fp.seek(0)
-            header = parse_npy_header(self.fp, key, self.path)
+            header = parse_npy_header(self.fp, key, self.path, self.limit)
         declared = header.header_nbytes + header.nbytes
         if declared > file_nbytes:
             raise SourceError(
@@ -296,8 +303,9 @@ class _OneArray:
 class _SampleDir:
     """A directory whose ``NAME.npy`` files are the fields of one sample, opened on first use."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, limit: HeaderLimit) -> None:
         self.path = path
+        self.limit = limit
         self.files = sample_dir_files(path)
         self.opened: dict[str, _NpyFile] = {}
         self.stack = contextlib.ExitStack()
@@ -332,7 +340,7 @@ class _SampleDir:
             mode = _mode_now(path)
             if mode:  # never open a pipe, device or socket, as open_source never does
                 _check_regular(path, mode)
-            self.opened[key] = self.stack.enter_context(_NpyFile(path))
+            self.opened[key] = self.stack.enter_context(_NpyFile(path, self.limit))
         return self.opened[key]
 
 

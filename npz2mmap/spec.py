@@ -60,8 +60,11 @@ MAX_PAYLOAD_NBYTES = MAX_NBYTES - BLOB_HEADER_NBYTES
 # numbers are refused before Python converts them (which is quadratic, and
 # past 4300 digits a ValueError).
 MAX_INT_DIGITS = len(str(MAX_NBYTES))
-# numpy (and our own parsing) recurses once per level of nested records.
+# numpy (and our own parsing) recurses once per level of nested records, and once per
+# subarray: a record member may be a subarray of a subarray (numpy keeps those unflattened).
 MAX_DTYPE_DEPTH = 32
+# Records and subarrays counted together: room for a subarray member at every record level.
+MAX_DTYPE_NESTING = 2 * MAX_DTYPE_DEPTH
 # Field names are keys of index.json, of each sample's dict and of every message naming a field.
 MAX_FIELD_NAME_CHARS = 255
 # C0 and C1 controls and Unicode line breaks: a name holding one would break a line of output.
@@ -296,12 +299,14 @@ MAX_DESCR_CHARS = 64
 def dtype_from_json(value: Any, where: str) -> np.dtype:
     """Parse a stored dtype; refuse anything not little-endian, sized and pickle-free.
 
-    Records nested more than MAX_DTYPE_DEPTH levels are refused before numpy
-    recurses into them, and so is a subarray dtype, which the converter never
-    stores: a field's shape is in ``shape``, its dtype describes one element.
+    Records nested more than MAX_DTYPE_DEPTH levels, or records and subarrays
+    together more than MAX_DTYPE_NESTING, are refused before numpy recurses
+    into them, and so is a subarray dtype, which the converter never stores:
+    a field's shape is in ``shape``, its dtype describes one element.
     """
-    if _record_depth(value) > MAX_DTYPE_DEPTH:
-        raise FormatError(f"{where}: dtype nests records more than {MAX_DTYPE_DEPTH} levels deep")
+    problem = _nesting_problem(*_descr_nesting(value))
+    if problem is not None:
+        raise FormatError(f"{where}: dtype {problem}")
     try:
         dtype = np.lib.format.descr_to_dtype(_descr_from_json(value))
     except (TypeError, ValueError, KeyError, IndexError, OverflowError, SyntaxError, MemoryError) as exc:
@@ -322,26 +327,69 @@ def dtype_from_json(value: Any, where: str) -> np.dtype:
     return dtype
 
 
-def _record_depth(value: Any) -> int:
-    """How deeply records nest in a JSON descr, counted without recursion and stopping past the limit."""
-    depth, level = 0, [value]
-    while level and depth <= MAX_DTYPE_DEPTH:
-        records = [item for item in level if isinstance(item, list)]
-        depth += bool(records)
-        entries = [entry for record in records for entry in record if isinstance(entry, list)]
-        level = [entry[1] for entry in entries if len(entry) > 1]
-    return depth
+def dtype_nesting_problem(dtype: np.dtype) -> str | None:
+    """What makes ``dtype`` nest too deeply for a dataset (see dtype_from_json), or None."""
+    return _nesting_problem(*_dtype_nesting(dtype))
 
 
-def dtype_depth(dtype: np.dtype) -> int:
-    """How deeply records nest in ``dtype`` (0 for a plain dtype), as _record_depth counts a descr."""
-    depth, level = 0, [dtype]
-    while level and depth <= MAX_DTYPE_DEPTH:
-        level = [d.subdtype[0] if d.subdtype is not None else d for d in level]
-        records = [d.fields for d in level if d.fields is not None]
-        depth += bool(records)
-        level = [entry[0] for fields in records for entry in fields.values()]
-    return depth
+def _nesting_problem(records: int, levels: int) -> str | None:
+    if records > MAX_DTYPE_DEPTH:
+        return f"nests records more than {MAX_DTYPE_DEPTH} levels deep"
+    if levels > MAX_DTYPE_NESTING:
+        return f"nests records and subarrays more than {MAX_DTYPE_NESTING} levels deep"
+    return None
+
+
+def _descr_nesting(value: Any) -> tuple[int, int]:
+    """How deeply records, and records and subarrays together, nest in a JSON descr.
+
+    Walked without recursion, stopping past either limit. A record member
+    ``[name, descr, shape]`` counts as a subarray of ``descr``.
+    """
+    deepest = (0, 0)
+    stack = [(value, 0, 0)]
+    while stack:
+        node, records, levels = stack.pop()
+        deepest = max(deepest[0], records), max(deepest[1], levels)
+        if records > MAX_DTYPE_DEPTH or levels > MAX_DTYPE_NESTING:
+            break
+        if _is_subarray_descr(node):
+            stack.append((node[0], records, levels + 1))
+        elif isinstance(node, list):
+            for entry in node:
+                if isinstance(entry, list) and len(entry) > 1:
+                    stack.append((entry[1], records + 1, levels + 1 + (len(entry) > 2)))
+    return deepest
+
+
+def _dtype_nesting(dtype: np.dtype) -> tuple[int, int]:
+    """How deeply records, and records and subarrays together, nest in ``dtype``, as _descr_nesting counts."""
+    deepest = (0, 0)
+    stack = [(dtype, 0, 0)]
+    while stack:
+        node, records, levels = stack.pop()
+        deepest = max(deepest[0], records), max(deepest[1], levels)
+        if records > MAX_DTYPE_DEPTH or levels > MAX_DTYPE_NESTING:
+            break
+        if node.subdtype is not None:
+            stack.append((node.subdtype[0], records, levels + 1))
+        elif node.fields is not None:
+            stack.extend((node.fields[name][0], records + 1, levels + 1) for name in node.names or ())
+    return deepest
+
+
+def _is_subarray_descr(value: Any) -> bool:
+    """Whether a JSON descr is numpy's subarray descr ``(descr, shape)``: ``[descr, [n, ...]]``.
+
+    A record's second member is a list starting with a name, never a list of ints.
+    """
+    return (
+        isinstance(value, list)
+        and len(value) == 2
+        and isinstance(value[1], list)
+        and len(value[1]) > 0
+        and all(type(n) is int for n in value[1])
+    )
 
 
 def _descr_from_json(value: Any) -> Any:
@@ -351,6 +399,8 @@ def _descr_from_json(value: Any) -> Any:
         return value
     if not isinstance(value, list):
         raise TypeError("expected a string or a list of fields")
+    if _is_subarray_descr(value):
+        return (_descr_from_json(value[0]), tuple(value[1]))
     return [_record_field_from_json(item) for item in value]
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from . import provenance
 from .elements import ByteReader, Piece, stored_pieces
 from .errors import FormatError, SourceError
-from .npzfile import CHUNK_NBYTES, MemberHeader
+from .npzfile import CHUNK_NBYTES, HeaderLimit, MemberHeader, header_limit
 from .parts import Parts, resolve_parts
 from .plan import can_cast
 from .progress import Progress, SilentProgress
@@ -46,28 +46,33 @@ class VerifyReport:
 
 
 def verify(
-    path: str | os.PathLike[str], sources: bool = False, progress: Progress | None = None
+    path: str | os.PathLike[str],
+    sources: bool = False,
+    progress: Progress | None = None,
+    max_header_size: int | HeaderLimit | None = None,
 ) -> VerifyReport:
     """Check a dataset (or every part of a multi-part one) and report every problem found.
 
-    With ``sources``, also compare every sample with its source (NPZ, .npy or sample directory).
+    With ``sources``, also compare every sample with its source (NPZ, .npy or sample directory),
+    reading ``.npy`` headers up to ``max_header_size`` characters, as ``convert`` does.
     Raises nothing for a damaged dataset: problems go into the report.
     Sample numbers in a multi-part report are global, problems name the part.
     """
     progress = progress or SilentProgress()
+    limit = header_limit(max_header_size)
     try:
         parts = resolve_parts(path)
     except FormatError as exc:
         return VerifyReport(os.fspath(path), problems=[str(exc)])
     if len(parts) == 1:
-        return _verify_one(parts[0], sources, progress)
+        return _verify_one(parts[0], sources, progress, limit)
     report = VerifyReport(os.fspath(path), sources_checked=sources)
     try:
         Parts(parts)
     except FormatError as exc:
         report.problems.append(str(exc))
     for part in parts:
-        one = _verify_one(part, sources, progress)
+        one = _verify_one(part, sources, progress, limit)
         report.problems += [f"part {part}: {problem}" for problem in one.problems]
         for name, samples in one.bad_samples.items():
             report.bad_samples.setdefault(name, []).extend(report.num_samples + i for i in samples)
@@ -77,7 +82,7 @@ def verify(
     return report
 
 
-def _verify_one(path: str, sources: bool, progress: Progress) -> VerifyReport:
+def _verify_one(path: str, sources: bool, progress: Progress, limit: HeaderLimit) -> VerifyReport:
     report = VerifyReport(path)
     try:
         index = load_index(report.path)
@@ -93,7 +98,7 @@ def _verify_one(path: str, sources: bool, progress: Progress) -> VerifyReport:
     source_files = _check_provenance_files(report, index)
     if sources and source_files is not None:
         progress.stage("compare", index.num_samples, 0, unit="samples")
-        _compare_sources(reader, source_files, report, progress)
+        _compare_sources(reader, source_files, report, progress, limit)
         report.sources_checked = True
     return report
 
@@ -163,7 +168,11 @@ def _check_provenance_files(report: VerifyReport, index: Index) -> tuple[list[st
 
 
 def _compare_sources(
-    reader: DatasetReader, sources: tuple[list[str], Any], report: VerifyReport, progress: Progress
+    reader: DatasetReader,
+    sources: tuple[list[str], Any],
+    report: VerifyReport,
+    progress: Progress,
+    limit: HeaderLimit,
 ) -> None:
     """Compare each sample with its source: a file, or in rows mode a row of a file.
 
@@ -178,7 +187,7 @@ def _compare_sources(
             progress.advance(count, 0)
             continue
         rows: list[int | None] = list(range(count)) if rows_mode else [None]
-        for offset, problem in _compare_file(reader, first, path, rows):
+        for offset, problem in _compare_file(reader, first, path, rows, limit):
             if offset == WHOLE_FILE:
                 report.problems.append(f"{path}: {problem}")
                 continue
@@ -191,7 +200,7 @@ def _compare_sources(
 
 
 def _compare_file(
-    reader: DatasetReader, first: int, path: str, rows: list[int | None]
+    reader: DatasetReader, first: int, path: str, rows: list[int | None], limit: HeaderLimit
 ) -> Iterator[tuple[int, str]]:
     """Stream each member of one source and compare its stored samples byte for byte.
 
@@ -200,7 +209,7 @@ def _compare_file(
     bytes, record padding included. Memory stays bounded whatever the size.
     """
     try:
-        with open_source(path) as source:
+        with open_source(path, limit=limit) as source:
             keys = source.keys()
             for name in reader.field_names:
                 if name not in keys:

@@ -9,6 +9,7 @@ Where the files go and how they are published is ``publish``'s business.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import zlib
 from array import array
@@ -21,7 +22,14 @@ from numpy.typing import NDArray
 from . import __version__, fsutil, provenance
 from .elements import ByteReader, Piece, stored_pieces
 from .errors import MismatchError, SourceError
-from .npzfile import CHUNK_NBYTES, LOCATION_FIELDS, MemberHeader, MemberLocation, parse_npy_header
+from .npzfile import (
+    CHUNK_NBYTES,
+    LOCATION_FIELDS,
+    SCANNED_LIMIT,
+    MemberHeader,
+    MemberLocation,
+    parse_npy_header,
+)
 from .plan import FieldPlan, Plan, can_cast
 from .sources import kind_scanned, open_source
 from .spec import (
@@ -29,6 +37,7 @@ from .spec import (
     BLOB_NAME,
     CRC_DTYPE,
     INDEX_NAME,
+    MAX_INDEX_NBYTES,
     OFFSET_DTYPE,
     SHAPE_DTYPE,
     SKIPPED_NAME,
@@ -38,6 +47,7 @@ from .spec import (
     Region,
     blob_header,
     blob_identity,
+    dtype_to_json,
     index_digest,
     index_to_json,
     storage_dtype,
@@ -185,12 +195,12 @@ def _copy_file(
     nbytes = 0
     locations = [MemberLocation(*values) for values in task.locations[i].tolist()]  # Python ints
     scanned = kind_scanned(locations[0]) if task.fields else None
-    with open_source(path, scanned) as source:
+    with open_source(path, scanned, SCANNED_LIMIT) as source:
         for field, location in zip(task.fields, locations, strict=True):
             member = _member_task(field, i, rows, task.mode)
             where = f"{path}[{member.key}]"
             reader = ByteReader(source.located_bytes(member.key, location), where)
-            header = parse_npy_header(_HeaderStream(reader), member.key, where)
+            header = parse_npy_header(_HeaderStream(reader), member.key, where, SCANNED_LIMIT)
             if header.header_nbytes + header.nbytes != location.nbytes or not _matches_plan(header, member):
                 raise SourceError(f"{where}: changed since it was scanned")
             chunks = _rest(reader, header.nbytes)
@@ -474,6 +484,20 @@ def index_nbytes_bound(plan: Plan, max_skipped: int, part: tuple[int, int] | Non
     no_crcs = np.zeros(0, dtype=CRC_DTYPE)
     fields = tuple(_table_field(f, no_crcs, widest) for f in plan.fields)
     return len(index_to_json(_plan_index(plan, fields, max_skipped, part)).encode("utf-8"))
+
+
+def check_index_nbytes(out_dir: str, plan: Plan, max_skipped: int, part: tuple[int, int] | None) -> None:
+    """SourceError, before anything is copied, when index.json would be larger than readers accept:
+    records of very many fields (their descriptions are in it) in several keys."""
+    nbytes = index_nbytes_bound(plan, max_skipped, part)
+    if nbytes <= MAX_INDEX_NBYTES:
+        return
+    sizes = {f.name: len(json.dumps(dtype_to_json(f.dtype))) for f in plan.fields}
+    largest = max(sizes, key=sizes.__getitem__)
+    raise SourceError(
+        f"{out_dir}: index.json would be {nbytes:,} bytes, more than the {MAX_INDEX_NBYTES:,} a reader "
+        f"accepts (the dtype of field {largest!r} alone takes {sizes[largest]:,}); convert fewer keys"
+    )
 
 
 def _write_index(path: str, text: bytes) -> None:

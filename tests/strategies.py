@@ -30,6 +30,44 @@ def dtypes() -> st.SearchStrategy[np.dtype]:
     return st.one_of(scalar_dtypes(), records)
 
 
+BYTE_ORDERS = (None, "<", ">", "=")
+
+
+@st.composite
+def nested_dtypes(draw: st.DrawFn, depth: int = 3) -> np.dtype:
+    """numpy's dtype space for one element: scalars and records nesting records and subarrays.
+
+    Record members may be scalars, records or subarrays of either (and
+    subarrays of subarrays, which numpy keeps unflattened inside a record);
+    records are packed, aligned or laid out with explicit offsets and a larger
+    itemsize (padding), with titles or without names (numpy names them f0...);
+    any part may be forced to a byte order.
+    """
+    if depth == 0 or draw(st.integers(0, 2)) == 0:
+        return draw(scalar_dtypes())
+    members = []
+    for _ in range(draw(st.integers(0, 3))):
+        member = draw(nested_dtypes(depth - 1))
+        for _ in range(draw(st.integers(0, 2))):
+            member = np.dtype((member, draw(st.sampled_from([(2,), (1, 3), (3,)]))))
+        members.append(member)
+    names = [f"n{k}" for k in range(len(members))]
+    layout = draw(st.sampled_from(["packed", "aligned", "offsets", "titles"]))
+    if layout == "offsets" or not members:
+        offsets, end = [], 0
+        for member in members:
+            offsets.append(end + draw(st.integers(0, 3)))
+            end = offsets[-1] + member.itemsize
+        itemsize = max(1, end + draw(st.integers(0, 3)))
+        dtype = np.dtype({"names": names, "formats": members, "offsets": offsets, "itemsize": itemsize})
+    elif layout == "titles":
+        dtype = np.dtype({"names": names, "formats": members, "titles": [f"title {n}" for n in names]})
+    else:
+        dtype = np.dtype({"names": names, "formats": members}, align=layout == "aligned")
+    order = draw(st.sampled_from(BYTE_ORDERS))
+    return dtype if order is None else dtype.newbyteorder(order)
+
+
 def array_shapes() -> st.SearchStrategy[tuple[int, ...]]:
     return hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5)
 

@@ -54,6 +54,11 @@ def nested_records(depth: int, leaf: str) -> str:
     return '[["a", ' * depth + json.dumps(leaf) + "]]" * depth
 
 
+def nested_subarrays(depth: int, leaf: str) -> str:
+    """The JSON text of a record whose member is a subarray of a subarray ... ``depth`` levels deep."""
+    return '[["a", ' + "[" * depth + json.dumps(leaf) + ", [1]]" * depth + "]]"
+
+
 def with_label_dtype(descr_text: str) -> bytes:
     """The golden index with the <i8 'label' field's dtype replaced by raw JSON text."""
     assert GOLDEN_TEXT.count('"dtype": "<i8"') == 1
@@ -72,6 +77,14 @@ FORGED_INDEXES: dict[str, tuple[Callable[[dict], Any] | bytes, str]] = {
     "records nested 450 deep": (
         with_label_dtype(nested_records(450, "<i8")),
         "fields[1] ('label'): dtype nests records more than 32 levels deep",
+    ),
+    "subarrays nested 64 deep in a record": (
+        with_label_dtype(nested_subarrays(64, "<i8")),
+        "fields[1] ('label'): dtype nests records and subarrays more than 64 levels deep",
+    ),
+    "subarrays nested 450 deep in a record": (
+        with_label_dtype(nested_subarrays(450, "<i8")),
+        "fields[1] ('label'): dtype nests records and subarrays more than 64 levels deep",
     ),
     "a 5000-digit integer": (
         GOLDEN_TEXT.replace('"num_samples": 3', '"num_samples": ' + "9" * 5000).encode(),
@@ -256,6 +269,30 @@ def nested_dtype(depth: int) -> np.dtype:
     for _ in range(depth):
         dtype = np.dtype([("a", dtype)])
     return dtype
+
+
+def nested_subarray_record(levels: int) -> np.dtype:
+    """A record whose one member is a subarray of a subarray ... nesting ``levels`` levels in all."""
+    member = np.dtype("<i8")
+    for _ in range(levels - 1):
+        member = np.dtype((member, (1,)))
+    return np.dtype([("a", member)])
+
+
+def test_subarrays_nested_to_the_limit_convert_and_read_back_and_deeper_are_refused(tmp_path) -> None:
+    """numpy keeps a subarray of a subarray unflattened inside a record; each level counts."""
+    limit = 2 * MAX_DTYPE_DEPTH
+    write_npz(tmp_path / "ok" / "a.npz", x=np.zeros(2, nested_subarray_record(limit)))
+    convert([tmp_path / "ok"], tmp_path / "ok-out", workers=1)
+    stored = DatasetReader(tmp_path / "ok-out").view("x", 0)
+    assert stored.dtype == nested_subarray_record(limit) and stored.tobytes() == bytes(16)
+    source = write_npz(tmp_path / "deep" / "a.npz", x=np.zeros(2, nested_subarray_record(limit + 1)))
+    with pytest.raises(SourceError) as raised:
+        convert([tmp_path / "deep"], tmp_path / "deep-out", workers=1)
+    assert str(raised.value) == (
+        f"{source}[x]: dtype nests records and subarrays more than {limit} levels deep, more than a dataset may hold"
+    )
+    assert not (tmp_path / "deep-out").exists()
 
 
 def test_records_nested_to_the_limit_convert_and_read_back_and_deeper_are_refused(tmp_path) -> None:

@@ -61,7 +61,7 @@ def fake_files(draw: st.DrawFn, rows: bool) -> list[dict[str, MemberHeader] | st
 
 
 def fake_scanner(files: list[dict[str, MemberHeader] | str]):
-    def scan_source(path: str, keys: tuple[str, ...] | None) -> converter.Scanned:
+    def scan_source(path: str, keys: tuple[str, ...] | None, limit: object = None) -> converter.Scanned:
         k = int(path.removeprefix("f"))
         if isinstance(files[k], str):
             raise SourceError(f"{path}: {files[k]}")

@@ -193,6 +193,16 @@ def test_dtypes_survive_the_json_round_trip() -> None:
         "<c16",
         [("a", "<i2"), ("b", [("c", "<f8"), ("d", "|u1", (2, 3))])],
         {"names": ["x", "y"], "formats": ["<i4", "<i2"], "offsets": [0, 8], "itemsize": 16},
+        [("c", ("<f8", (5,)), (2,))],
+        [
+            (
+                "x",
+                np.dtype(
+                    (np.dtype({"names": ["a"], "formats": ["i1"], "offsets": [4], "itemsize": 8}), (3,))
+                ),
+                (4,),
+            )
+        ],
     ]:
         dtype = np.dtype(dtype)
         assert spec.dtype_from_json(json.loads(json.dumps(spec.dtype_to_json(dtype))), "test") == dtype
