@@ -6,10 +6,12 @@ decoding that hand-off costs more than the work. Here the loader allocates
 one shared block of ``num_slots`` slots once; a worker writes its batch
 straight into the slot it is given and sends back a small descriptor
 (dtype, shape, offset per tensor), and the trainer hands out tensors that are
-views of the slot. The block is ``multiprocessing`` heap memory: on POSIX a
-temporary file unlinked at once (in /dev/shm on Linux) whose descriptor
-workers inherit or receive, so no name is left behind and the kernel frees it
-with the last process that maps it, whatever way they end.
+views of the slot. The block is a mapping of its own (``RingBlock``): on
+POSIX a temporary file unlinked at once (in /dev/shm on Linux) whose
+descriptor workers inherit or receive, so no name is left behind and the
+kernel frees it with the last process that maps it, whatever way they end.
+In the trainer it is unmapped only once no tensor views it any more, so a
+batch kept past its loader's end is never overwritten by another ring.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.heap
+import multiprocessing.reduction
 import os
 import pickle
 import random
 import selectors
 import signal
 import struct
+import tempfile
 import threading
 import time
 import traceback
@@ -119,20 +123,47 @@ class SlotFull(Exception):
         self.nbytes = nbytes
 
 
+class RingBlock(multiprocessing.heap.Arena):
+    """One ring's shared memory, a mapping of its own: never a piece of ``multiprocessing``'s heap.
+
+    The heap hands the bytes of a freed block (and of any arena under 4 MiB)
+    to its next allocation, another loader's ring included, while tensors of
+    a batch the user kept may still view them. This mapping is unmapped only
+    when the last memoryview of it (each tensor handed out holds one) is
+    gone. It pickles as its descriptor, passed to spawn and forkserver workers.
+    """
+
+    def _choose_dir(self, size: int) -> str:
+        """/dev/shm where it has room, else the temporary directory (the file is unlinked at once).
+
+        Not ``multiprocessing``'s own ``pymp-*`` directory, its fallback:
+        that one is left behind when the trainer is killed.
+        """
+        for directory in getattr(self, "_dir_candidates", []):
+            stat = os.statvfs(directory)
+            if stat.f_bavail * stat.f_frsize >= size:
+                return str(directory)
+        return tempfile.gettempdir()
+
+
+if os.name == "posix":  # the heap registers this reduction for Arena alone, not for its subclasses
+    multiprocessing.reduction.register(RingBlock, multiprocessing.heap.reduce_arena)
+
+
 class Ring:
     """The shared block as slots; both the trainer and the workers view it through this."""
 
-    def __init__(self, block: multiprocessing.heap.BufferWrapper, num_slots: int, slot_nbytes: int) -> None:
+    def __init__(self, block: multiprocessing.heap.Arena, num_slots: int, slot_nbytes: int) -> None:
         self.block = block  # what workers are given: it pickles as the memory's descriptor
         self.num_slots = num_slots
         self.slot_nbytes = slot_nbytes
-        self.memory = block.create_memoryview()
+        self.memory = memoryview(block.buffer)  # every view of the ring holds the mapping through this
         self.bytes_np = np.frombuffer(self.memory, dtype=np.uint8)
 
     @classmethod
     def allocate(cls, num_slots: int, slot_nbytes: int) -> Ring:
         """A new block (not touched here: pages are committed as batches are first written)."""
-        return cls(multiprocessing.heap.BufferWrapper(num_slots * slot_nbytes), num_slots, slot_nbytes)
+        return cls(RingBlock(num_slots * slot_nbytes), num_slots, slot_nbytes)
 
     @property
     def nbytes(self) -> int:
