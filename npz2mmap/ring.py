@@ -216,6 +216,25 @@ class Ring:
         return map_tree(tree, lambda item: self.materialise(slot, item))
 
 
+# Values that cannot change in place: a tree may share them between batches.
+IMMUTABLE_ATOMS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def is_bare_layout(tree: Any) -> bool:
+    """Only leaves, immutable atoms and the containers ``materialise`` rebuilds: safe to reuse.
+
+    Anything else in a tree is a value handed out as it is, so a cached
+    tree would give the same object to every batch of that layout.
+    """
+    if isinstance(tree, (Leaf, RowsLeaf)) or type(tree) in IMMUTABLE_ATOMS:
+        return True
+    if type(tree) is dict:
+        return all(type(key) in IMMUTABLE_ATOMS and is_bare_layout(value) for key, value in tree.items())
+    if type(tree) is list or isinstance(tree, tuple):
+        return all(is_bare_layout(value) for value in tree)
+    return False
+
+
 def map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:
     """``fn`` applied to the items of a dict, list or tuple (named ones kept), else ``tree`` itself."""
     if type(tree) is dict:
@@ -977,12 +996,21 @@ class RingWorkers:
         return batch
 
     def _tree_of(self, slot: int, layout: bytes) -> Any:
-        """The descriptor tree of ``layout``, unpickled only when it differs from the slot's last one."""
+        """The descriptor tree of ``layout``, unpickled only when it differs from the slot's last one.
+
+        Only a bare layout is kept for reuse: a tree holding values that
+        travelled pickled (a dataclass, a masked array, a tensor subclass) is
+        unpickled anew for every batch, since those values are handed out as
+        they are and the user may change them in place.
+        """
         seen = self._layouts.get(slot)
         if seen is not None and seen[0] == layout:
             return seen[1]
         tree = pickle.loads(layout)
-        self._layouts[slot] = (layout, tree)
+        if is_bare_layout(tree):
+            self._layouts[slot] = (layout, tree)
+        else:
+            self._layouts.pop(slot, None)
         return tree
 
     def _drain(self, in_flight: deque[tuple[int, int, int, np.ndarray]]) -> None:
