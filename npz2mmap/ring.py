@@ -47,6 +47,7 @@ import torch
 from . import parallel
 from .dataset import MmapDataset, SampleList, collate, torch_dtype
 from .errors import WorkerError
+from .forkserver_socket import ForkserverSocket
 from .ragged import RaggedRows, check_padded_size
 from .reader import as_raw
 
@@ -459,17 +460,31 @@ def _place_array(writer: SlotWriter, dtype: np.dtype, shape: tuple[int, ...]) ->
 
 
 def worker_main(
-    worker_id: int, conn: Any, block: Any, num_slots: int, slot_nbytes: int, recipe: Recipe, seed: int
+    worker_id: int,
+    conn: Any,
+    block: Any,
+    num_slots: int,
+    slot_nbytes: int,
+    recipe: Recipe,
+    seed: int,
+    forkserver_socket: ForkserverSocket | None = None,
 ) -> None:
-    """A worker's life: make each batch it is sent into its slot, until told to stop or the pipe closes."""
-    parallel.become_worker()
+    """A worker's life: make each batch it is sent into its slot, until told to stop or the pipe closes.
+
+    Under forkserver, a worker whose trainer died removes the trainer's
+    forkserver socket on its way out (forkserver_socket.py).
+    """
+    on_trainer_gone = None if forkserver_socket is None else forkserver_socket.remove_if_trainer_gone
+    parallel.become_worker(on_trainer_gone)
     torch.set_num_threads(1)  # the workers are the parallelism; threads inside each would compete
     _seed_generators(seed)
     ring = Ring(block, num_slots, slot_nbytes)
     while True:
         try:
             task = conn.recv_bytes()
-        except EOFError:
+        except (EOFError, OSError):  # the trainer is gone (it says stop otherwise), maybe with replies unread
+            if on_trainer_gone is not None:
+                on_trainer_gone()
             return
         if not task:
             return
@@ -568,9 +583,11 @@ class WorkerPool:
         self.answered: set[int] = set()  # workers that have replied at least once
         try:
             with parallel.interrupts_blocked():  # workers start deaf to Ctrl-C, then ignore it
+                with _interrupts_ignored_across_exec(self.start_method):
+                    forkserver_socket = ForkserverSocket.of_this_process(self.start_method)
                 for worker_id in range(num_workers):
                     args = (worker_id, self.ring.block, num_slots, slot_nbytes, recipe, seed + worker_id)
-                    self._start(context, worker_id, args)
+                    self._start(context, worker_id, (*args, forkserver_socket))
         except BaseException:  # e.g. a transform that spawn cannot pickle: stop those started
             self.close()
             raise

@@ -1,0 +1,100 @@
+"""The forkserver's listening socket, removed by MmapLoader's workers once their trainer is gone.
+
+Under ``forkserver``, ``multiprocessing`` binds the server's socket as
+``pymp-XXXXXXXX/listener-XXXXXXXX`` in the temporary directory of the process
+that starts it (the trainer). A finalizer removes that directory at a normal
+exit; after a ``kill -9`` nothing runs in the trainer. Its workers outlive it
+for a moment (they watch it and exit when it is gone): the last thing they do
+is remove that socket, and the directory if nothing else is in it, once the
+trainer is provably dead. Nothing else is ever removed, and nothing while the
+trainer may still run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import time
+from dataclasses import dataclass
+from multiprocessing import util
+
+# How long a worker waits, once its trainer's end of the pipes closed, for the
+# trainer to be gone for the kernel too (dead or a zombie) before it removes anything.
+TRAINER_EXIT_WAIT_S = 2.0
+POLL_S = 0.02
+TEMP_DIR_PREFIX = "pymp-"  # multiprocessing.util.get_temp_dir's
+
+
+@dataclass(frozen=True)
+class ForkserverSocket:
+    """One trainer's forkserver socket on disk, and how to tell that trainer is gone."""
+
+    path: str
+    trainer_pid: int
+    trainer_start: str | None  # Linux: its start time in clock ticks, telling a reused pid apart
+
+    @classmethod
+    def of_this_process(cls, start_method: str) -> ForkserverSocket | None:
+        """This process's forkserver socket (the server started now if need be); None but under forkserver.
+
+        None too where the socket has no path (an abstract one) or this
+        Python's forkserver keeps its address elsewhere: nothing is removed then.
+        """
+        if start_method != "forkserver":
+            return None
+        from multiprocessing import forkserver  # POSIX only
+
+        forkserver.ensure_running()
+        address = getattr(forkserver._forkserver, "_forkserver_address", None)
+        if not isinstance(address, str) or util.is_abstract_socket_namespace(address):
+            return None
+        if not os.path.basename(os.path.dirname(address)).startswith(TEMP_DIR_PREFIX):
+            return None
+        return cls(address, os.getpid(), start_time(os.getpid()))
+
+    def remove_if_trainer_gone(self, wait_s: float = TRAINER_EXIT_WAIT_S) -> None:
+        """Remove the socket, then its directory if empty, once the trainer is dead (``wait_s`` at most)."""
+        deadline = time.monotonic() + wait_s
+        while not self.trainer_gone():
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(POLL_S)
+        with contextlib.suppress(OSError):  # another worker of the trainer may have been first
+            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                os.unlink(self.path)
+        with contextlib.suppress(OSError):  # not empty: the rest is the trainer's own, left as it is
+            os.rmdir(os.path.dirname(self.path))
+
+    def trainer_gone(self) -> bool:
+        """Provably so: no process has its pid, or the one that has is a zombie or started at another time."""
+        try:
+            os.kill(self.trainer_pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # a process of another user has the pid: tell nothing
+            return False
+        if self.trainer_start is None:
+            return False
+        fields = stat_fields(self.trainer_pid)
+        if fields is None:
+            return False  # gone between the two looks, or no /proc: the next look tells
+        state, started = fields[0], fields[19]
+        return state in ("Z", "X", "x") or started != self.trainer_start
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (the state first), or None where unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fp:
+            text = fp.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[-1].split()
+    return fields if len(fields) > 19 else None
+
+
+def start_time(pid: int) -> str | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux), as /proc says it; None elsewhere."""
+    fields = stat_fields(pid)
+    return None if fields is None else fields[19]
