@@ -238,7 +238,9 @@ NUM_EPOCHS = 4  # with 2 batches an epoch, each batch comes back into the slot i
 
 def changed_batches(ds: MmapDataset, spec: tuple[Any, ...], num_workers: int) -> list[Any]:
     """Every batch of a 2-batch set in fixed order, over several epochs, changed in place as it comes."""
-    options = {"num_workers": num_workers, "multiprocessing_context": "fork"} if num_workers else {"prefetch": 0}
+    options = (
+        {"num_workers": num_workers, "multiprocessing_context": "fork"} if num_workers else {"prefetch": 0}
+    )
     records = []
     with MmapLoader(ds, NUM_SAMPLES // 2, collate_fn=StructuredCollate(spec), **options) as loader:
         for _ in range(NUM_EPOCHS):
@@ -272,7 +274,9 @@ LEAF_SPECS = st.sampled_from([("tensor",), ("array",), ("masked",), ("subclass",
 BATCH_SPECS = st.recursive(
     LEAF_SPECS,
     lambda children: st.one_of(
-        st.tuples(st.sampled_from(["dict", "list", "tuple"]), st.lists(children, min_size=1, max_size=3).map(tuple)),
+        st.tuples(
+            st.sampled_from(["dict", "list", "tuple"]), st.lists(children, min_size=1, max_size=3).map(tuple)
+        ),
         st.tuples(st.just("dataclass"), st.tuples(children, children)),
     ),
     max_leaves=6,
@@ -281,7 +285,9 @@ BATCH_SPECS = st.recursive(
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=BATCH_SPECS, num_workers=st.sampled_from([1, 2]))
-def test_batches_of_any_shape_changed_in_place_come_as_without_workers(dataset_path, spec, num_workers) -> None:
+def test_batches_of_any_shape_changed_in_place_come_as_without_workers(
+    dataset_path, spec, num_workers
+) -> None:
     """Whatever a collate_fn returns, changing a batch never shows in a later one (workers=0 is the oracle)."""
     ds = MmapDataset(dataset_path)
     assert changed_batches(ds, spec, num_workers) == changed_batches(ds, spec, 0)
