@@ -217,3 +217,24 @@ def test_only_a_dead_trainers_own_socket_is_removed_and_its_directory_only_when_
             assert sorted(os.listdir(pymp)) == sorted(expected)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_a_ring_that_does_not_fit_in_dev_shm_is_an_unlinked_file_of_the_temporary_directory(
+    dataset_path, temp_dir, monkeypatch
+) -> None:
+    """Not in multiprocessing's pymp-* directory, which a kill -9 would leave behind (as on macOS, where
+    no /dev/shm is tried: the same fallback)."""
+    from multiprocessing import heap
+
+    from npz2mmap import MmapDataset, MmapLoader
+
+    monkeypatch.setattr(heap.Arena, "_dir_candidates", [], raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(temp_dir))
+    with MmapLoader(MmapDataset(dataset_path), 4, num_workers=1, multiprocessing_context="fork") as loader:
+        next(iter(loader))
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        ring = {line.split(None, 5)[-1] for line in maps if f"/pym-{os.getpid()}-" in line}
+    assert len(ring) == 1
+    (path,) = ring
+    assert path.endswith(" (deleted)") and Path(path).parent == temp_dir
+    assert left_in(temp_dir) == {}
