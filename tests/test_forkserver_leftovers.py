@@ -230,11 +230,17 @@ def test_a_ring_that_does_not_fit_in_dev_shm_is_an_unlinked_file_of_the_temporar
 
     monkeypatch.setattr(heap.Arena, "_dir_candidates", [], raising=False)
     monkeypatch.setattr(tempfile, "tempdir", str(temp_dir))
+    before = shared_mappings()  # multiprocessing's heap keeps its arenas (also pym-PID-*) mapped
     with MmapLoader(MmapDataset(dataset_path), 4, num_workers=1, multiprocessing_context="fork") as loader:
         next(iter(loader))
-        maps = Path("/proc/self/maps").read_text().splitlines()
-        ring = {line.split(None, 5)[-1] for line in maps if f"/pym-{os.getpid()}-" in line}
+        ring = shared_mappings() - before
     assert len(ring) == 1
     (path,) = ring
     assert path.endswith(" (deleted)") and Path(path).parent == temp_dir
     assert left_in(temp_dir) == {}
+
+
+def shared_mappings() -> set[str]:
+    """The files of this process's shared memory (multiprocessing's pym-PID-* names) as mapped."""
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    return {line.split(None, 5)[-1] for line in maps if f"/pym-{os.getpid()}-" in line}
