@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from npz2mmap.converter import convert
-from npz2mmap.forkserver_socket import ForkserverSocket, start_time
+from npz2mmap.forkserver_socket import ForkserverSocket, remove_stale_dirs, start_time
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; forkserver")
 
@@ -111,22 +111,28 @@ def is_zombie(pid: int) -> bool:
 
 
 def left_in(temp: Path) -> dict[str, str]:
-    """What is in ``temp``, pymp-* names replaced by their kind: {'pymp-*': 'dir', 'pymp-*/listener-*': 'socket'}."""
+    """What is in ``temp``, random names and pids starred: {'pymp-*': 'dir', 'pymp-*/listener-*': 'socket'}."""
     found = {}
     for path in sorted(temp.rglob("*")):
         mode = path.lstat().st_mode
         kind = "socket" if stat.S_ISSOCK(mode) else "dir" if stat.S_ISDIR(mode) else "file"
-        name = "/".join(
-            part.split("-")[0] + "-*" if part.startswith(("pymp-", "listener-")) else part
-            for part in path.relative_to(temp).parts
-        )
+        name = "/".join(starred(part) for part in path.relative_to(temp).parts)
         found[name] = kind if name not in found else found[name] + "+" + kind
     return found
 
 
+def starred(name: str) -> str:
+    """'pymp-*' for 'pymp-k2j4_x9a', and so on for the names multiprocessing and the trainer make up."""
+    for prefix in ("pymp-", "listener-", "npz2mmap-trainer-"):
+        if name.startswith(prefix):
+            return prefix + "*"
+    return name
+
+
 def expected_left(how: str, extra: str) -> dict[str, str]:
     """The rule README states: nothing after a normal exit; after a kill -9 of the trainer alone, only
-    what it kept there itself; after the whole process group is killed, the forkserver socket too."""
+    what it kept there itself; after the whole process group is killed, the forkserver socket and the
+    trainer's mark too."""
     if how == "exit":
         return {}
     own = {"listener": {"pymp-*/listener-*": "socket"}, "file": {"pymp-*/notes.txt": "file"}, "none": {}}[
@@ -135,12 +141,15 @@ def expected_left(how: str, extra: str) -> dict[str, str]:
     if how == "kill":
         return {"pymp-*": "dir", **own} if own else {}
     both_sockets = {"pymp-*/listener-*": "socket+socket"} if extra == "listener" else {}
-    return {"pymp-*": "dir", "pymp-*/listener-*": "socket", **own, **both_sockets}
+    return {"pymp-*": "dir", "pymp-*/listener-*": "socket", **MARKED, **own, **both_sockets}
+
+
+MARKED = {"pymp-*/npz2mmap-trainer-*": "file"}
 
 
 def test_a_trainer_killed_by_sigkill_leaves_no_forkserver_directory(dataset_path, temp_dir) -> None:
     trainer, pids = run_trainer(dataset_path, temp_dir, "none")
-    assert left_in(temp_dir) == {"pymp-*": "dir", "pymp-*/listener-*": "socket"}
+    assert left_in(temp_dir) == {"pymp-*": "dir", "pymp-*/listener-*": "socket", **MARKED}
     stderr = end_trainer(trainer, "kill")
     assert wait_gone(pids) == []
     assert left_in(temp_dir) == {}
@@ -205,12 +214,15 @@ def test_only_a_dead_trainers_own_socket_is_removed_and_its_directory_only_when_
             else:
                 other.write_bytes(b"")
         pid, started, child = trainer_states(trainer)
-        ForkserverSocket(str(path), pid, started).remove_if_trainer_gone(wait_s=0.05)
+        forkserver_socket = ForkserverSocket(str(path), pid, started)
+        Path(forkserver_socket.mark_path).write_bytes(b"")
+        forkserver_socket.remove_if_trainer_gone(wait_s=0.05)
         if child is not None:
             child.wait()
         gone = trainer != "alive"
         path_left = at_path == "file" or (at_path == "socket" and not gone)
         expected = sorted(f"other-{kind}" for kind in beside) + (["listener-abcd1234"] if path_left else [])
+        expected += [] if gone else [Path(forkserver_socket.mark_path).name]
         if gone and not expected:
             assert not pymp.exists()
         else:
@@ -244,3 +256,84 @@ def shared_mappings() -> set[str]:
     """The files of this process's shared memory (multiprocessing's pym-PID-* names) as mapped."""
     maps = Path("/proc/self/maps").read_text().splitlines()
     return {line.split(None, 5)[-1] for line in maps if f"/pym-{os.getpid()}-" in line}
+
+
+def test_the_next_forkserver_start_removes_what_a_trainer_killed_with_its_workers_left(
+    dataset_path, temp_dir
+) -> None:
+    trainer, pids = run_trainer(dataset_path, temp_dir, "none")
+    end_trainer(trainer, "group")
+    assert wait_gone(pids) == []
+    assert left_in(temp_dir) == {"pymp-*": "dir", "pymp-*/listener-*": "socket", **MARKED}
+    (stale,) = temp_dir.iterdir()
+    trainer, pids = run_trainer(dataset_path, temp_dir, "none")
+    assert not stale.exists()
+    end_trainer(trainer, "exit")
+    assert wait_gone(pids) == []
+    assert left_in(temp_dir) == {}
+
+
+def mark_of(state: str, children: list[subprocess.Popen[bytes]]) -> str:
+    pid, started, child = trainer_states(state)
+    if child is not None:
+        children.append(child)
+    return f"npz2mmap-trainer-{pid}-{started or 'none'}"
+
+
+DIRECTORY_ENTRIES = st.lists(
+    st.sampled_from(["alive", "dead", "zombie", "reused", "listener", "socket", "file", "dir"]), max_size=4
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    directories=st.lists(
+        st.tuples(st.sampled_from(["pymp-", "other-", "link:pymp-", "nobody:pymp-"]), DIRECTORY_ENTRIES),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_only_directories_of_dead_trainers_holding_nothing_but_their_sockets_are_removed(directories) -> None:
+    """The oracle: a pymp-* directory (not a link) with a mark, every marked trainer gone, the rest
+    forkserver sockets; anything else stays exactly as it was."""
+    temp = Path(tempfile.mkdtemp(prefix="fs", dir="/tmp"))
+    children: list[subprocess.Popen[bytes]] = []
+    try:
+        expected = {}
+        for number, (kind, entries) in enumerate(directories):
+            target = temp / f"{kind.split(':')[-1]}{number:08d}"
+            if kind.startswith("link:"):
+                target = temp / f"real{number}"
+                (temp / f"pymp-{number:08d}").symlink_to(target)
+            target.mkdir()
+            if kind.startswith("nobody:"):
+                if os.geteuid() != 0:
+                    continue  # only root can give a directory away
+                os.chown(target, 65534, 65534)  # another user's
+            for position, entry in enumerate(entries):
+                if entry in ("alive", "dead", "zombie", "reused"):
+                    (target / mark_of(entry, children)).write_bytes(b"")
+                elif entry in ("listener", "socket"):
+                    make_socket(target / f"{'listener' if entry == 'listener' else 'other'}-{position}")
+                elif entry == "dir":
+                    (target / f"sub{position}").mkdir()
+                else:
+                    (target / f"file{position}").write_bytes(b"")
+            marks = [entry for entry in entries if entry in ("alive", "dead", "zombie", "reused")]
+            stale = (
+                kind == "pymp-"
+                and bool(marks)
+                and "alive" not in marks
+                and all(entry in ("dead", "zombie", "reused", "listener") for entry in entries)
+            )
+            expected[target.name] = None if stale else sorted(os.listdir(target))
+        remove_stale_dirs(str(temp))
+        for name, entries_left in expected.items():
+            if entries_left is None:
+                assert not (temp / name).exists()
+            else:
+                assert sorted(os.listdir(temp / name)) == entries_left
+    finally:
+        for child in children:
+            child.wait()
+        shutil.rmtree(temp, ignore_errors=True)
