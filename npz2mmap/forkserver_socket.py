@@ -24,7 +24,6 @@ import contextlib
 import os
 import re
 import stat
-import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing import util
@@ -63,7 +62,7 @@ class ForkserverSocket:
             return None
         if not os.path.basename(os.path.dirname(address)).startswith(TEMP_DIR_PREFIX):
             return None
-        remove_stale_dirs(tempfile.gettempdir())
+        remove_stale_dirs(os.path.dirname(os.path.dirname(address)))  # the temporary directory
         socket = cls(address, os.getpid(), start_time(os.getpid()))
         with contextlib.suppress(OSError):  # unmarked, the directory is only left alone
             with open(socket.mark_path, "a"):
