@@ -67,10 +67,11 @@ class MmapLoader:
     ``multiprocessing_context``, kept across epochs until ``close()``) write
     batches into a shared ring of ``max(N * prefetch, N + 1)`` slots of
     ``slot_nbytes`` each; the batches yielded are **views of the ring**: a
-    batch stays valid until the next batch is requested (``.clone()`` what
-    you keep longer); ``pin_memory`` page-locks the ring. A batch that takes
-    longer than ``timeout`` seconds (0: no limit) raises WorkerError and stops
-    the workers. See ring.py.
+    batch stays valid until the next batch is requested from this loader,
+    also once it is closed or dropped (``.clone()`` what you keep longer);
+    ``pin_memory`` page-locks the ring. A batch that takes longer than
+    ``timeout`` seconds (0: no limit) raises WorkerError and stops the
+    workers. See ring.py.
     ``state_dict`` / ``load_state_dict`` resume a pass mid-way, with or without workers.
     """
 

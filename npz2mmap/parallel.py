@@ -129,18 +129,19 @@ def _start_worker(forked: bool, close_in_workers: tuple[int, ...]) -> None:
                 os.close(fd)
 
 
-def become_worker() -> None:
+def become_worker(before_exit: Callable[[], None] | None = None) -> None:
     """In a worker process: leave Ctrl-C to the main process and exit when it is gone.
 
-    Shared by the conversion pool and MmapLoader's workers.
+    Shared by the conversion pool and MmapLoader's workers; ``before_exit``
+    runs once the parent is gone, just before the exit.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    _exit_with_parent()
+    _exit_with_parent(before_exit)
 
 
-def _exit_with_parent() -> None:
+def _exit_with_parent(before_exit: Callable[[], None] | None) -> None:
     """Watch the parent from a daemon thread and exit the moment it is gone.
 
     The parent's sentinel becomes ready when the parent dies, however it dies
@@ -153,10 +154,14 @@ def _exit_with_parent() -> None:
         return
     sentinel = parent.sentinel
     threading.Thread(
-        target=_wait_then_exit, args=(sentinel,), name="npz2mmap-parent-watch", daemon=True
+        target=_wait_then_exit, args=(sentinel, before_exit), name="npz2mmap-parent-watch", daemon=True
     ).start()
 
 
-def _wait_then_exit(sentinel: int) -> None:
+def _wait_then_exit(sentinel: int, before_exit: Callable[[], None] | None) -> None:
     multiprocessing.connection.wait([sentinel])
-    os._exit(1)
+    try:
+        if before_exit is not None:
+            before_exit()
+    finally:
+        os._exit(1)

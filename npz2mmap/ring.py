@@ -6,10 +6,12 @@ decoding that hand-off costs more than the work. Here the loader allocates
 one shared block of ``num_slots`` slots once; a worker writes its batch
 straight into the slot it is given and sends back a small descriptor
 (dtype, shape, offset per tensor), and the trainer hands out tensors that are
-views of the slot. The block is ``multiprocessing`` heap memory: on POSIX a
-temporary file unlinked at once (in /dev/shm on Linux) whose descriptor
-workers inherit or receive, so no name is left behind and the kernel frees it
-with the last process that maps it, whatever way they end.
+views of the slot. The block is a mapping of its own (``RingBlock``): on
+POSIX a temporary file unlinked at once (in /dev/shm on Linux) whose
+descriptor workers inherit or receive, so no name is left behind and the
+kernel frees it with the last process that maps it, whatever way they end.
+In the trainer it is unmapped only once no tensor views it any more, so a
+batch kept past its loader's end is never overwritten by another ring.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.heap
+import multiprocessing.reduction
 import os
 import pickle
 import random
 import selectors
 import signal
 import struct
+import tempfile
 import threading
 import time
 import traceback
@@ -43,6 +47,7 @@ import torch
 from . import parallel
 from .dataset import MmapDataset, SampleList, collate, torch_dtype
 from .errors import WorkerError
+from .forkserver_socket import ForkserverSocket
 from .ragged import RaggedRows, check_padded_size, lengths_key, mask_key
 from .reader import as_raw
 
@@ -119,20 +124,47 @@ class SlotFull(Exception):
         self.nbytes = nbytes
 
 
+class RingBlock(multiprocessing.heap.Arena):
+    """One ring's shared memory, a mapping of its own: never a piece of ``multiprocessing``'s heap.
+
+    The heap hands the bytes of a freed block (and of any arena under 4 MiB)
+    to its next allocation, another loader's ring included, while tensors of
+    a batch the user kept may still view them. This mapping is unmapped only
+    when the last memoryview of it (each tensor handed out holds one) is
+    gone. It pickles as its descriptor, passed to spawn and forkserver workers.
+    """
+
+    def _choose_dir(self, size: int) -> str:
+        """/dev/shm where it has room, else the temporary directory (the file is unlinked at once).
+
+        Not ``multiprocessing``'s own ``pymp-*`` directory, its fallback:
+        that one is left behind when the trainer is killed.
+        """
+        for directory in getattr(self, "_dir_candidates", []):
+            stat = os.statvfs(directory)
+            if stat.f_bavail * stat.f_frsize >= size:
+                return str(directory)
+        return tempfile.gettempdir()
+
+
+if os.name == "posix":  # the heap registers this reduction for Arena alone, not for its subclasses
+    multiprocessing.reduction.register(RingBlock, multiprocessing.heap.reduce_arena)
+
+
 class Ring:
     """The shared block as slots; both the trainer and the workers view it through this."""
 
-    def __init__(self, block: multiprocessing.heap.BufferWrapper, num_slots: int, slot_nbytes: int) -> None:
+    def __init__(self, block: multiprocessing.heap.Arena, num_slots: int, slot_nbytes: int) -> None:
         self.block = block  # what workers are given: it pickles as the memory's descriptor
         self.num_slots = num_slots
         self.slot_nbytes = slot_nbytes
-        self.memory = block.create_memoryview()
+        self.memory = memoryview(block.buffer)  # every view of the ring holds the mapping through this
         self.bytes_np = np.frombuffer(self.memory, dtype=np.uint8)
 
     @classmethod
     def allocate(cls, num_slots: int, slot_nbytes: int) -> Ring:
         """A new block (not touched here: pages are committed as batches are first written)."""
-        return cls(multiprocessing.heap.BufferWrapper(num_slots * slot_nbytes), num_slots, slot_nbytes)
+        return cls(RingBlock(num_slots * slot_nbytes), num_slots, slot_nbytes)
 
     @property
     def nbytes(self) -> int:
@@ -183,6 +215,25 @@ class Ring:
         if isinstance(tree, RowsLeaf):
             return self.rows(slot, tree)
         return map_tree(tree, lambda item: self.materialise(slot, item))
+
+
+# Values that cannot change in place: a tree may share them between batches.
+IMMUTABLE_ATOMS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def is_bare_layout(tree: Any) -> bool:
+    """Only leaves, immutable atoms and the containers ``materialise`` rebuilds: safe to reuse.
+
+    Anything else in a tree is a value handed out as it is, so a cached
+    tree would give the same object to every batch of that layout.
+    """
+    if isinstance(tree, (Leaf, RowsLeaf)) or type(tree) in IMMUTABLE_ATOMS:
+        return True
+    if type(tree) is dict:
+        return all(type(key) in IMMUTABLE_ATOMS and is_bare_layout(value) for key, value in tree.items())
+    if type(tree) is list or isinstance(tree, tuple):
+        return all(is_bare_layout(value) for value in tree)
+    return False
 
 
 def map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:
@@ -411,17 +462,31 @@ def _place_array(writer: SlotWriter, dtype: np.dtype, shape: tuple[int, ...]) ->
 
 
 def worker_main(
-    worker_id: int, conn: Any, block: Any, num_slots: int, slot_nbytes: int, recipe: Recipe, seed: int
+    worker_id: int,
+    conn: Any,
+    block: Any,
+    num_slots: int,
+    slot_nbytes: int,
+    recipe: Recipe,
+    seed: int,
+    forkserver_socket: ForkserverSocket | None = None,
 ) -> None:
-    """A worker's life: make each batch it is sent into its slot, until told to stop or the pipe closes."""
-    parallel.become_worker()
+    """A worker's life: make each batch it is sent into its slot, until told to stop or the pipe closes.
+
+    Under forkserver, a worker whose trainer died removes the trainer's
+    forkserver socket on its way out (forkserver_socket.py).
+    """
+    on_trainer_gone = None if forkserver_socket is None else forkserver_socket.remove_if_trainer_gone
+    parallel.become_worker(on_trainer_gone)
     torch.set_num_threads(1)  # the workers are the parallelism; threads inside each would compete
     _seed_generators(seed)
     ring = Ring(block, num_slots, slot_nbytes)
     while True:
         try:
             task = conn.recv_bytes()
-        except EOFError:
+        except (EOFError, OSError):  # the trainer is gone (it says stop otherwise), maybe with replies unread
+            if on_trainer_gone is not None:
+                on_trainer_gone()
             return
         if not task:
             return
@@ -520,9 +585,11 @@ class WorkerPool:
         self.answered: set[int] = set()  # workers that have replied at least once
         try:
             with parallel.interrupts_blocked():  # workers start deaf to Ctrl-C, then ignore it
+                with _interrupts_ignored_across_exec(self.start_method):
+                    forkserver_socket = ForkserverSocket.of_this_process(self.start_method)
                 for worker_id in range(num_workers):
                     args = (worker_id, self.ring.block, num_slots, slot_nbytes, recipe, seed + worker_id)
-                    self._start(context, worker_id, args)
+                    self._start(context, worker_id, (*args, forkserver_socket))
         except BaseException:  # e.g. a transform that spawn cannot pickle: stop those started
             self.close()
             raise
@@ -948,12 +1015,21 @@ class RingWorkers:
         return batch
 
     def _tree_of(self, slot: int, layout: bytes) -> Any:
-        """The descriptor tree of ``layout``, unpickled only when it differs from the slot's last one."""
+        """The descriptor tree of ``layout``, unpickled only when it differs from the slot's last one.
+
+        Only a bare layout is kept for reuse: a tree holding values that
+        travelled pickled (a dataclass, a masked array, a tensor subclass) is
+        unpickled anew for every batch, since those values are handed out as
+        they are and the user may change them in place.
+        """
         seen = self._layouts.get(slot)
         if seen is not None and seen[0] == layout:
             return seen[1]
         tree = pickle.loads(layout)
-        self._layouts[slot] = (layout, tree)
+        if is_bare_layout(tree):
+            self._layouts[slot] = (layout, tree)
+        else:
+            self._layouts.pop(slot, None)
         return tree
 
     def _drain(self, in_flight: deque[tuple[int, int, int, np.ndarray]]) -> None:
