@@ -325,9 +325,11 @@ def _field_name(key: object, label: str) -> str:
 
 def _as_array(value: object, where: str) -> np.ndarray:
     """``value`` as an ndarray; SourceError for what a dataset cannot store (objects, no size)."""
+    if getattr(value, "requires_grad", False) is True:  # torch refuses it with a bare RuntimeError
+        raise SourceError(f"{where}: a tensor that requires grad; append tensor.detach() to store its values")
     try:
         result = np.asarray(value)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RuntimeError) as exc:  # RuntimeError: from a tensor's __array__
         raise SourceError(f"{where}: not an array: {exc}") from None
     if result.dtype.hasobject:
         raise SourceError(
@@ -399,7 +401,7 @@ class _Spool:
         """Append ``value`` as stored with dtype ``stored``; return the CRC-32 of what was written."""
         crc = 0
         header = _header("", value)
-        for piece in stored_pieces(_c_order_bytes(value), header, stored, where):
+        for piece in stored_pieces(_c_order_bytes(value), header, stored, where, cast_option="casts="):
             self.write(piece)
             crc = zlib.crc32(piece, crc)
         return crc

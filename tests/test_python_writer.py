@@ -214,7 +214,7 @@ def opened(tmp_path):
         (
             {"x": np.zeros(3, np.float32), "y": 0.1},
             "sample 1 (b.npz)[y]: value 0.1 does not survive the cast to float32: it would be stored as "
-            "0.10000000149011612 (--cast keeps only values that float32 represents exactly)",
+            "0.10000000149011612 (casts= keeps only values that float32 represents exactly)",
         ),
         (
             {"x": np.array([1, "a"], dtype=object), "y": 1.0},
@@ -231,6 +231,44 @@ def test_a_refused_sample_is_named_in_one_line(opened, sample, message) -> None:
     with pytest.raises(SourceError) as raised:
         opened.append(sample, source="b.npz")
     assert str(raised.value) == message
+
+
+@settings(max_examples=40, deadline=None)
+@given(values=st.lists(st.floats(allow_nan=False, width=64), min_size=1, max_size=8), seed=st.integers(0, 7))
+def test_a_cast_refused_by_the_writer_speaks_of_casts_not_of_the_cli(tmp_path_factory, values, seed) -> None:
+    """Whatever value a cast loses, the Writer's message names its own argument, never a CLI option."""
+    x = np.array(values, np.float64)
+    with np.errstate(over="ignore"):
+        exact = np.array_equal(x.astype(np.float32).astype(np.float64), x)
+    if exact:
+        x[seed % len(x)] = 0.1  # one value float32 cannot hold
+    with npz2mmap.Writer(tmp_path_factory.mktemp("cast") / "out", casts={"x": "float32"}) as w:
+        w.append({"x": np.zeros(1, np.float32)})
+        with pytest.raises(SourceError) as raised:
+            w.append({"x": x}, source="b.npz")
+        assert w.num_samples == 1
+    message = str(raised.value)
+    assert message.startswith("sample 1 (b.npz)[x]: ")
+    assert message.endswith("(casts= keeps only values that float32 represents exactly)")
+    assert "--" not in message and "\n" not in message
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_a_tensor_that_requires_grad_is_refused_naming_the_field_and_detach(tmp_path, requires_grad) -> None:
+    torch = pytest.importorskip("torch")
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3).requires_grad_(requires_grad)
+    with npz2mmap.Writer(tmp_path / "out") as w:
+        w.append({"x": np.zeros((2, 3), np.float32)})
+        if requires_grad:
+            with pytest.raises(SourceError) as raised:
+                w.append({"x": x}, source="b.pt")
+            assert str(raised.value) == (
+                "sample 1 (b.pt)[x]: a tensor that requires grad; append tensor.detach() to store its values"
+            )
+            assert w.num_samples == 1
+            x = x.detach()
+        w.append({"x": x})
+    assert DatasetReader(tmp_path / "out").view("x", 1).tobytes() == x.numpy().tobytes()
 
 
 def test_a_first_sample_without_arrays_is_refused(tmp_path) -> None:
