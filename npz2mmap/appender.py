@@ -23,7 +23,7 @@ import zlib
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, overload
+from typing import Any, Literal, NamedTuple, overload
 
 import numpy as np
 
@@ -42,6 +42,7 @@ from .converter import (
 from .elements import Piece, stored_pieces
 from .errors import OutputError, SourceError
 from .npzfile import CHUNK_NBYTES, MemberHeader
+from .parallel import interrupts_blocked
 from .plan import WRITER_HINTS, PendingSource, Plan, PlanBuilder, check_field_name
 from .provenance import MAX_LINE_NBYTES
 from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN, brief, escape_controls
@@ -68,9 +69,11 @@ class Writer:
     Nothing appears at OUT before ``close`` succeeds; until then the output
     lock is held, so no other writer or conversion to OUT can run. An
     exception in the ``with`` block, or ``abort()``, removes everything
-    written. Memory stays bounded (a few compact numbers per sample); disk
-    needs about twice the dataset's size while closing (the spooled fields
-    and the blob they are copied into). A writer never closed is discarded
+    written. A Ctrl-C leaves the writer consistent wherever it strikes (see
+    ``append``); one in ``close`` leaves OUT the old dataset or the new one.
+    Memory stays bounded (a few compact numbers per sample); disk needs
+    about twice the dataset's size while closing (the spooled fields and
+    the blob they are copied into). A writer never closed is discarded
     like ``abort()`` when it is collected or the interpreter exits. Not
     thread-safe; in a forked child every call raises ValueError, and the
     child does not hold the output lock.
@@ -97,7 +100,6 @@ class Writer:
         self._overwrite = overwrite
         publish.check_output(self.out_dir, overwrite)
         self._owner_pid = os.getpid()
-        self._broken: str | None = None  # why the writer must not go on, when it must not
         self._stack = contextlib.ExitStack()
         self._finalizer = weakref.finalize(self, _discard_in_owner, self._stack, self._owner_pid)
         try:
@@ -118,22 +120,25 @@ class Writer:
             align, parsed_casts, max_payload_nbytes=free_nbytes(self.out_dir), hints=WRITER_HINTS
         )
         self._spools: dict[str, _Spool] = {}
-        self._num_spools_made = 0
         self._crc32s: list[array[int]] = []  # per field, one CRC-32 per sample
+        self._owed: _Marks | None = None  # where an interrupted append must go back to, until it has
         self._closed = False
 
     @property
     def num_samples(self) -> int:
-        """Samples appended so far."""
-        return self._builder.num_samples
+        """Samples appended so far (a sample whose undo is still owed is not)."""
+        owed = self._owed
+        return self._builder.num_samples if owed is None else owed.num_samples
 
     def append(self, sample: Mapping[str, Any], source: str | os.PathLike[str] | None = None) -> None:
         """Add one sample; ``source`` names where it came from in sources.jsonl (empty when None).
 
         Raises SourceError naming the sample (and its source) when it differs
         from the first sample in keys, dtype or ndim, holds objects, or a cast
-        would change a value; TypeError for a sample that is not a dict. A
-        refused sample leaves the writer as it was, usable.
+        would change a value; TypeError for a sample that is not a dict. All
+        or nothing: when append raises (a KeyboardInterrupt included) the
+        sample is not in and the writer is as it was, usable; when it
+        returns, the sample is in.
         """
         self._check_open()
         if not isinstance(sample, Mapping):
@@ -148,43 +153,69 @@ class Writer:
             _field_name(key, label): _as_array(value, f"{label}[{key}]") for key, value in sample.items()
         }
         pending = self._builder.check(label, {key: _header(key, a) for key, a in arrays.items()})
-        self._write_sample(pending, arrays, line, label)
-
-    def _write_sample(
-        self, pending: PendingSource, arrays: dict[str, np.ndarray], line: bytes, label: str
-    ) -> None:
-        """Spool one checked sample, then record it; on any exception, undo every spool.
-
-        An exception (a KeyboardInterrupt, say) while undoing or recording
-        leaves the spools and tables out of step: the writer is then broken
-        and refuses to go on rather than write a wrong dataset.
-        """
+        spools = [self._spool(key) for key in pending.collectors]
+        # All or nothing, whenever a Ctrl-C strikes: the undo to these marks is owed from here
+        # until the last step; the spools are written with Ctrl-C live, the sample is recorded
+        # with it held back, and an exception (a Ctrl-C held back included, raised as the
+        # recording ends) pays the undo, again with Ctrl-C held back, or leaves it owed for the
+        # next call to pay, if a second Ctrl-C comes first.
+        self._owed = self._marks(spools)
         try:
-            spools = [self._spool(key) for key in pending.collectors]
-        except OSError as exc:
-            raise self._spool_error(exc) from exc
-        every_spool = (*spools, self._names.spool)
-        marks = [spool.nbytes for spool in every_spool]
-        self._broken = "an append was interrupted while undoing or recording a sample"
-        try:
-            crc32s = [
-                spool.write_stored(arrays[key], pending.stored_dtype(key), f"{label}[{key}]")
-                for key, spool in zip(pending.collectors, spools, strict=True)
-            ]
-            self._names.spool.write(line)
+            crc32s = self._spool_sample(pending, arrays, line, label, spools)
+            with interrupts_blocked():
+                self._record(pending, crc32s)
+            self._owed = None
         except BaseException as exc:
-            for spool, mark in zip(every_spool, marks, strict=True):
-                spool.truncate(mark)
-            self._broken = None
+            self._settle()
             if isinstance(exc, OSError):
                 raise self._spool_error(exc) from exc
             raise
+
+    def _spool_sample(
+        self,
+        pending: PendingSource,
+        arrays: dict[str, np.ndarray],
+        line: bytes,
+        label: str,
+        spools: list[_Spool],
+    ) -> list[int]:
+        """Append one checked sample's stored bytes to its spools; its CRC-32 per field."""
+        crc32s = [
+            spool.write_stored(arrays[key], pending.stored_dtype(key), f"{label}[{key}]")
+            for key, spool in zip(pending.collectors, spools, strict=True)
+        ]
+        self._names.spool.write(line)
+        return crc32s
+
+    def _marks(self, spools: list[_Spool]) -> _Marks:
+        """What the writer holds now, for ``_settle`` to return to."""
+        every_spool = (*spools, self._names.spool)
+        return _Marks(self._builder.num_sources, every_spool, tuple(spool.nbytes for spool in every_spool))
+
+    def _record(self, pending: PendingSource, crc32s: list[int]) -> None:
+        """Add a spooled sample to the tables; ``_settle`` takes it out again while the undo is owed."""
         self._crc32s = self._crc32s or [array("I") for _ in crc32s]
         for table, crc in zip(self._crc32s, crc32s, strict=True):
             table.append(crc)
         self._names.record(self._names.spool.nbytes)
         self._builder.record(pending)
-        self._broken = None
+
+    def _settle(self) -> None:
+        """Pay an owed undo, with Ctrl-C held back: the spools cut back to the marks, the
+        tables without what came after them."""
+        with interrupts_blocked():
+            marks = self._owed
+            if marks is None:
+                return
+            for spool, nbytes in zip(marks.spools, marks.spool_nbytes, strict=True):
+                spool.truncate(nbytes)
+            self._builder.forget(marks.num_samples)
+            del self._names.ends[marks.num_samples :]
+            for table in self._crc32s:
+                del table[marks.num_samples :]
+            if not marks.num_samples:  # the next first sample may have other fields
+                self._crc32s = []
+            self._owed = None
 
     def close(self) -> None:
         """Write the dataset and publish it at ``out_dir``; nothing is left behind on error.
@@ -197,18 +228,21 @@ class Writer:
         if self._closed:
             return
         try:
-            if self._broken is not None:
-                raise OutputError(f"{self.out_dir}: nothing written: {self._broken}; start again")
+            self._settle()
             self._write()
         finally:
-            self._closed = True
-            self._finalizer()
+            self._discard()
 
     def abort(self) -> None:
         """Discard everything appended; OUT stays as it was."""
         self._check_owner()
-        self._closed = True
-        self._finalizer()
+        self._discard()
+
+    def _discard(self) -> None:
+        """Close for good: spools removed, lock released, with Ctrl-C held back so that all of it is done."""
+        with interrupts_blocked():
+            self._closed = True
+            self._finalizer()
 
     def __enter__(self) -> Writer:
         return self
@@ -228,8 +262,7 @@ class Writer:
         self._check_owner()
         if self._closed:
             raise ValueError(f"{self.out_dir}: the Writer is closed")
-        if self._broken is not None:
-            raise OutputError(f"{self.out_dir}: {self._broken}; abort() this Writer and start again")
+        self._settle()
 
     def _check_owner(self) -> None:
         """Refuse a forked copy: it shares the spools' descriptors and would corrupt them."""
@@ -240,13 +273,15 @@ class Writer:
             )
 
     def _spool(self, key: str) -> _Spool:
+        """The spool of field ``key``, made (with Ctrl-C held back, so it is closed in the end) if new."""
         if key not in self._spools:
-            # Counted apart from the dict, so an interrupt between the two never reuses a name.
-            path = os.path.join(self._spool_dir, f"field-{self._num_spools_made}")
-            self._num_spools_made += 1
-            spool = _Spool(path)
-            self._stack.callback(spool.close)
-            self._spools[key] = spool
+            with interrupts_blocked():
+                try:
+                    spool = _Spool(os.path.join(self._spool_dir, f"field-{len(self._spools)}"))
+                except OSError as exc:
+                    raise self._spool_error(exc) from exc
+                self._stack.callback(spool.close)
+                self._spools[key] = spool
         return self._spools[key]
 
     def _write(self) -> None:
@@ -254,17 +289,18 @@ class Writer:
             raise SourceError(f"{self.out_dir}: no sample was appended; a dataset needs at least one")
         plan = self._builder.finish(self._names, allow_empty=True)
         check_free_space(self.out_dir, dataset_nbytes(plan, (), self.part), free_nbytes(self.out_dir))
-        staging = make_staging_dir(self.out_dir)
+        with interrupts_blocked():  # from here on it is removed, however this ends
+            staging = make_staging_dir(self.out_dir)
+            self._stack.callback(publish.remove_staging, staging)
         try:
             writer.create_blob(staging, plan.payload_nbytes)
             self._copy_spools(plan, os.path.join(staging, BLOB_NAME))
             crc32s = [np.frombuffer(table, dtype=np.uint32) for table in self._crc32s]
             writer.finish_dataset(staging, plan, crc32s, (), self.part)
-            publish.publish(staging, self.out_dir, self._overwrite)
+            with interrupts_blocked():  # OUT is never left between the old dataset and the new
+                publish.publish(staging, self.out_dir, self._overwrite)
         except OSError as exc:
             raise OutputError(f"{self.out_dir}: cannot write the dataset ({exc.strerror or exc})") from exc
-        finally:
-            publish.remove_staging(staging)
 
     def _copy_spools(self, plan: Plan, blob_path: str) -> None:
         """Each field's spool into its data region; a spool goes as soon as it is copied."""
@@ -379,6 +415,14 @@ def _c_order_bytes(value: np.ndarray) -> Iterator[Piece]:
         yield piece.reshape(-1).view(np.uint8).data
 
 
+class _Marks(NamedTuple):
+    """How far the tables and the spools a sample is written to went before it."""
+
+    num_samples: int
+    spools: tuple[_Spool, ...]
+    spool_nbytes: tuple[int, ...]
+
+
 class _Spool:
     """An append-only file written through a small buffer; the last append can be undone."""
 
@@ -429,9 +473,10 @@ class _Spool:
             os.ftruncate(self.fd, self.flushed)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Close the file once: forgotten first, so an interrupt never leaves it to be closed twice."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class _SourceNames(Sequence[str]):
