@@ -23,21 +23,20 @@ import zlib
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, NamedTuple, overload
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 
 from . import fsutil, publish, writer
 from .converter import (
+    PartOption,
     check_align,
     check_free_space,
-    check_part,
     dataset_nbytes,
     free_nbytes,
     make_staging_dir,
     parse_casts,
-    part_directory,
-    part_from_environment,
+    resolve_part,
 )
 from .elements import Piece, stored_pieces
 from .errors import OutputError, SourceError
@@ -61,10 +60,10 @@ class Writer:
 
     Each sample is a dict of field name to array (numpy arrays and scalars;
     anything else goes through ``np.asarray``). ``casts``, ``align`` and
-    ``overwrite`` are ``convert``'s. With ``part=(i, n)``, or ``"auto"`` (from
-    torchrun's or Slurm's environment), the dataset is part i of n and goes to
-    OUT/part-IIIII (or OUT with ``{part}`` replaced), as ``convert --part``
-    does; a part may hold no samples, and ``npz2mmap merge`` joins the parts.
+    ``overwrite`` are ``convert``'s. With ``part=(i, n)``, ``"I/N"`` or
+    ``"auto"`` (from torchrun's or Slurm's environment), the dataset is part i
+    of n and goes to OUT/part-IIIII (or OUT with ``{part}`` replaced), as
+    ``convert`` writes a part; a part may hold no samples, and ``npz2mmap merge`` joins the parts.
 
     Nothing appears at OUT before ``close`` succeeds; until then the output
     lock is held, so no other writer or conversion to OUT can run. An
@@ -90,13 +89,11 @@ class Writer:
         casts: Mapping[str, np.dtype | str] | None = None,
         align: int = MIN_ALIGN,
         overwrite: bool = False,
-        part: tuple[int, int] | Literal["auto"] | None = None,
+        part: PartOption = None,
     ) -> None:
         check_align(align)
         parsed_casts = parse_casts(casts)
-        self.part = _resolve_part(part)
-        out = os.fspath(out_dir)
-        self.out_dir = out if self.part is None else part_directory(out, self.part)
+        self.part, self.out_dir = resolve_part(part, out_dir)
         self._overwrite = overwrite
         publish.check_output(self.out_dir, overwrite)
         self._owner_pid = os.getpid()
@@ -341,14 +338,6 @@ def _discard_in_owner(stack: contextlib.ExitStack, owner_pid: int) -> None:
     """Remove the spools and release the lock, unless this is a forked copy of the writer's process."""
     if os.getpid() == owner_pid:
         stack.close()
-
-
-def _resolve_part(part: tuple[int, int] | Literal["auto"] | None) -> tuple[int, int] | None:
-    if part is None:
-        return None
-    if part == "auto":
-        return part_from_environment()
-    return check_part(part)
 
 
 def _field_name(key: object, label: str) -> str:

@@ -579,8 +579,9 @@ def test_parts_go_where_convert_part_puts_them_and_merge_into_one_writer_bytes(
         written = write_from_files(parts, chunk, part=(i, 3))
         assert written == parts / f"part-{i:05d}"
     assert json.loads((parts / "part-00001" / "index.json").read_text())["provenance"]["part"] == [1, 3]
-    convert(sample_files, tmp_path / "part-1-converted", part=(1, 3), workers=1)
-    assert dataset_files(parts / "part-00001") == dataset_files(tmp_path / "part-1-converted")
+    converted = convert(sample_files, tmp_path / "converted", part=(1, 3), workers=1).out_dir
+    assert converted == str(tmp_path / "converted" / "part-00001")
+    assert dataset_files(parts / "part-00001") == dataset_files(Path(converted))
     merge(sorted(parts.iterdir()), tmp_path / "merged", copy=True)
     write_from_files(tmp_path / "single", sample_files)
     assert dataset_files(tmp_path / "merged") == dataset_files(tmp_path / "single")
@@ -588,8 +589,8 @@ def test_parts_go_where_convert_part_puts_them_and_merge_into_one_writer_bytes(
 
 def test_an_empty_part_is_the_empty_part_convert_writes(tmp_path, sample_files) -> None:
     npz2mmap.Writer(tmp_path / "parts" / "{part}-of-2", part=(0, 2)).close()
-    convert(sample_files[:1], tmp_path / "converted", part=(0, 2), workers=1)
-    assert dataset_files(tmp_path / "parts" / "00000-of-2") == dataset_files(tmp_path / "converted")
+    convert(sample_files[:1], tmp_path / "converted-{part}", part=(0, 2), workers=1)
+    assert dataset_files(tmp_path / "parts" / "00000-of-2") == dataset_files(tmp_path / "converted-00000")
     assert len(DatasetReader(tmp_path / "parts" / "00000-of-2")) == 0
 
 
