@@ -117,6 +117,7 @@ class Writer:
             align, parsed_casts, max_payload_nbytes=free_nbytes(self.out_dir), hints=WRITER_HINTS
         )
         self._spools: dict[str, _Spool] = {}
+        self._num_spools_made = 0
         self._crc32s: list[array[int]] = []  # per field, one CRC-32 per sample
         self._owed: _Marks | None = None  # where an interrupted append must go back to, until it has
         self._closed = False
@@ -273,8 +274,12 @@ class Writer:
         """The spool of field ``key``, made (with Ctrl-C held back, so it is closed in the end) if new."""
         if key not in self._spools:
             with interrupts_blocked():
+                # Counted apart from the dict, so an interrupt between the two never reuses a name
+                # (another thread may take a Ctrl-C, and this one then raises it anyway).
+                path = os.path.join(self._spool_dir, f"field-{self._num_spools_made}")
+                self._num_spools_made += 1
                 try:
-                    spool = _Spool(os.path.join(self._spool_dir, f"field-{len(self._spools)}"))
+                    spool = _Spool(path)
                 except OSError as exc:
                     raise self._spool_error(exc) from exc
                 self._stack.callback(spool.close)

@@ -245,7 +245,9 @@ def test_the_per_rank_loop_converts_every_part_from_python_then_merges(tmp_path,
     """Part after part into the same OUT, as ranks do: each goes to OUT/part-RRRRR, and the
     merge of them is byte for byte one conversion."""
     world = 3
-    written = [convert([sources], tmp_path / "shards", part=(rank, world), workers=1) for rank in range(world)]
+    written = [
+        convert([sources], tmp_path / "shards", part=(rank, world), workers=1) for rank in range(world)
+    ]
     assert [result.out_dir for result in written] == [
         str(tmp_path / "shards" / f"part-{rank:05d}") for rank in range(world)
     ]
