@@ -9,16 +9,19 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import assert_same_array, convert_part_at, write_samples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import npz2mmap
 from npz2mmap import MmapDataset, MmapLoader
 from npz2mmap.cli import cli
-from npz2mmap.converter import convert, part_from_environment, select_part
+from npz2mmap.converter import MAX_PARTS, convert, part_from_environment, resolve_part, select_part
 from npz2mmap.errors import FormatError
 from npz2mmap.merge import merge
 from npz2mmap.reader import DatasetReader
@@ -239,6 +242,26 @@ def test_every_spelling_of_part_writes_the_same_part_in_the_same_place(
         with np.load(path) as npz:
             for key in npz.files:
                 assert_same_array(reader.view(key, i), npz[key])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    part=st.integers(1, MAX_PARTS).flatmap(lambda n: st.tuples(st.integers(0, n - 1), st.just(n))),
+    out=st.sampled_from(["ds", "a/b", "ds-{part}", "{part}/x"]),
+)
+def test_every_spelling_of_a_part_resolves_to_one_part_and_one_directory(part, out) -> None:
+    """(i, n), [i, n], "I/N" and "auto" from torchrun's or Slurm's variables: one answer."""
+    i, n = part
+    expected_dir = (
+        out.replace("{part}", f"{i:05d}") if "{part}" in out else os.path.join(out, f"part-{i:05d}")
+    )
+    spellings = [(i, n), [i, n], (np.int64(i), np.int32(n)), f"{i}/{n}"]
+    for spelling in spellings:
+        assert resolve_part(spelling, out) == ((i, n), expected_dir)
+    for environ in ({"RANK": str(i), "WORLD_SIZE": str(n)}, {"SLURM_PROCID": str(i), "SLURM_NTASKS": str(n)}):
+        with mock.patch.dict(os.environ, environ, clear=True):
+            assert resolve_part("auto", Path(out)) == ((i, n), expected_dir)
+    assert resolve_part(None, Path(out)) == (None, out)
 
 
 def test_the_per_rank_loop_converts_every_part_from_python_then_merges(tmp_path, sources) -> None:
