@@ -23,26 +23,26 @@ import zlib
 from array import array
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, overload
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 
 from . import fsutil, publish, writer
 from .converter import (
+    PartOption,
     check_align,
     check_free_space,
-    check_part,
     dataset_nbytes,
     free_nbytes,
     make_staging_dir,
     parse_casts,
     parse_fixed,
-    part_directory,
-    part_from_environment,
+    resolve_part,
 )
 from .elements import Piece, stored_pieces
 from .errors import FixedShapeError, OutputError, RaggedFieldWarning, SourceError
 from .npzfile import CHUNK_NBYTES, MemberHeader
+from .parallel import interrupts_blocked
 from .plan import WRITER_HINTS, PendingSource, Plan, PlanBuilder, check_field_name
 from .provenance import MAX_LINE_NBYTES
 from .shapes import NearlyFixed, describe_nearly_fixed, find_nearly_fixed, unfixed_problem
@@ -66,17 +66,19 @@ class Writer:
     sample's shape: ``append`` refuses a sample that differs. At close, a
     ``RaggedFieldWarning`` names each ragged field that only a few samples
     keep from being fixed (see npz2mmap.shapes), as ``nearly_fixed`` does
-    from then on. With ``part=(i, n)``, or ``"auto"`` (from
-    torchrun's or Slurm's environment), the dataset is part i of n and goes to
-    OUT/part-IIIII (or OUT with ``{part}`` replaced), as ``convert --part``
-    does; a part may hold no samples, and ``npz2mmap merge`` joins the parts.
+    from then on. With ``part=(i, n)``, ``"I/N"`` or
+    ``"auto"`` (from torchrun's or Slurm's environment), the dataset is part i
+    of n and goes to OUT/part-IIIII (or OUT with ``{part}`` replaced), as
+    ``convert`` writes a part; a part may hold no samples, and ``npz2mmap merge`` joins the parts.
 
     Nothing appears at OUT before ``close`` succeeds; until then the output
     lock is held, so no other writer or conversion to OUT can run. An
     exception in the ``with`` block, or ``abort()``, removes everything
-    written. Memory stays bounded (a few compact numbers per sample); disk
-    needs about twice the dataset's size while closing (the spooled fields
-    and the blob they are copied into). A writer never closed is discarded
+    written. A Ctrl-C leaves the writer consistent wherever it strikes (see
+    ``append``); one in ``close`` leaves OUT the old dataset or the new one.
+    Memory stays bounded (a few compact numbers per sample); disk needs
+    about twice the dataset's size while closing (the spooled fields and
+    the blob they are copied into). A writer never closed is discarded
     like ``abort()`` when it is collected or the interpreter exits. Not
     thread-safe; in a forked child every call raises ValueError, and the
     child does not hold the output lock.
@@ -94,19 +96,16 @@ class Writer:
         fixed: Collection[str] = (),
         align: int = MIN_ALIGN,
         overwrite: bool = False,
-        part: tuple[int, int] | Literal["auto"] | None = None,
+        part: PartOption = None,
     ) -> None:
         check_align(align)
         parsed_casts = parse_casts(casts)
         self._fixed = parse_fixed(fixed)
         self.nearly_fixed: tuple[NearlyFixed, ...] = ()  # set by close
-        self.part = _resolve_part(part)
-        out = os.fspath(out_dir)
-        self.out_dir = out if self.part is None else part_directory(out, self.part)
+        self.part, self.out_dir = resolve_part(part, out_dir)
         self._overwrite = overwrite
         publish.check_output(self.out_dir, overwrite)
         self._owner_pid = os.getpid()
-        self._broken: str | None = None  # why the writer must not go on, when it must not
         self._stack = contextlib.ExitStack()
         self._finalizer = weakref.finalize(self, _discard_in_owner, self._stack, self._owner_pid)
         try:
@@ -133,12 +132,14 @@ class Writer:
         self._spools: dict[str, _Spool] = {}
         self._num_spools_made = 0
         self._crc32s: list[array[int]] = []  # per field, one CRC-32 per sample
+        self._owed: _Marks | None = None  # where an interrupted append must go back to, until it has
         self._closed = False
 
     @property
     def num_samples(self) -> int:
-        """Samples appended so far."""
-        return self._builder.num_samples
+        """Samples appended so far (a sample whose undo is still owed is not)."""
+        owed = self._owed
+        return self._builder.num_samples if owed is None else owed.num_samples
 
     def append(self, sample: Mapping[str, Any], source: str | os.PathLike[str] | None = None) -> None:
         """Add one sample; ``source`` names where it came from in sources.jsonl (empty when None).
@@ -147,8 +148,10 @@ class Writer:
         from the first sample in keys, dtype or ndim, or in shape for a key of
         ``fixed`` (FixedShapeError), holds objects, or a cast would change a
         value; UnknownKeyError when the first sample lacks a key of ``fixed``;
-        TypeError for a sample that is not a dict. A refused sample leaves the
-        writer as it was, usable.
+        TypeError for a sample that is not a dict. All
+        or nothing: when append raises (a KeyboardInterrupt included) the
+        sample is not in and the writer is as it was, usable; when it
+        returns, the sample is in.
         """
         self._check_open()
         if not isinstance(sample, Mapping):
@@ -164,7 +167,23 @@ class Writer:
         }
         pending = self._builder.check(label, {key: _header(key, a) for key, a in arrays.items()})
         self._check_fixed(arrays, label)
-        self._write_sample(pending, arrays, line, label)
+        spools = [self._spool(key) for key in pending.collectors]
+        # All or nothing, whenever a Ctrl-C strikes: the undo to these marks is owed from here
+        # until the last step; the spools are written with Ctrl-C live, the sample is recorded
+        # with it held back, and an exception (a Ctrl-C held back included, raised as the
+        # recording ends) pays the undo, again with Ctrl-C held back, or leaves it owed for the
+        # next call to pay, if a second Ctrl-C comes first.
+        self._owed = self._marks(spools)
+        try:
+            crc32s = self._spool_sample(pending, arrays, line, label, spools)
+            with interrupts_blocked():
+                self._record(pending, crc32s)
+            self._owed = None
+        except BaseException as exc:
+            self._settle()
+            if isinstance(exc, OSError):
+                raise self._spool_error(exc) from exc
+            raise
 
     def _check_fixed(self, arrays: dict[str, np.ndarray], label: str) -> None:
         """FixedShapeError if a key of ``fixed`` has a shape other than the first sample's."""
@@ -179,41 +198,51 @@ class Writer:
                     unfixed_problem(f"{label}[{key}]", arrays[key].shape, expected, first, option)
                 )
 
-    def _write_sample(
-        self, pending: PendingSource, arrays: dict[str, np.ndarray], line: bytes, label: str
-    ) -> None:
-        """Spool one checked sample, then record it; on any exception, undo every spool.
+    def _spool_sample(
+        self,
+        pending: PendingSource,
+        arrays: dict[str, np.ndarray],
+        line: bytes,
+        label: str,
+        spools: list[_Spool],
+    ) -> list[int]:
+        """Append one checked sample's stored bytes to its spools; its CRC-32 per field."""
+        crc32s = [
+            spool.write_stored(arrays[key], pending.stored_dtype(key), f"{label}[{key}]")
+            for key, spool in zip(pending.collectors, spools, strict=True)
+        ]
+        self._names.spool.write(line)
+        return crc32s
 
-        An exception (a KeyboardInterrupt, say) while undoing or recording
-        leaves the spools and tables out of step: the writer is then broken
-        and refuses to go on rather than write a wrong dataset.
-        """
-        try:
-            spools = [self._spool(key) for key in pending.collectors]
-        except OSError as exc:
-            raise self._spool_error(exc) from exc
+    def _marks(self, spools: list[_Spool]) -> _Marks:
+        """What the writer holds now, for ``_settle`` to return to."""
         every_spool = (*spools, self._names.spool)
-        marks = [spool.nbytes for spool in every_spool]
-        self._broken = "an append was interrupted while undoing or recording a sample"
-        try:
-            crc32s = [
-                spool.write_stored(arrays[key], pending.stored_dtype(key), f"{label}[{key}]")
-                for key, spool in zip(pending.collectors, spools, strict=True)
-            ]
-            self._names.spool.write(line)
-        except BaseException as exc:
-            for spool, mark in zip(every_spool, marks, strict=True):
-                spool.truncate(mark)
-            self._broken = None
-            if isinstance(exc, OSError):
-                raise self._spool_error(exc) from exc
-            raise
+        return _Marks(self._builder.num_sources, every_spool, tuple(spool.nbytes for spool in every_spool))
+
+    def _record(self, pending: PendingSource, crc32s: list[int]) -> None:
+        """Add a spooled sample to the tables; ``_settle`` takes it out again while the undo is owed."""
         self._crc32s = self._crc32s or [array("I") for _ in crc32s]
         for table, crc in zip(self._crc32s, crc32s, strict=True):
             table.append(crc)
         self._names.record(self._names.spool.nbytes)
         self._builder.record(pending)
-        self._broken = None
+
+    def _settle(self) -> None:
+        """Pay an owed undo, with Ctrl-C held back: the spools cut back to the marks, the
+        tables without what came after them."""
+        with interrupts_blocked():
+            marks = self._owed
+            if marks is None:
+                return
+            for spool, nbytes in zip(marks.spools, marks.spool_nbytes, strict=True):
+                spool.truncate(nbytes)
+            self._builder.forget(marks.num_samples)
+            del self._names.ends[marks.num_samples :]
+            for table in self._crc32s:
+                del table[marks.num_samples :]
+            if not marks.num_samples:  # the next first sample may have other fields
+                self._crc32s = []
+            self._owed = None
 
     def close(self) -> None:
         """Write the dataset and publish it at ``out_dir``; nothing is left behind on error.
@@ -231,20 +260,23 @@ class Writer:
         if self._closed:
             return
         try:
-            if self._broken is not None:
-                raise OutputError(f"{self.out_dir}: nothing written: {self._broken}; start again")
+            self._settle()
             self._write()
         finally:
-            self._closed = True
-            self._finalizer()
+            self._discard()
         for item in self.nearly_fixed:
             warnings.warn(_describe_nearly_fixed(item), RaggedFieldWarning, stacklevel=warn_stacklevel)
 
     def abort(self) -> None:
         """Discard everything appended; OUT stays as it was."""
         self._check_owner()
-        self._closed = True
-        self._finalizer()
+        self._discard()
+
+    def _discard(self) -> None:
+        """Close for good: spools removed, lock released, with Ctrl-C held back so that all of it is done."""
+        with interrupts_blocked():
+            self._closed = True
+            self._finalizer()
 
     def __enter__(self) -> Writer:
         return self
@@ -264,8 +296,7 @@ class Writer:
         self._check_owner()
         if self._closed:
             raise ValueError(f"{self.out_dir}: the Writer is closed")
-        if self._broken is not None:
-            raise OutputError(f"{self.out_dir}: {self._broken}; abort() this Writer and start again")
+        self._settle()
 
     def _check_owner(self) -> None:
         """Refuse a forked copy: it shares the spools' descriptors and would corrupt them."""
@@ -276,13 +307,19 @@ class Writer:
             )
 
     def _spool(self, key: str) -> _Spool:
+        """The spool of field ``key``, made (with Ctrl-C held back, so it is closed in the end) if new."""
         if key not in self._spools:
-            # Counted apart from the dict, so an interrupt between the two never reuses a name.
-            path = os.path.join(self._spool_dir, f"field-{self._num_spools_made}")
-            self._num_spools_made += 1
-            spool = _Spool(path)
-            self._stack.callback(spool.close)
-            self._spools[key] = spool
+            with interrupts_blocked():
+                # Counted apart from the dict, so an interrupt between the two never reuses a name
+                # (another thread may take a Ctrl-C, and this one then raises it anyway).
+                path = os.path.join(self._spool_dir, f"field-{self._num_spools_made}")
+                self._num_spools_made += 1
+                try:
+                    spool = _Spool(path)
+                except OSError as exc:
+                    raise self._spool_error(exc) from exc
+                self._stack.callback(spool.close)
+                self._spools[key] = spool
         return self._spools[key]
 
     def _write(self) -> None:
@@ -292,17 +329,18 @@ class Writer:
         writer.check_index_nbytes(self.out_dir, plan, 0, self.part)
         found = find_nearly_fixed(plan)
         check_free_space(self.out_dir, dataset_nbytes(plan, (), self.part), free_nbytes(self.out_dir))
-        staging = make_staging_dir(self.out_dir)
+        with interrupts_blocked():  # from here on it is removed, however this ends
+            staging = make_staging_dir(self.out_dir)
+            self._stack.callback(publish.remove_staging, staging)
         try:
             writer.create_blob(staging, plan.payload_nbytes)
             self._copy_spools(plan, os.path.join(staging, BLOB_NAME))
             crc32s = [np.frombuffer(table, dtype=np.uint32) for table in self._crc32s]
             writer.finish_dataset(staging, plan, crc32s, (), self.part)
-            publish.publish(staging, self.out_dir, self._overwrite)
+            with interrupts_blocked():  # OUT is never left between the old dataset and the new
+                publish.publish(staging, self.out_dir, self._overwrite)
         except OSError as exc:
             raise OutputError(f"{self.out_dir}: cannot write the dataset ({exc.strerror or exc})") from exc
-        finally:
-            publish.remove_staging(staging)
         self.nearly_fixed = found
 
     def _copy_spools(self, plan: Plan, blob_path: str) -> None:
@@ -346,14 +384,6 @@ def _discard_in_owner(stack: contextlib.ExitStack, owner_pid: int) -> None:
         stack.close()
 
 
-def _resolve_part(part: tuple[int, int] | Literal["auto"] | None) -> tuple[int, int] | None:
-    if part is None:
-        return None
-    if part == "auto":
-        return part_from_environment()
-    return check_part(part)
-
-
 def _describe_nearly_fixed(item: NearlyFixed) -> str:
     first = _sample_label(item.first_odd, item.first_odd_source)
     return describe_nearly_fixed(item, "sample", first, f"fixed=[{item.field!r}] refuses such samples")
@@ -374,9 +404,11 @@ def _field_name(key: object, label: str) -> str:
 
 def _as_array(value: object, where: str) -> np.ndarray:
     """``value`` as an ndarray; SourceError for what a dataset cannot store (objects, no size)."""
+    if getattr(value, "requires_grad", False) is True:  # torch refuses it with a bare RuntimeError
+        raise SourceError(f"{where}: a tensor that requires grad; append tensor.detach() to store its values")
     try:
         result = np.asarray(value)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RuntimeError) as exc:  # RuntimeError: from a tensor's __array__
         raise SourceError(f"{where}: not an array: {exc}") from None
     if result.dtype.hasobject:
         raise SourceError(
@@ -426,6 +458,14 @@ def _c_order_bytes(value: np.ndarray) -> Iterator[Piece]:
         yield piece.reshape(-1).view(np.uint8).data
 
 
+class _Marks(NamedTuple):
+    """How far the tables and the spools a sample is written to went before it."""
+
+    num_samples: int
+    spools: tuple[_Spool, ...]
+    spool_nbytes: tuple[int, ...]
+
+
 class _Spool:
     """An append-only file written through a small buffer; the last append can be undone."""
 
@@ -448,7 +488,7 @@ class _Spool:
         """Append ``value`` as stored with dtype ``stored``; return the CRC-32 of what was written."""
         crc = 0
         header = _header("", value)
-        for piece in stored_pieces(_c_order_bytes(value), header, stored, where):
+        for piece in stored_pieces(_c_order_bytes(value), header, stored, where, cast_option="casts="):
             self.write(piece)
             crc = zlib.crc32(piece, crc)
         return crc
@@ -476,9 +516,10 @@ class _Spool:
             os.ftruncate(self.fd, self.flushed)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Close the file once: forgotten first, so an interrupt never leaves it to be closed twice."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class _SourceNames(Sequence[str]):

@@ -20,7 +20,7 @@ from click.core import ParameterSource
 
 from . import __version__
 from .cache import warm as warm_dataset
-from .converter import cast_dtype, parse_part, part_directory, part_from_environment
+from .converter import cast_dtype, resolve_part
 from .converter import convert as convert_files
 from .errors import Npz2mmapError, UnknownKeyError
 from .inputs import npy_with_sample_dirs
@@ -180,15 +180,6 @@ def _parse_fixed(ctx: click.Context, param: click.Parameter, values: tuple[str, 
     return values
 
 
-def _parse_part(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    try:
-        return part_from_environment() if value == "auto" else parse_part(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-
 def _check_align(ctx: click.Context, param: click.Parameter, value: int) -> int:
     if not MIN_ALIGN <= value <= MAX_ALIGN or value & (value - 1):
         raise click.BadParameter(f"must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, got {value}")
@@ -269,7 +260,6 @@ def output_option(help_text: str) -> Callable[[F], F]:
 )
 @click.option(
     "--part",
-    callback=_parse_part,
     metavar="I/N|auto",
     help="Convert only the I-th (from 0) of N contiguous slices of the sorted inputs into OUT/part-IIIII "
     "(or OUT with {part} replaced); auto takes I and N from torchrun or Slurm.",
@@ -301,7 +291,7 @@ def convert(
     skip_bad: bool,
     rows: bool,
     sample_dirs: bool,
-    part: tuple[int, int] | None,
+    part: str | None,
     workers: int | None,
     align: int,
     overwrite: bool,
@@ -321,8 +311,10 @@ def convert(
         named_npy = [path for path in inputs if is_npy_path(path) and not os.path.isdir(path)]
         if named_npy:
             raise click.UsageError(npy_with_sample_dirs(named_npy[0]))
-    if part is not None:
-        out_dir = part_directory(out_dir, part)
+    try:
+        chosen_part, _ = resolve_part(part, out_dir)  # a usage error, before anything starts
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--part'") from None
     with showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress, _usage_errors():
         result = convert_files(
             list(inputs),
@@ -331,7 +323,7 @@ def convert(
             casts=casts,
             fixed=fixed,
             skip_bad=skip_bad,
-            part=part,
+            part=chosen_part,
             rows=rows,
             sample_dirs=sample_dirs,
             workers=workers,
@@ -340,6 +332,7 @@ def convert(
             progress=progress,
             max_header_size=max_header_size,
         )
+    out_dir = result.out_dir  # OUT/part-IIIII for a part
     if result.skipped:
         first_reason = result.skipped[0][1]
         click.echo(

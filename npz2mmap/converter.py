@@ -55,7 +55,7 @@ def convert(
     casts: Mapping[str, np.dtype | str] | None = None,
     fixed: Collection[str] = (),
     skip_bad: bool = False,
-    part: tuple[int, int] | None = None,
+    part: PartOption = None,
     rows: bool = False,
     sample_dirs: bool = False,
     workers: int | None = None,
@@ -79,8 +79,11 @@ def convert(
     ``skipped.jsonl`` instead of ending the conversion. ``nearly_fixed`` of the
     result names each ragged field that only a few files keep from being
     fixed (see npz2mmap.shapes for the rule). With
-    ``part=(i, n)``, only the i-th of n contiguous slices of the sorted inputs
-    is converted, into a complete dataset of its own. With ``rows``, every
+    ``part=(i, n)`` (or ``"I/N"``, or ``"auto"`` from torchrun's or Slurm's
+    environment), only the i-th of n contiguous slices of the sorted inputs
+    is converted, into a complete dataset of its own at OUT/part-IIIII (or
+    OUT with ``{part}`` replaced), as ``convert --part`` and ``Writer(part=)``
+    write it; ``ConvertResult.out_dir`` names it. With ``rows``, every
     array of a file shares its first dimension and each row is one sample.
     ``progress`` is a Progress object, or a mode of ``--progress`` ("auto",
     "bar", "log", "none") to show it on stderr as the CLI does; TypeError otherwise.
@@ -88,12 +91,13 @@ def convert(
     characters (default np.load's 10,000; at most 1,000,000). Raise it only for
     files you trust, such as records of thousands of fields.
 
-    Raises SourceError for unusable inputs and OutputError when ``out_dir``
-    cannot be written; on any error nothing is left at ``out_dir`` and an
-    existing dataset there is untouched.
+    Raises SourceError for unusable inputs, OutputError when ``out_dir``
+    cannot be written, TypeError or ValueError for a bad ``part`` or
+    ``align``; on any error nothing is left at ``out_dir`` and an existing
+    dataset there is untouched.
     """
     started = time.perf_counter()
-    out = os.fspath(out_dir)
+    part, out = resolve_part(part, out_dir)
     display = progress_display(progress)
     check_align(align)
     fixed_keys = parse_fixed(fixed)
@@ -259,6 +263,27 @@ def part_from_environment(environ: Mapping[str, str] | None = None) -> tuple[int
 def _is_small_ascii_number(text: str) -> bool:
     """Digits 0-9 only, at most 18 of them (no launcher runs more processes)."""
     return 0 < len(text) <= 18 and text.isascii() and text.isdigit()
+
+
+PartOption = tuple[int, int] | str | None
+
+
+def resolve_part(part: PartOption, out_dir: str | os.PathLike[str]) -> tuple[tuple[int, int] | None, str]:
+    """The part asked for, as (i, n), and the directory it is written to: the one meaning of
+    ``part`` for ``convert --part``, ``convert(part=)`` and ``Writer(part=)``.
+
+    ``part`` is None (no part: OUT itself), (i, n), ``"I/N"``, or ``"auto"`` (from torchrun's
+    or Slurm's environment); part i goes to OUT/part-IIIII, or to OUT with {part} replaced.
+    TypeError or ValueError naming what is wrong (see check_part).
+    """
+    out = os.fspath(out_dir)
+    if part is None:
+        return None, out
+    if isinstance(part, str):
+        chosen = part_from_environment() if part == "auto" else parse_part(part)
+    else:
+        chosen = check_part(part)
+    return chosen, part_directory(out, chosen)
 
 
 def part_directory(out_dir: str, part: tuple[int, int]) -> str:

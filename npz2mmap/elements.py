@@ -76,12 +76,13 @@ class ByteReader:
 
 
 def stored_pieces(
-    chunks: Iterable[Piece], header: MemberHeader, stored: np.dtype, where: str
+    chunks: Iterable[Piece], header: MemberHeader, stored: np.dtype, where: str, cast_option: str = "--cast"
 ) -> Iterator[Piece]:
     """The stored bytes of a member whose raw data arrives in ``chunks``, in file order.
 
     Raises SourceError naming ``where`` when a cast would change a value or
-    cannot be made.
+    cannot be made; the message names the cast as ``cast_option`` (the CLI's
+    ``--cast``, the Writer's ``casts=``).
     """
     count = header.nbytes // header.dtype.itemsize
     cast = storage_dtype(header.dtype) != stored
@@ -90,7 +91,7 @@ def stored_pieces(
         return
     reader = ByteReader(chunks, where)
     if cast:
-        yield from _cast_pieces(reader, header, stored, count)
+        yield from _cast_pieces(reader, header, stored, count, cast_option)
     else:
         yield from _swapped(reader, header.dtype, count)
     reader.finish()
@@ -217,13 +218,15 @@ def _passed(reader: ByteReader, nbytes: int) -> Iterator[Piece]:
 # --- cast --------------------------------------------------------------------
 
 
-def _cast_pieces(reader: ByteReader, header: MemberHeader, stored: np.dtype, count: int) -> Iterator[Piece]:
+def _cast_pieces(
+    reader: ByteReader, header: MemberHeader, stored: np.dtype, count: int, cast_option: str
+) -> Iterator[Piece]:
     """Whole elements cast in pieces, each value checked to cast back exactly."""
     source = header.dtype
     largest = max(source.itemsize, stored.itemsize)
     if largest > CHUNK_NBYTES:
         raise SourceError(
-            f"{reader.where}: --cast of elements larger than {CHUNK_NBYTES} bytes "
+            f"{reader.where}: {cast_option} of elements larger than {CHUNK_NBYTES} bytes "
             f"({source} to {stored}) is not supported"
         )
     per_piece = CHUNK_NBYTES // largest
@@ -236,7 +239,7 @@ def _cast_pieces(reader: ByteReader, header: MemberHeader, stored: np.dtype, cou
             index = _element_index(start + k, header)
             raise MismatchError(
                 f"{reader.where}: {_describe_lost(values, converted, k, index)} "
-                f"(--cast keeps only values that {stored} represents exactly)"
+                f"({cast_option} keeps only values that {stored} represents exactly)"
             )
         yield converted.view(np.uint8).data
 

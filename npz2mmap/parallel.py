@@ -113,8 +113,10 @@ def interrupts_blocked() -> Iterator[None]:
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     try:
+        # Inside the try: a Ctrl-C that came before is raised by this very call, once the mask is set.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -366,6 +366,16 @@ class PlanBuilder:
         self.counts.append(pending.num_rows)
         self.num_samples += pending.num_rows
 
+    def forget(self, num_sources: int) -> None:
+        """Forget every source recorded after the first ``num_sources``, as if never recorded;
+        also the traces of a ``record`` cut short (by an interrupt)."""
+        del self.counts[num_sources:]
+        self.num_samples = sum(self.counts)
+        for collector in self.collectors.values():
+            del collector.dims[self.num_samples * collector.ndim :]
+        if not self.counts:
+            self.collectors, self.first_source = {}, ""
+
     def finish(self, sources: Sequence[str], allow_empty: bool = False) -> Plan:
         """Lay out the sources recorded, named in ``sources`` (what sources.jsonl lists).
 

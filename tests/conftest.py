@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,14 @@ def write_npz(path: Path, compressed: bool = False, **arrays: Any) -> Path:
 
 def write_samples(src_dir: Path, samples: Sequence[dict[str, Any]], compressed: bool = False) -> list[Path]:
     return [write_npz(src_dir / f"s{i:05d}.npz", compressed, **arrays) for i, arrays in enumerate(samples)]
+
+
+def convert_part_at(inputs: Sequence[Path], path: Path, part: tuple[int, int], **options: Any) -> Path:
+    """convert() of one part, which goes to OUT/part-IIIII, then moved to ``path``: for tests
+    that name their parts (a dataset directory may be moved)."""
+    written = convert(inputs, path.parent / f".{path.name}.{{part}}", part=part, **options).out_dir
+    os.rename(written, path)
+    return path
 
 
 def assert_same_array(stored: np.ndarray, source: np.ndarray) -> None:

@@ -239,7 +239,7 @@ def labelled(request, small_dataset, tmp_path) -> MmapDataset:
     out, _ = small_dataset
     if request.param == "two parts":
         for k in range(2):
-            convert([tmp_path / "src"], tmp_path / "parts" / f"p{k}", part=(k, 2), workers=1)
+            convert([tmp_path / "src"], tmp_path / "parts", part=(k, 2), workers=1)
         merge(sorted((tmp_path / "parts").iterdir()), tmp_path / "parts")
         out = tmp_path / "parts"
     return MmapDataset(out, fields="label")

@@ -57,7 +57,7 @@ def test_torchrun_ddp_sees_every_sample_once_per_epoch(tmp_path) -> None:
         tmp_path / "src", [{"x": rng.random((2, 3), dtype=np.float32), "id": np.int64(i)} for i in range(48)]
     )
     for i in range(2):
-        convert([tmp_path / "src"], tmp_path / "data" / f"part-{i}", part=(i, 2), workers=1)
+        convert([tmp_path / "src"], tmp_path / "data", part=(i, 2), workers=1)
     merge(sorted((tmp_path / "data").iterdir()), tmp_path / "data")
     (tmp_path / "train.py").write_text(TRAIN)
     result = subprocess.run(

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import write_samples
+from conftest import convert_part_at, write_samples
 from torch.utils.data import DataLoader
 
 from npz2mmap import MmapDataset
@@ -57,7 +57,7 @@ def datasets(tmp_path_factory) -> Path:
     write_samples(root / "src", samples)
     convert([root / "src"], root / "tree" / "ds", workers=1)
     for part in range(2):
-        convert([root / "src"], root / "tree" / f"p{part}", workers=1, part=(part, 2))
+        convert_part_at([root / "src"], root / "tree" / f"p{part}", (part, 2), workers=1)
     merge([root / "tree" / "p0", root / "tree" / "p1"], root / "tree" / "m")
     write_samples(root / "other", [{"x": sample["x"] + 100, "t": sample["t"] + 100} for sample in samples])
     convert([root / "other"], root / "tree" / "twin", workers=1)

@@ -103,7 +103,7 @@ def check_against_numpy(out: Path, corpus: Corpus, options: Options, good: list[
 def check_parts(root: Path, options: Options, kwargs: dict, single: Path) -> None:
     parts = root / "parts"
     for i in range(options.parts):
-        convert([root / "src"], parts / f"p{i}", part=(i, options.parts), workers=options.workers, **kwargs)
+        convert([root / "src"], parts, part=(i, options.parts), workers=options.workers, **kwargs)
     merge(sorted(parts.iterdir()), root / "merged", copy=True)
     assert_same_files(root / "merged", single)
     merge(sorted(parts.iterdir()), root / "manifest")

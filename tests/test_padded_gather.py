@@ -77,9 +77,7 @@ def convert_in_parts(src: Path, out: Path, num_parts: int) -> Path:
     if num_parts == 1:
         convert([src], out, workers=1)
         return out
-    parts = [out / f"p{k}" for k in range(num_parts)]
-    for k, part in enumerate(parts):
-        convert([src], part, part=(k, num_parts), workers=1)
+    parts = [convert([src], out, part=(k, num_parts), workers=1).out_dir for k in range(num_parts)]
     merge(parts, out)
     return out
 

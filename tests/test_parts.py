@@ -9,17 +9,22 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import assert_same_array, write_samples
+from conftest import assert_same_array, convert_part_at, write_samples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+import npz2mmap
 from npz2mmap import MmapDataset, MmapLoader
 from npz2mmap.cli import cli
-from npz2mmap.converter import convert, part_from_environment, select_part
+from npz2mmap.converter import MAX_PARTS, convert, part_from_environment, resolve_part, select_part
 from npz2mmap.errors import FormatError
 from npz2mmap.merge import merge
+from npz2mmap.reader import DatasetReader
 from npz2mmap.render import human_bytes
 from npz2mmap.verify import verify
 
@@ -69,7 +74,7 @@ def test_parts_converted_by_torchrun_merge_into_the_bytes_of_one_conversion(tmp_
 
 def test_a_manifest_reads_the_parts_as_one_dataset(tmp_path, sources) -> None:
     for i in range(3):
-        convert([sources], tmp_path / "parts" / f"p{i}", part=(i, 3), workers=1)
+        convert_part_at([sources], tmp_path / "parts" / f"p{i}", (i, 3), workers=1)
     result = run("merge", *sorted((tmp_path / "parts").iterdir()), "-o", tmp_path / "parts")
     assert result.exit_code == 0, result.output
     assert result.output == f"Merged 3 parts, 22 samples, into {tmp_path / 'parts' / 'manifest.json'}\n"
@@ -96,7 +101,7 @@ def test_a_manifest_reads_the_parts_as_one_dataset(tmp_path, sources) -> None:
 
 def test_inspect_verify_and_warm_understand_parts(tmp_path, sources) -> None:
     for i in range(2):
-        convert([sources], tmp_path / "ds" / f"part-{i}", part=(i, 2), workers=1)
+        convert_part_at([sources], tmp_path / "ds" / f"part-{i}", (i, 2), workers=1)
     merge(sorted((tmp_path / "ds").iterdir()), tmp_path / "ds")
     summary = json.loads(run("inspect", tmp_path / "ds", "--json").output)
     assert summary["num_samples"] == 22 and [p["num_samples"] for p in summary["parts"]] == [11, 11]
@@ -139,7 +144,7 @@ def test_parts_that_disagree_are_refused(tmp_path, sources) -> None:
 def test_a_manifest_listing_a_part_twice_is_refused_naming_the_manifest(tmp_path, sources, second) -> None:
     """FORMAT.md: no part may appear twice. Read twice, its samples would count double."""
     for i in range(2):
-        convert([sources], tmp_path / "ds" / f"p{i}", part=(i, 2), workers=1)
+        convert_part_at([sources], tmp_path / "ds" / f"p{i}", (i, 2), workers=1)
     (tmp_path / "ds" / "link-to-p0").symlink_to("p0")
     manifest = tmp_path / "ds" / "manifest.json"
     manifest.write_text(json.dumps({"format": "npz2mmap-parts", "version": 1, "parts": ["p0", "p1", second]}))
@@ -175,6 +180,104 @@ def test_part_selection_and_its_errors(tmp_path, sources, monkeypatch) -> None:
     result = run("convert", sources, "-o", tmp_path / "o-{part}", "--part", "1/2", "-q")
     assert result.exit_code == 0 and len(MmapDataset(tmp_path / "o-00001")) == 11
     assert not os.path.exists(tmp_path / "o")
+
+
+# --- one meaning of part: CLI, convert() and Writer alike ---------------------------
+
+LAUNCHERS = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
+SPELLINGS = {  # each asks for part 1 of 3: (part value, environment)
+    "tuple": ((1, 3), {}),
+    "list": ([1, 3], {}),
+    "I/N": ("1/3", {}),
+    "auto, torchrun": ("auto", {"RANK": "1", "WORLD_SIZE": "3"}),
+    "auto, Slurm": ("auto", {"SLURM_PROCID": "1", "SLURM_NTASKS": "3"}),
+}
+
+
+def write_part(how: str, sources: Path, out: Path, part: object) -> None:
+    """Part ``part`` of ``sources`` written at ``out`` by the CLI, convert() or a Writer."""
+    files = sorted(sources.iterdir())
+    if how == "CLI":
+        result = run("convert", sources, "-o", out, "--part", part, "--workers", "1", "-q")
+        assert (result.exit_code, result.output) == (0, "")
+    elif how == "convert()":
+        convert([sources], out, part=part, workers=1)  # type: ignore[arg-type]
+    else:
+        with npz2mmap.Writer(out, part=part) as w:  # type: ignore[arg-type]
+            for path in files[len(files) // 3 : 2 * len(files) // 3]:  # what part 1 of 3 converts
+                with np.load(path) as npz:
+                    w.append(dict(npz), source=str(path))
+
+
+@pytest.mark.parametrize("out_name", ["ds", "ds-{part}"])
+@pytest.mark.parametrize(
+    ("how", "spelling"),
+    [
+        (how, spelling)
+        for how in ("CLI", "convert()", "Writer")
+        for spelling, (part, _) in SPELLINGS.items()
+        if how != "CLI" or isinstance(part, str)  # the CLI takes I/N or auto
+    ],
+)
+def test_every_spelling_of_part_writes_the_same_part_in_the_same_place(
+    tmp_path, sources, monkeypatch, how, spelling, out_name
+) -> None:
+    part, environ = SPELLINGS[spelling]
+    for variable in LAUNCHERS:
+        monkeypatch.delenv(variable, raising=False)
+    for variable, value in environ.items():
+        monkeypatch.setenv(variable, value)
+    write_part(how, sources, tmp_path / out_name, part)
+    if out_name == "ds":
+        written = tmp_path / "ds" / "part-00001"
+        assert os.listdir(tmp_path / "ds") == ["part-00001"]
+    else:
+        written = tmp_path / "ds-00001"
+    assert sorted(os.listdir(tmp_path)) == sorted(["src", written.relative_to(tmp_path).parts[0]])
+    assert json.loads((written / "index.json").read_text())["provenance"]["part"] == [1, 3]
+    reader = DatasetReader(written)
+    files = sorted(sources.iterdir())[7:14]  # part 1 of 3 of 22 files
+    assert len(reader) == len(files)
+    for i, path in enumerate(files):
+        with np.load(path) as npz:
+            for key in npz.files:
+                assert_same_array(reader.view(key, i), npz[key])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    part=st.integers(1, MAX_PARTS).flatmap(lambda n: st.tuples(st.integers(0, n - 1), st.just(n))),
+    out=st.sampled_from(["ds", "a/b", "ds-{part}", "{part}/x"]),
+)
+def test_every_spelling_of_a_part_resolves_to_one_part_and_one_directory(part, out) -> None:
+    """(i, n), [i, n], "I/N" and "auto" from torchrun's or Slurm's variables: one answer."""
+    i, n = part
+    expected_dir = (
+        out.replace("{part}", f"{i:05d}") if "{part}" in out else os.path.join(out, f"part-{i:05d}")
+    )
+    spellings = [(i, n), [i, n], (np.int64(i), np.int32(n)), f"{i}/{n}"]
+    for spelling in spellings:
+        assert resolve_part(spelling, out) == ((i, n), expected_dir)
+    for environ in ({"RANK": str(i), "WORLD_SIZE": str(n)}, {"SLURM_PROCID": str(i), "SLURM_NTASKS": str(n)}):
+        with mock.patch.dict(os.environ, environ, clear=True):
+            assert resolve_part("auto", Path(out)) == ((i, n), expected_dir)
+    assert resolve_part(None, Path(out)) == (None, out)
+
+
+def test_the_per_rank_loop_converts_every_part_from_python_then_merges(tmp_path, sources) -> None:
+    """Part after part into the same OUT, as ranks do: each goes to OUT/part-RRRRR, and the
+    merge of them is byte for byte one conversion."""
+    world = 3
+    written = [
+        convert([sources], tmp_path / "shards", part=(rank, world), workers=1) for rank in range(world)
+    ]
+    assert [result.out_dir for result in written] == [
+        str(tmp_path / "shards" / f"part-{rank:05d}") for rank in range(world)
+    ]
+    merge([f"{tmp_path / 'shards'}/part-{r:05d}" for r in range(world)], tmp_path / "merged", copy=True)
+    convert([sources], tmp_path / "single", workers=1)
+    for name in ("data.npy", "index.json", "sources.jsonl"):
+        assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "single" / name).read_bytes(), name
 
 
 def test_appending_files_is_adding_a_part_and_rewriting_the_manifest(tmp_path, sources) -> None:
@@ -277,7 +380,7 @@ def test_inspect_names_the_blob_of_every_part(tmp_path, sources) -> None:
 
     ds = tmp_path / "ds"
     for i in range(2):
-        convert([sources], ds / f"part-{i}", part=(i, 2), workers=1)
+        convert_part_at([sources], ds / f"part-{i}", (i, 2), workers=1)
     merge([ds / "part-0", ds / "part-1"], ds)
     blobs = [ds / f"part-{i}" / "data.npy" for i in range(2)]
     sizes = [blob.stat().st_size for blob in blobs]
@@ -316,7 +419,7 @@ def test_inspect_of_a_manifest_of_one_part_shows_the_part(tmp_path, sources) -> 
 def test_inspect_shows_every_part_and_blob_empty_ones_marked(tmp_path, sources) -> None:
     parts = [tmp_path / "p" / f"part-{i}" for i in range(6)]
     for i, part in enumerate(parts):  # one source: parts 0 to 4 are empty, part 5 holds it
-        convert([sorted(sources.iterdir())[0]], part, part=(i, 6), workers=1)
+        convert_part_at([sorted(sources.iterdir())[0]], part, (i, 6), workers=1)
     merge(parts, tmp_path / "m")
     output = run("inspect", tmp_path / "m").output
     lines = output.splitlines()
@@ -333,7 +436,7 @@ def test_inspect_shows_every_part_and_blob_empty_ones_marked(tmp_path, sources) 
 
 
 def test_inspect_of_a_manifest_of_one_empty_part_prints_no_empty_field_table(tmp_path, sources) -> None:
-    convert([sorted(sources.iterdir())[0]], tmp_path / "empty", part=(0, 2), workers=1)
+    convert_part_at([sorted(sources.iterdir())[0]], tmp_path / "empty", (0, 2), workers=1)
     merge([tmp_path / "empty"], tmp_path / "m")
     lines = run("inspect", tmp_path / "m").output.splitlines()
     assert lines[7].split()[:3] == [str(tmp_path / "empty"), "0", "(empty)"]

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import write_samples
+from conftest import convert_part_at, write_samples
 
 from npz2mmap import MmapDataset, MmapLoader, fsutil, parallel, publish
 from npz2mmap.cli import cli
@@ -134,7 +134,7 @@ def test_inspect_verify_merge_and_warm_without_linux_facilities(
     whole, parts = tmp_path / "whole", [tmp_path / "part0", tmp_path / "part1"]
     convert([sources], whole, workers=1)
     for i, part in enumerate(parts):
-        convert([sources], part, workers=1, part=(i, 2))
+        convert_part_at([sources], part, (i, 2), workers=1)
     reading = [("inspect", whole), ("inspect", whole, "--sample", 3), ("verify", whole, "--sources")]
     on_linux = [run(*command) for command in reading]
     take_facilities_away()
@@ -229,7 +229,7 @@ def test_a_converter_killed_between_the_two_renames_loses_no_dataset(
 ) -> None:
     """Without renameat2 OUT is moved aside, then replaced; a kill in between leaves it aside, restorable."""
     out = tmp_path / "out"
-    convert([sources], out, workers=1, part=(0, 2))
+    convert_part_at([sources], out, (0, 2), workers=1)
     old = dataset_files(out)
     take_facilities_away()
     real_rename = os.rename

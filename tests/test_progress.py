@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import write_npz, write_samples
+from conftest import convert_part_at, write_npz, write_samples
 
 from npz2mmap import progress as progress_module
 from npz2mmap.cli import cli
@@ -152,9 +152,9 @@ def test_verify_logs_samples(ticking_logs: None, sources: Path) -> None:
 
 
 def test_merge_copy_logs_parts(ticking_logs: None, sources: Path) -> None:
-    parts = [str(sources.parent / f"part{i}") for i in range(2)]
-    for i, part in enumerate(parts):
-        convert([sources], part, part=(i, 2), workers=1)
+    parts = [
+        str(convert_part_at([sources], sources.parent / f"part{i}", (i, 2), workers=1)) for i in range(2)
+    ]
     output = run("merge", *parts, "-o", str(sources.parent / "out"), "--copy")
     lines = [line.split(", ")[:2] for line in output.splitlines() if line.startswith("merge: ")]
     # part 0 holds file 0 (x 12 B, y 8 B), part 1 files 1 and 2 (x 20 + 32 B, y 16 B); the last line ends the stage

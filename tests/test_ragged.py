@@ -51,7 +51,7 @@ def test_lengths_come_from_the_tables_without_reading_sample_data(ragged, monkey
 def test_lengths_of_a_multi_part_dataset(ragged, tmp_path) -> None:
     dataset, _ = ragged
     for i in range(3):
-        convert([tmp_path / "src"], tmp_path / "parts" / f"p{i}", part=(i, 3), workers=1)
+        convert([tmp_path / "src"], tmp_path / "parts", part=(i, 3), workers=1)
     merge(sorted((tmp_path / "parts").iterdir()), tmp_path / "parts")
     assert MmapDataset(tmp_path / "parts").lengths("tokens").tolist() == LENGTHS
 

@@ -64,7 +64,7 @@ def test_rows_mode_is_byte_identical_for_any_workers_and_merges_like_a_single_co
     convert([src], tmp_path / "w2", rows=True, workers=2)
     assert (tmp_path / "w1" / "data.npy").read_bytes() == (tmp_path / "w2" / "data.npy").read_bytes()
     for i in range(2):
-        convert([src], tmp_path / "parts" / f"p{i}", rows=True, part=(i, 2), workers=1)
+        convert([src], tmp_path / "parts", rows=True, part=(i, 2), workers=1)
     merge(sorted((tmp_path / "parts").iterdir()), tmp_path / "merged", copy=True)
     for name in ("data.npy", "index.json", "sources.jsonl"):
         assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "w1" / name).read_bytes(), name

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import write_samples
+from conftest import convert_part_at, write_samples
 
 from npz2mmap import cache, fsutil
 from npz2mmap.cli import cli
@@ -38,7 +38,7 @@ def dataset(tmp_path) -> Path:
 
 def test_warm_reads_every_part_exactly_once_and_reports_it_resident(tmp_path, dataset) -> None:
     for part in range(2):
-        convert([tmp_path / "src"], tmp_path / "parts" / f"p{part}", workers=1, part=(part, 2))
+        convert_part_at([tmp_path / "src"], tmp_path / "parts" / f"p{part}", (part, 2), workers=1)
     merge([tmp_path / "parts" / "p0", tmp_path / "parts" / "p1"], tmp_path / "parts")
     progress = RecordingProgress()
     result = cache.warm(tmp_path / "parts", progress)
