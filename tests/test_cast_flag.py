@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import write_npz, write_samples
+from conftest import convert_part_at, write_npz, write_samples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_workers import corrupt_far_past_the_header
@@ -120,7 +120,7 @@ def test_merge_copy_casts_when_any_part_cast_and_matches_one_conversion(
     write_samples(tmp_path / "src", [{"x": VALUES.astype(d)} for d in part_dtypes])
     casts = {"x": "float32"}
     for i in range(2):
-        convert([tmp_path / "src"], tmp_path / f"p{i}", casts=casts, part=(i, 2), workers=1)
+        convert_part_at([tmp_path / "src"], tmp_path / f"p{i}", (i, 2), casts=casts, workers=1)
     assert [stored_casts(tmp_path / f"p{i}") for i in range(2)] == [{"x": False}, {"x": expected}]
     merge([tmp_path / "p0", tmp_path / "p1"], tmp_path / "merged", copy=True)
     assert stored_casts(tmp_path / "merged") == {"x": expected}
