@@ -386,7 +386,15 @@ def _discard_in_owner(stack: contextlib.ExitStack, owner_pid: int) -> None:
 
 def _describe_nearly_fixed(item: NearlyFixed) -> str:
     first = _sample_label(item.first_odd, item.first_odd_source)
-    return describe_nearly_fixed(item, "sample", first, f"fixed=[{item.field!r}] refuses such samples")
+    option = f"fixed=[{item.field!r}]"
+    if item.held_fixed_keeps_an_odd_shape():
+        advice = (
+            f"{option} keeps the first sample's shape, and that sample is one that differs: "
+            f"append a sample of shape {item.shape} first, then write with {option}"
+        )
+    else:
+        advice = f"{option} refuses such samples"
+    return describe_nearly_fixed(item, "sample", first, advice)
 
 
 def _sample_label(k: int, source: str) -> str:

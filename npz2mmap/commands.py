@@ -367,7 +367,13 @@ def _usage_errors() -> Iterator[None]:
 
 
 def _describe_nearly_fixed(item: NearlyFixed) -> str:
-    advice = f"--fixed {item.field} refuses such files (with --skip-bad, leaves them out)"
+    if item.held_fixed_keeps_an_odd_shape():
+        advice = (
+            f"--fixed {item.field} keeps the first file's shape, and that file is one that differs: "
+            f"move it out of the inputs (or save it as {item.shape}), then convert with --fixed {item.field}"
+        )
+    else:
+        advice = f"--fixed {item.field} refuses such files (with --skip-bad, leaves them out)"
     return describe_nearly_fixed(item, "file", item.first_odd_source, advice)
 
 

@@ -51,6 +51,11 @@ class NearlyFixed:
     first_odd: int  # the first of them, as an index into the plan's sources
     first_odd_source: str  # its name in sources.jsonl
     first_odd_shape: tuple[int, ...]
+    first_is_odd: bool = False  # the first source holding samples is one of those that differ
+
+    def held_fixed_keeps_an_odd_shape(self) -> bool:
+        """Whether holding the field fixed would keep the odd shape: it keeps the first source's."""
+        return self.first_is_odd
 
 
 def find_nearly_fixed(plan: Plan) -> tuple[NearlyFixed, ...]:
@@ -79,6 +84,7 @@ def _nearly_fixed_field(plan: Plan, field: FieldPlan) -> NearlyFixed | None:
         first_odd=first_odd,
         first_odd_source=plan.sources[first_odd],
         first_odd_shape=_shape(shapes[odd_row]),
+        first_is_odd=odd_row == 0,
     )
 
 

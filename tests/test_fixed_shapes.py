@@ -349,3 +349,35 @@ def test_reported_and_held_fixed_over_shape_mixes(tmp_path_factory, shapes, work
         first_odd = next(p for p in paths if p not in conforming)
         assert str(caught.value).startswith(f"{first_odd}[x]: ")
         assert not (root / "refused").exists()
+
+
+def test_when_the_first_file_is_the_odd_one_the_advice_is_to_move_it_not_to_skip_the_rest(tmp_path) -> None:
+    """--fixed keeps the first file's shape: advising it with --skip-bad would leave out every good file."""
+    src = tmp_path / "src"
+    for k in range(30):
+        write_npz(src / f"{k:03d}.npz", img=np.zeros((4, 3) if k == 0 else (4, 4), dtype=np.uint8))
+    result = run("convert", src, "-o", tmp_path / "out", "--progress", "none")
+    assert result.exit_code == 0, result.output
+    odd = src / "000.npz"
+    assert result.stderr == (
+        f"Warning: field img is ragged only because 1 of 30 files differs from shape (4, 4): the first, {odd}, "
+        "has (4, 3); --fixed img keeps the first file's shape, and that file is one that differs: move it out "
+        "of the inputs (or save it as (4, 4)), then convert with --fixed img\n"
+    )
+    odd.rename(tmp_path / "000.npz")  # the advice, followed
+    again = run("convert", src, "-o", tmp_path / "fixed", "--fixed", "img", "--progress", "none")
+    assert again.exit_code == 0 and again.stderr == ""
+    assert json.loads((tmp_path / "fixed" / INDEX_NAME).read_text())["fields"][0]["shape"] == [4, 4]
+
+
+def test_when_the_first_sample_is_the_odd_one_the_writer_says_to_append_a_good_one_first(tmp_path) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with npz2mmap.Writer(tmp_path / "w") as w:
+            for k in range(20):
+                w.append({"x": np.zeros((3, 2) if k == 0 else (2, 3))})
+    assert [str(c.message) for c in caught] == [
+        "field x is ragged only because 1 of 20 samples differs from shape (2, 3): the first, sample 0, has "
+        "(3, 2); fixed=['x'] keeps the first sample's shape, and that sample is one that differs: append a "
+        "sample of shape (2, 3) first, then write with fixed=['x']"
+    ]
