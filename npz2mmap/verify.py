@@ -256,10 +256,18 @@ def _compare_member(
     expected = stored_pieces(source.data_chunks(name, header), header, field.dtype, where)
     found = _file_order_pieces(stored, header.fortran_order)
     bad_rows: set[int] = set()
-    for elements in _changed_elements(expected, found, stored.nbytes, field.dtype.itemsize):
+    padding_rows: set[int] = set()
+    value_bytes = value_byte_mask(field.dtype)
+    for elements, padding_only in _changed_elements(expected, found, stored.nbytes, value_bytes):
         bad_rows.update(_element_rows(elements, header, rows_mode).tolist())
+        padding_rows.update(_element_rows(padding_only, header, rows_mode).tolist())
     for offset in sorted(bad_rows):
         yield offset, f"field {name!r}: values differ from the source"
+    for offset in sorted(padding_rows - bad_rows):
+        yield offset, (
+            f"field {name!r}: the values equal the source's, but record padding bytes differ "
+            "(np.load does not keep a file's padding: a Writer given its arrays stores theirs)"
+        )
 
 
 def _shape_problems(
@@ -303,17 +311,20 @@ def _c_order_pieces(array: np.ndarray) -> Iterator[memoryview]:
 
 
 def _changed_elements(
-    expected: Iterator[Piece], found: Iterator[memoryview], nbytes: int, itemsize: int
-) -> Iterator[np.ndarray]:
-    """Indices, in stream order, of the elements whose bytes differ between two streams."""
+    expected: Iterator[Piece], found: Iterator[memoryview], nbytes: int, value_bytes: np.ndarray
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Indices, in stream order, of the elements whose bytes differ between two streams: those
+    where a value's bytes differ, and those where only record padding (not ``value_bytes``) does."""
+    itemsize = len(value_bytes)
     left, right = ByteReader(expected, "source"), ByteReader(found, "dataset")
     for position in range(0, nbytes, CHUNK_NBYTES):
         size = min(CHUNK_NBYTES, nbytes - position)
-        differ = np.flatnonzero(
+        differ = position + np.flatnonzero(
             np.frombuffer(left.read(size), np.uint8) != np.frombuffer(right.read(size), np.uint8)
         )
         if len(differ):
-            yield np.unique((differ + position) // itemsize)
+            in_value = value_bytes[differ % itemsize]
+            yield np.unique(differ[in_value] // itemsize), np.unique(differ[~in_value] // itemsize)
     left.finish()
     right.finish()
 
@@ -325,3 +336,24 @@ def _element_rows(elements: np.ndarray, header: MemberHeader, rows_mode: bool) -
     if header.fortran_order:
         return np.unique(elements % header.shape[0])
     return np.unique(elements // math.prod(header.shape[1:]))
+
+
+def value_byte_mask(dtype: np.dtype) -> np.ndarray:
+    """Which bytes of one element of ``dtype`` hold values (True) rather than record padding."""
+    mask = np.zeros(dtype.itemsize, dtype=bool)
+    _mark_values(dtype, 0, mask)
+    return mask
+
+
+def _mark_values(dtype: np.dtype, offset: int, mask: np.ndarray) -> None:
+    fields = dtype.fields
+    if dtype.subdtype is not None:  # a subarray: its base's mask, repeated
+        base, shape = dtype.subdtype
+        count = math.prod(shape)
+        mask[offset : offset + count * base.itemsize] = np.tile(value_byte_mask(base), count)
+    elif fields is not None:
+        for name in dtype.names or ():
+            member, member_offset = fields[name][:2]
+            _mark_values(member, offset + member_offset, mask)
+    else:
+        mask[offset : offset + dtype.itemsize] = True

@@ -10,10 +10,13 @@ import pytest
 from click.testing import CliRunner
 from conftest import write_npz
 from hostile import crc_mismatch, npy_bytes, truncated_zip, zip_with
+from hypothesis import given, settings
+from strategies import nested_dtypes
 
+import npz2mmap
 from npz2mmap.cli import cli
 from npz2mmap.converter import convert
-from npz2mmap.verify import verify
+from npz2mmap.verify import value_byte_mask, verify
 
 
 def plain_npy(path: Path) -> None:
@@ -95,3 +98,32 @@ def test_verify_sources_of_a_shard_that_shrank_names_its_rows(tmp_path) -> None:
         for key in ("t", "x")
         for row in range(3)
     ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(nested_dtypes())
+def test_the_value_bytes_of_any_dtype_are_those_numpy_copies_field_by_field(dtype) -> None:
+    """Oracle: numpy's structured assignment copies values, never padding, into a zeroed element."""
+    zeroed = np.zeros(1, dtype)
+    zeroed[...] = np.frombuffer(b"\xff" * dtype.itemsize, dtype)
+    copied = np.frombuffer(zeroed.tobytes(), np.uint8) != 0
+    assert value_byte_mask(dtype).tolist() == copied.tolist()
+
+
+def test_a_writer_dataset_of_np_load_arrays_differs_from_its_source_in_record_padding_only(tmp_path) -> None:
+    """np.load leaves a record's padding as its fresh array holds it: verify says so, not that values differ."""
+    dtype = np.dtype([("a", "u1"), ("b", "<f8")], align=True)  # 7 padding bytes per record
+    source = np.frombuffer(np.arange(2 * dtype.itemsize, dtype=np.uint8).tobytes(), dtype)
+    np.savez(tmp_path / "s0.npz", x=source, y=np.arange(3))
+    with npz2mmap.Writer(tmp_path / "w") as w, np.load(tmp_path / "s0.npz") as z:
+        loaded = {key: z[key] for key in z.files}
+        loaded["x"] = np.zeros_like(loaded["x"])  # its padding made zero, the source's is not
+        loaded["x"][...] = z["x"]
+        w.append(loaded, source=tmp_path / "s0.npz")
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path / "w"), "--sources"])
+    assert result.exit_code == 1
+    assert result.output == (
+        f"sample 0 ({tmp_path / 's0.npz'}): field 'x': the values equal the source's, but record padding bytes "
+        "differ (np.load does not keep a file's padding: a Writer given its arrays stores theirs)\n"
+        f"Error: {tmp_path / 'w'}: 1 problem found\n"
+    )
