@@ -38,7 +38,7 @@ def running_statistics(dtype: np.dtype) -> RunningStatistics:
     if dtype.kind in INTEGER_KINDS:
         return IntegerStatistics()
     if dtype.kind in FLOAT_KINDS:
-        return FloatStatistics()
+        return FloatStatistics(beyond_float64=dtype.itemsize > 8)
     raise TypeError(f"no statistics of dtype {dtype}")
 
 
@@ -149,11 +149,13 @@ def scaled_moments(finite: NDArray[np.floating[Any]]) -> ScaledMoments:
 class FloatStatistics:
     """Counts of values, NaN and infinities; min and max of all but NaN; mean and std of the finite values."""
 
-    def __init__(self) -> None:
+    def __init__(self, beyond_float64: bool = False) -> None:
         self.count = self.nan = self.positive_inf = self.negative_inf = 0
         self.moments = ScaledMoments()
-        self.low = math.inf  # of the finite values
-        self.high = -math.inf
+        # longdouble: figures stay np.longdouble, whose range and precision a Python float lacks
+        self.beyond_float64 = beyond_float64
+        self.low: Any = math.inf  # of the finite values
+        self.high: Any = -math.inf
 
     def add(self, values: NDArray[Any]) -> None:
         """Merge in one chunk (a one-dimensional array)."""
@@ -169,7 +171,10 @@ class FloatStatistics:
             self.nan += values.size - num_finite - positive - negative
         if num_finite:
             self.moments = self.moments.merged(scaled_moments(finite))
-            self.low, self.high = min(self.low, float(finite.min())), max(self.high, float(finite.max()))
+            low, high = finite.min(), finite.max()
+            if not self.beyond_float64:
+                low, high = float(low), float(high)
+            self.low, self.high = min(self.low, low), max(self.high, high)
 
     def result(self) -> dict[str, int | float]:
         """count, nan and inf; min and max unless all are NaN; mean and std if any are finite."""
@@ -182,11 +187,12 @@ class FloatStatistics:
         m = self.moments
         if m.count:
             # rounding may not carry the figures past what the finite values bound them by
-            out["mean"] = min(max(_unscaled(m.mean, m.exponent), self.low), self.high)
+            unscale = _unscaled_wide if self.beyond_float64 else _unscaled
+            out["mean"] = min(max(unscale(m.mean, m.exponent), self.low), self.high)
             spread = (self.high - self.low) / 2  # Popoviciu: std <= (max - min) / 2
             spread = spread if math.isfinite(spread) else self.high / 2 - self.low / 2
-            out["std"] = min(_unscaled(math.sqrt(m.m2 / m.count), m.exponent), spread)
-        return out
+            out["std"] = min(unscale(math.sqrt(m.m2 / m.count), m.exponent), spread)
+        return {key: _narrowed(value) for key, value in out.items()}
 
 
 def _unscaled(value: float, exponent: int) -> float:
@@ -195,3 +201,15 @@ def _unscaled(value: float, exponent: int) -> float:
         return math.ldexp(value, exponent)
     except OverflowError:
         return math.copysign(math.inf, value)
+
+
+def _unscaled_wide(value: float, exponent: int) -> Any:
+    """``value * 2**exponent`` as np.longdouble, for figures beyond float64's range."""
+    return np.ldexp(np.longdouble(value), exponent)
+
+
+def _narrowed(value: Any) -> Any:
+    """A np.longdouble figure as a Python float where that is exact, else kept (1e4000, 1e-4940)."""
+    if isinstance(value, np.floating) and float(value) == value:
+        return float(value)
+    return value

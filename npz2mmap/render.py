@@ -7,6 +7,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 
 def human_bytes(nbytes: int) -> str:
     """1234567 -> '1.2 MB' (decimal units, as disks and network speeds are quoted)."""
@@ -116,6 +118,8 @@ def render_sample(info: dict[str, Any]) -> str:
 
 def _figure(value: float) -> str:
     """An integer exactly (3000000000, not 3e+09), anything else to 6 significant digits."""
+    if isinstance(value, np.floating) and not isinstance(value, float):  # a longdouble beyond float64
+        return np.format_float_scientific(value, precision=5, unique=False, trim="-")
     return str(value) if isinstance(value, int) else f"{value:.6g}"
 
 
@@ -127,6 +131,9 @@ def _table(rows: Sequence[Sequence[str]]) -> list[str]:
 def render_json(document: Any) -> str:
     """Strict JSON for ``--json``: a NaN or infinite figure is ``null`` (the ``nan``/``inf`` counts say why).
 
+    A longdouble figure that a float64 cannot hold (1e4000, 1e-4940) is a
+    string of its digits, as numpy prints it.
+
     Python's ``json`` would write ``NaN`` and ``Infinity``, which JSON does not
     have and ``jq`` or a browser refuse.
     """
@@ -134,6 +141,8 @@ def render_json(document: Any) -> str:
 
 
 def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, np.floating) and not isinstance(value, float):  # a longdouble beyond float64
+        return np.format_float_scientific(value, unique=True)
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):

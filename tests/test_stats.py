@@ -255,3 +255,26 @@ def test_json_output_of_any_sample_is_strict_json(values: list[float]) -> None:
         dataset = write_field(Path(tmp) / "ds", [np.array(values)])
         info = summary.describe_sample(dataset, 0)
         strict_json(render_json(info))
+
+
+LONGDOUBLE_WIDER = np.finfo(np.longdouble).max > np.finfo(np.float64).max
+
+
+@pytest.mark.skipif(not LONGDOUBLE_WIDER, reason="longdouble is float64 on this platform")
+def test_longdouble_figures_beyond_float64_keep_their_value(tmp_path) -> None:
+    """float128's max and tiny are no inf and no 0: the figures stay longdouble, text and JSON alike."""
+    info = np.finfo(np.longdouble)
+    values = np.array([info.max, info.tiny, 1], dtype=np.longdouble)
+    dataset = write_field(tmp_path / "ds", [values[:1], values[1:]])
+    result = inspect_stats(dataset, "--json")
+    assert (result.returncode, result.stderr) == (0, "")
+    figures = strict_json(result.stdout)["stats"]["x"]
+    assert (figures["count"], figures["nan"], figures["inf"]) == (3, 0, 0)
+    assert np.longdouble(figures["min"]) == info.tiny and np.longdouble(figures["max"]) == info.max
+    mean, std = np.longdouble(figures["mean"]), np.longdouble(figures["std"])
+    assert abs(mean - info.max / 3) <= info.max / 3 * 1e-15  # pytest.approx would compare as float: inf
+    assert abs(std - info.max / 3 * np.sqrt(np.longdouble(2))) <= info.max * 1e-12
+    rows = stats_rows(inspect_stats(dataset).stdout)
+    assert rows[1][4:6] == ["3.3621e-4932", "1.18973e+4932"]
+    sample = strict_json(inspect_sample(dataset, 1, "--json").stdout)["fields"][0]
+    assert np.longdouble(sample["min"]) == info.tiny and sample["max"] == 1.0
