@@ -19,8 +19,10 @@ from .npzfile import NPY_SUFFIX
 from .parts import MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_NBYTES
 from .sources import holds_npy_files, is_hidden, is_npy_path
 from .spec import (
+    BLOB_HEADER_NBYTES,
     BLOB_NAME,
     FORMAT_NAME,
+    IDENTITY_MAGIC,
     INDEX_NAME,
     MAX_INDEX_NBYTES,
     SOURCES_NAME,
@@ -176,12 +178,42 @@ def _list_unseen(path: str, seen_dirs: set[tuple[int, int]]) -> list[os.DirEntry
 
 
 def _refuse_dataset(path: str, entries: Iterable[os.DirEntry[str]]) -> None:
-    """SourceError if the directory at ``path`` is an npz2mmap dataset: its blob is no sample."""
+    """SourceError if the directory at ``path`` is an npz2mmap dataset: its blob is no sample.
+
+    Also one whose index is missing or damaged: its ``data.npy`` still opens
+    with the identity every npz2mmap blob starts with.
+    """
+    entries = list(entries)
     for entry in entries:
         if entry.name in DATASET_MARKERS and _is(entry.is_file) and _declares_npz2mmap(entry.path):
             raise SourceError(
                 f"{path}: is an npz2mmap dataset (it holds {entry.name}), {_not_a_source(entry.name)}"
             )
+    for entry in entries:
+        if entry.name == BLOB_NAME and _is(entry.is_file) and is_npz2mmap_blob(entry.path):
+            raise SourceError(f"{path}: holds an npz2mmap blob ({BLOB_NAME}) {_without_index()}")
+
+
+def _without_index() -> str:
+    """The rest of the message for a blob whose dataset has no valid index: what it is, the way out."""
+    return (
+        f"without a valid {INDEX_NAME}: a dataset, damaged or incomplete, not a source; "
+        f"convert its sources again by naming the paths listed in its {SOURCES_NAME}"
+    )
+
+
+def is_npz2mmap_blob(blob_path: str) -> bool:
+    """Whether the regular file at ``blob_path`` starts as every npz2mmap blob does (a 64-byte read)."""
+    try:
+        fd = fsutil.open_regular_sized(blob_path)[0]
+    except (OSError, fsutil.NotRegularFile):
+        return False
+    try:
+        return fsutil.read_at(fd, len(IDENTITY_MAGIC), BLOB_HEADER_NBYTES) == IDENTITY_MAGIC
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _refuse_blob_of_dataset(path: str) -> None:
@@ -195,6 +227,8 @@ def _refuse_blob_of_dataset(path: str) -> None:
             raise SourceError(
                 f"{path}: lies in an npz2mmap dataset (its directory holds {name}), {_not_a_source(name)}"
             )
+    if is_npz2mmap_blob(path):
+        raise SourceError(f"{path}: is the blob of an npz2mmap dataset {_without_index()}")
 
 
 def _not_a_source(marker: str) -> str:

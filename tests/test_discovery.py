@@ -560,3 +560,46 @@ def test_a_dataset_anywhere_in_a_tree_is_refused_unless_hidden(spec, data) -> No
         else:
             listed_in = "sources.jsonl" if marker == "index.json" else "parts' sources.jsonl"
             assert found == f"{dataset}: is an npz2mmap dataset (it holds {marker}), {WAY_OUT}{listed_in}"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not json", "removed", "another tool's"])
+@pytest.mark.parametrize("named", ["tree", "blob"])
+def test_a_dataset_whose_index_is_damaged_is_still_refused_by_its_blob(tmp_path, damage, named) -> None:
+    """Every npz2mmap blob starts with its identity: a lost index.json does not make data.npy a sample."""
+    dataset, sources = make_dataset(tmp_path)
+    tree = tmp_path / "tree"
+    shutil.copytree(sources, tree / "raw")
+    old = tree / "old.mmap"
+    shutil.copytree(dataset, old)
+    index = old / "index.json"
+    if damage == "truncated":
+        index.write_bytes(index.read_bytes()[:20])
+    elif damage == "not json":
+        index.write_bytes(b"\xff" * 10)
+    elif damage == "removed":
+        index.unlink()
+    else:
+        index.write_text('{"format": "other"}')
+    inputs = [str(tree)] if named == "tree" else [str(old / "data.npy")]
+    code, output = convert_cli(*inputs, "-o", str(tmp_path / "again.mmap"))
+    tail = (
+        "without a valid index.json: a dataset, damaged or incomplete, not a source; convert its sources "
+        "again by naming the paths listed in its sources.jsonl"
+    )
+    subject = f"{old}: holds an npz2mmap blob (data.npy)" if named == "tree" else (
+        f"{old / 'data.npy'}: is the blob of an npz2mmap dataset"
+    )
+    assert (code, output.splitlines()[-1]) == (1, f"Error: {subject} {tail}")
+    assert not (tmp_path / "again.mmap").exists()
+
+
+def test_a_field_named_data_is_a_source_not_a_blob(tmp_path) -> None:
+    """A sample directory's data.npy that numpy wrote is a field, whatever its name."""
+    for i in range(2):
+        sample = tmp_path / "samples" / f"s{i}"
+        sample.mkdir(parents=True)
+        np.save(sample / "data.npy", np.arange(40, dtype=np.uint8) + i)  # past byte 128, like a blob
+        np.save(sample / "label.npy", np.int64(i))
+    result = convert([tmp_path / "samples"], tmp_path / "out", sample_dirs=True, workers=1)
+    assert result.index.num_samples == 2
+    assert DatasetReader(tmp_path / "out").view("data", 1).tolist() == list(range(1, 41))
