@@ -182,16 +182,21 @@ def _listed_twice(numbered: list[tuple[str, tuple[int, int]]]) -> str | None:
 
 
 def _missing(numbered: list[tuple[str, tuple[int, int]]]) -> str | None:
+    """Distinct numbers below n (as the index reader ensures) miss one unless there are n;
+    described by runs, never by counting to n, which a forged index may set to 2^62."""
     n = numbered[0][1][1]
     listed = sorted(i for _, (i, _) in numbered)
-    absent = sorted(set(range(n)) - set(listed))
-    if not absent:
+    if len(listed) == n:
         return None
-    present = f"part {listed[0]} of {n} is" if len(listed) == 1 else f"parts {_numbers(listed)} of {n} are"
-    if len(absent) == 1:
+    bounds = [-1, *listed, n]
+    absent = [(low + 1, high - 1) for low, high in zip(bounds, bounds[1:], strict=False) if high - low > 1]
+    present = (
+        f"part {listed[0]} of {n} is" if len(listed) == 1 else f"parts {_numbers(_runs(listed))} of {n} are"
+    )
+    if n - len(listed) == 1:
         return (
-            f"part {absent[0]} of {n} is missing ({present} listed): "
-            f"convert it (--part {absent[0]}/{n}), then merge"
+            f"part {absent[0][0]} of {n} is missing ({present} listed): "
+            f"convert it (--part {absent[0][0]}/{n}), then merge"
         )
     return (
         f"parts {_numbers(absent)} of {n} are missing ({present} listed): "
@@ -209,15 +214,23 @@ def _out_of_order(numbered: list[tuple[str, tuple[int, int]]]) -> str | None:
     return None
 
 
-def _numbers(values: list[int]) -> str:
-    """Sorted part numbers for a message, long runs as first-last: '0, 1, 2' or '0-41, 43'."""
-    runs: list[list[int]] = []
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    """Sorted numbers as runs of consecutive ones, (first, last) each."""
+    runs: list[tuple[int, int]] = []
     for value in values:
-        if runs and value == runs[-1][-1] + 1:
-            runs[-1].append(value)
+        if runs and value == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], value)
         else:
-            runs.append([value])
-    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 3 else ", ".join(map(str, run)) for run in runs)
+            runs.append((value, value))
+    return runs
+
+
+def _numbers(runs: list[tuple[int, int]]) -> str:
+    """Runs of part numbers for a message, long ones as first-last: '0, 1, 2' or '0-41, 43'."""
+    return ", ".join(
+        f"{first}-{last}" if last - first > 2 else ", ".join(map(str, range(first, last + 1)))
+        for first, last in runs
+    )
 
 
 def _check_provenance_files(dataset_dir: str) -> None:

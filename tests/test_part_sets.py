@@ -24,6 +24,7 @@ from npz2mmap.cli import cli
 from npz2mmap.converter import convert
 from npz2mmap.errors import FormatError
 from npz2mmap.merge import merge
+from npz2mmap.parts import check_part_set
 from npz2mmap.verify import verify
 
 DATASET_FILES = ("data.npy", "index.json", "sources.jsonl", "skipped.jsonl")
@@ -220,3 +221,21 @@ def test_merge_and_readers_accept_a_list_of_parts_exactly_when_the_rule_does(poo
         single = pool["a:none"].parent / "single"
         for name in DATASET_FILES:
             assert (copied / name).read_bytes() == (single / name).read_bytes(), name
+
+
+def test_the_message_describes_missing_parts_by_runs_whatever_the_count() -> None:
+    """A forged index may record part 0 of 2^62: the message is made without counting to n."""
+    n = 1 << 62
+    with pytest.raises(FormatError) as refused:
+        check_part_set([("p", (0, n))], "m")
+    assert str(refused.value) == (
+        f"m: parts 1-{n - 1} of {n} are missing (part 0 of {n} is listed): "
+        f"convert them (--part I/{n} for each), then merge"
+    )
+    listed = [(f"p{i}", (i, 50)) for i in [*range(42), 43, 45, 46, 47, 48, 49]]
+    with pytest.raises(FormatError) as refused:
+        check_part_set(listed, "m")
+    assert str(refused.value) == (
+        "m: parts 42, 44 of 50 are missing (parts 0-41, 43, 45-49 of 50 are listed): "
+        "convert them (--part I/50 for each), then merge"
+    )
