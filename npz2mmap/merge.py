@@ -16,7 +16,16 @@ import numpy as np
 
 from . import fsutil, provenance, publish, writer
 from .errors import FormatError, OutputError
-from .parts import MANIFEST_NAME, Parts, PartsReader, PathLike, manifest_text, read_manifest, resolve_parts
+from .parts import (
+    MANIFEST_NAME,
+    Parts,
+    PartsReader,
+    PathLike,
+    check_part_set,
+    manifest_text,
+    read_manifest,
+    resolve_parts,
+)
 from .plan import Plan, lay_out
 from .progress import Progress, SilentProgress
 from .spec import BLOB_HEADER_NBYTES, INDEX_NAME
@@ -45,16 +54,25 @@ def merge(
     Without ``copy``, writes ``out_dir/manifest.json`` naming the parts
     (relative paths, so the tree can move as a whole). With ``copy``, writes a
     single dataset at ``out_dir``. Raises FormatError when the parts are
-    invalid or disagree, OutputError when ``out_dir`` cannot be written.
+    invalid, disagree or, where they record a part (i, n), are not one whole
+    run in order (see parts.check_part_set); OutputError when ``out_dir``
+    cannot be written. Nothing is written when it raises before writing.
     """
     given = resolve_parts(list(parts))
     opened = Parts(given)  # without empty parts, which contribute nothing
+    labels = [index.part for index in opened.all_indexes]  # empty parts' too
+    check_part_set(list(zip(given, labels, strict=True)), _naming(given))
     out = os.fspath(out_dir)
     if copy:
         _merge_by_copy(opened, out, overwrite, progress or SilentProgress())
     else:
         _write_manifest(given, out, overwrite)
     return MergeResult(out, len(given), opened.num_samples, copy)
+
+
+def _naming(parts: list[str]) -> str:
+    """The parts given to merge, for a message: 'parts A to B', or 'part A'."""
+    return f"parts {parts[0]} to {parts[-1]}" if len(parts) > 1 else f"part {parts[0]}"
 
 
 def _write_manifest(parts: list[str], out: str, overwrite: bool) -> None:

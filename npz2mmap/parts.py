@@ -60,19 +60,26 @@ class FieldInfo:
 
 def resolve_parts(source: PathLike | Sequence[PathLike]) -> list[str]:
     """The dataset directories a dataset path (or list of paths) stands for, in order."""
+    return [part for _, parts in resolve_listed(source) for part in parts]
+
+
+def resolve_listed(source: PathLike | Sequence[PathLike]) -> list[tuple[str | None, list[str]]]:
+    """The dataset directories of ``source``, in order, grouped by the manifest.json that lists
+    them (its path), or None for a directory given itself."""
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         _check_path(path, "dataset path")
         if is_manifest_dir(path):
-            return read_manifest(path)
-        return [path]
-    parts = [part for item in source for part in resolve_parts(item)]
+            return [(os.path.join(path, MANIFEST_NAME), read_manifest(path))]
+        return [(None, [path])]
+    listed = [group for item in source for group in resolve_listed(item)]
+    parts = [part for _, group in listed for part in group]
     if not parts:
         raise FormatError("no dataset parts given")
     repeated = _first_repeated(parts)
     if repeated is not None:
         raise FormatError(f"{repeated}: given twice; each part may appear only once")
-    return parts
+    return listed
 
 
 def is_manifest_dir(path: str) -> bool:
@@ -129,6 +136,103 @@ def read_manifest(directory: str) -> list[str]:
     return listed
 
 
+PartLabel = tuple[int, int] | None  # an index's provenance.part: (i, n), or None
+
+
+def check_part_set(labelled: Sequence[tuple[str, PartLabel]], where: str) -> None:
+    """FormatError unless the parts that record a part (i, n) are one whole run, listed in order.
+
+    They must all have the same n and list each of 0..n-1 once, in increasing i:
+    a part left from a run with another count, a missing or repeated part, or
+    parts out of order would otherwise add, lose or move samples without a word.
+    Parts that record none (plain conversions, merged datasets) are not
+    constrained. ``where`` (a manifest, or the parts given to merge) starts the message.
+    """
+    numbered = [(path, label) for path, label in labelled if label is not None]
+    if not numbered:
+        return
+    problem = (
+        _other_count(numbered) or _listed_twice(numbered) or _missing(numbered) or _out_of_order(numbered)
+    )
+    if problem is not None:
+        raise FormatError(f"{where}: {problem}")
+
+
+def _other_count(numbered: list[tuple[str, tuple[int, int]]]) -> str | None:
+    first, (i, n) = numbered[0]
+    for path, (j, m) in numbered[1:]:
+        if m != n:
+            return (
+                f"{path} is part {j} of {m}, but {first} is part {i} of {n}: a part of an earlier run "
+                "with another count; remove it or convert it again"
+            )
+    return None
+
+
+def _listed_twice(numbered: list[tuple[str, tuple[int, int]]]) -> str | None:
+    seen: dict[int, str] = {}
+    for path, (i, n) in numbered:
+        if i in seen:
+            return (
+                f"part {i} of {n} is listed twice, as {seen[i]} and {path}; "
+                "list only the one converted in this run"
+            )
+        seen[i] = path
+    return None
+
+
+def _missing(numbered: list[tuple[str, tuple[int, int]]]) -> str | None:
+    """Distinct numbers below n (as the index reader ensures) miss one unless there are n;
+    described by runs, never by counting to n, which a forged index may set to 2^62."""
+    n = numbered[0][1][1]
+    listed = sorted(i for _, (i, _) in numbered)
+    if len(listed) == n:
+        return None
+    bounds = [-1, *listed, n]
+    absent = [(low + 1, high - 1) for low, high in zip(bounds, bounds[1:], strict=False) if high - low > 1]
+    present = (
+        f"part {listed[0]} of {n} is" if len(listed) == 1 else f"parts {_numbers(_runs(listed))} of {n} are"
+    )
+    if n - len(listed) == 1:
+        return (
+            f"part {absent[0][0]} of {n} is missing ({present} listed): "
+            f"convert it (--part {absent[0][0]}/{n}), then merge"
+        )
+    return (
+        f"parts {_numbers(absent)} of {n} are missing ({present} listed): "
+        f"convert them (--part I/{n} for each), then merge"
+    )
+
+
+def _out_of_order(numbered: list[tuple[str, tuple[int, int]]]) -> str | None:
+    for (path, (i, n)), (later, (j, _)) in zip(numbered, numbered[1:], strict=False):
+        if j < i:
+            return (
+                f"listed out of order: {path}, part {i} of {n}, before {later}, part {j} of {n}; "
+                "list the parts in increasing order (as part-* sorts them), then merge"
+            )
+    return None
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    """Sorted numbers as runs of consecutive ones, (first, last) each."""
+    runs: list[tuple[int, int]] = []
+    for value in values:
+        if runs and value == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], value)
+        else:
+            runs.append((value, value))
+    return runs
+
+
+def _numbers(runs: list[tuple[int, int]]) -> str:
+    """Runs of part numbers for a message, long ones as first-last: '0, 1, 2' or '0-41, 43'."""
+    return ", ".join(
+        f"{first}-{last}" if last - first > 2 else ", ".join(map(str, range(first, last + 1)))
+        for first, last in runs
+    )
+
+
 def _check_provenance_files(dataset_dir: str) -> None:
     """FormatError unless sources.jsonl and skipped.jsonl are regular files.
 
@@ -150,15 +254,21 @@ class Parts:
     """The indexes of all parts, checked to agree; small and picklable (no mappings).
 
     Empty parts (no samples, no fields: an empty slice of ``convert --part``)
-    contribute nothing and are left out, unless every part is empty.
+    contribute nothing and are left out, unless every part is empty. The parts
+    of each manifest are checked to be one whole run (see check_part_set).
     """
 
     def __init__(self, source: PathLike | Sequence[PathLike]) -> None:
-        self.all_paths = resolve_parts(source)
+        listed = resolve_listed(source)
+        self.all_paths = [part for _, parts in listed for part in parts]
         self.all_indexes = [load_index(p) for p in self.all_paths]
         for path, index in zip(self.all_paths, self.all_indexes, strict=True):
             check_blob(os.path.join(path, BLOB_NAME), index)
             _check_provenance_files(path)
+        labels = {path: index.part for path, index in zip(self.all_paths, self.all_indexes, strict=True)}
+        for manifest, parts in listed:
+            if manifest is not None:
+                check_part_set([(part, labels[part]) for part in parts], manifest)
         self.paths, self.indexes = _contributing(self.all_paths, self.all_indexes)
         self.fields = _agreeing_fields(self.paths, self.indexes)
         sizes = np.array([index.num_samples for index in self.indexes], dtype=np.int64)

@@ -19,7 +19,7 @@ from . import provenance
 from .elements import ByteReader, Piece, stored_pieces
 from .errors import FormatError, SourceError
 from .npzfile import CHUNK_NBYTES, HeaderLimit, MemberHeader, header_limit
-from .parts import Parts, resolve_parts
+from .parts import Parts, is_manifest_dir, resolve_parts
 from .plan import can_cast
 from .progress import Progress, SilentProgress
 from .reader import DatasetReader, identity_problem
@@ -64,11 +64,11 @@ def verify(
         parts = resolve_parts(path)
     except FormatError as exc:
         return VerifyReport(os.fspath(path), problems=[str(exc)])
-    if len(parts) == 1:
+    if len(parts) == 1 and not is_manifest_dir(os.fspath(path)):
         return _verify_one(parts[0], sources, progress, limit)
     report = VerifyReport(os.fspath(path), sources_checked=sources)
     try:
-        Parts(parts)
+        Parts(path)  # the manifest's parts agree and are one whole run
     except FormatError as exc:
         report.problems.append(str(exc))
     for part in parts:
