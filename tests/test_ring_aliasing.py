@@ -9,7 +9,9 @@ both trees equal (or fail the same way in both).
 
 from __future__ import annotations
 
+import gc
 import io
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -236,3 +238,30 @@ def test_fortran_reversed_channels_last_and_expanded_leaves_keep_their_strides(d
 )
 def test_named_combinations_come_as_without_workers(dataset_path, names) -> None:
     check_loader(dataset_path, Pieces(names), 1)
+
+
+def ring_mappings() -> set[str]:
+    """The address ranges of this process's rings (unlinked pym-PID-* files; Linux)."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("reads /proc/self/maps")
+    marker = f"/pym-{os.getpid()}-"
+    return {line.split()[0] for line in maps.read_text().splitlines() if marker in line}
+
+
+def test_a_kept_batch_of_aliases_outlives_its_loader_and_holds_the_ring_until_dropped(dataset_path) -> None:
+    ds = MmapDataset(dataset_path)
+    collate_fn = Pieces(PIECES)
+    expected = MmapLoader(ds, BATCH_SIZE, collate_fn=collate_fn, prefetch=0).load(np.arange(BATCH_SIZE))
+    before = ring_mappings()
+    with MmapLoader(ds, BATCH_SIZE, collate_fn=collate_fn, num_workers=1) as loader:
+        kept = next(iter(loader))
+    other = MmapLoader(ds, BATCH_SIZE, collate_fn=collate_fn, num_workers=1, shuffle=True, seed=1)
+    assert sum(1 for _ in other) == NUM_SAMPLES // BATCH_SIZE  # its batches are dropped as they come
+    del other
+    gc.collect()
+    assert len(ring_mappings() - before) == 1
+    assert_same_batch(kept, expected)
+    del kept
+    gc.collect()
+    assert ring_mappings() - before == set()
