@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import npz2mmap
-from npz2mmap import MmapDataset, MmapLoader
+from npz2mmap import MmapDataset, MmapLoader, ring
 
 NUM_SAMPLES = 8
 BATCH_SIZE = 4
@@ -265,3 +265,51 @@ def test_a_kept_batch_of_aliases_outlives_its_loader_and_holds_the_ring_until_dr
     del kept
     gc.collect()
     assert ring_mappings() - before == set()
+
+
+def derive(value: Any, data: st.DataObject) -> Any:
+    """A new leaf made from ``value`` as user code might: a slice, a transpose, a cross-library view, a copy."""
+    is_tensor = isinstance(value, torch.Tensor)
+    op = data.draw(st.sampled_from(["slice", "transpose", "cross", "copy"]))
+    if op == "slice" and value.ndim:
+        axis = data.draw(st.integers(0, value.ndim - 1))
+        steps = st.integers(1, 3) if is_tensor else st.sampled_from([-3, -2, -1, 1, 2, 3])
+        index: list[Any] = [slice(None)] * value.ndim
+        index[axis] = slice(data.draw(st.integers(0, 3)), data.draw(st.integers(0, 6)), data.draw(steps))
+        if is_tensor and index[axis].start > index[axis].stop:  # torch refuses an empty backwards slice
+            index[axis] = slice(0, 0)
+        return value[tuple(index)]
+    if op == "transpose":
+        return value.permute(*reversed(range(value.ndim))) if is_tensor else value.T
+    if op == "cross":
+        if is_tensor:
+            return value.numpy()
+        if min(value.strides, default=0) >= 0:
+            return torch.from_numpy(value)
+    return value.clone() if is_tensor else np.asfortranarray(value.copy())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    dtype=st.sampled_from([np.int64, np.float32, np.uint8, np.int16]),
+    start_as_tensor=st.booleans(),
+    data=st.data(),
+)
+def test_any_views_of_one_buffer_rebuilt_from_a_slot_share_and_lay_out_as_the_originals(
+    shape, dtype, start_as_tensor, data
+) -> None:
+    """In one process, no workers: SlotWriter.write, the pickled descriptor, materialise."""
+    base = np.arange(int(np.prod(shape)), dtype=dtype).reshape(shape)
+    made: list[Any] = [torch.from_numpy(base) if start_as_tensor else base]
+    for _ in range(data.draw(st.integers(1, 6))):
+        made.append(derive(made[data.draw(st.integers(0, len(made) - 1))], data))
+    tree = {
+        "leaves": [
+            made[data.draw(st.integers(0, len(made) - 1))] for _ in range(data.draw(st.integers(1, 8)))
+        ]
+    }
+    slot_ring = ring.Ring.allocate(2, 1 << 16)
+    descriptor = ring.SlotWriter(slot_ring, 1).write(tree)
+    rebuilt = slot_ring.materialise(1, pickle.loads(pickle.dumps(descriptor)))
+    assert_same_batch(rebuilt, tree)
