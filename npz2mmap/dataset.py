@@ -21,7 +21,7 @@ import torch
 from numpy.typing import NDArray
 from torch.utils.data import Dataset, default_collate, get_worker_info
 from torch.utils.data._utils.collate import collate as torch_collate
-from torch.utils.data._utils.collate import default_collate_fn_map
+from torch.utils.data._utils.collate import collate_numpy_array_fn, default_collate_fn_map
 
 from .parts import Parts, PartsReader
 from .ragged import RaggedRows
@@ -386,13 +386,14 @@ def collate(batch: Any) -> Any:
 
     Fixed fields become one tensor each (no copy); ragged fields stay lists of
     tensors, also when a transform made the batch; dtypes torch lacks (strings,
-    records, datetimes) stay numpy arrays. Anything else goes to torch's
+    records, datetimes) stay numpy arrays, also in a plain list of samples
+    (``[ds[i], ...]``, a ConcatDataset's). Anything else goes to torch's
     default collate.
     """
     if isinstance(batch, SampleList):
         return _collate_listing_ragged(batch)
     if not isinstance(batch, GatheredBatch):
-        return default_collate(batch)
+        return torch_collate(batch, collate_fn_map={**default_collate_fn_map, np.ndarray: _collate_arrays})
     tensors = {
         name: as_tensors(batch.field(name)) if name in batch.ragged else batch.tensor(name)
         for name in batch.field_names
@@ -412,6 +413,13 @@ def _collate_listing_ragged(samples: SampleList) -> Any:
         else _collate_values([sample[name] for sample in samples])
         for name in samples[0]
     }
+
+
+def _collate_arrays(arrays: Sequence[np.ndarray], *, collate_fn_map: Any = None) -> Any:
+    """Arrays of plain samples (``ds[i]``) stacked as a GatheredBatch's: numpy where torch lacks the dtype."""
+    if _arrays_torch_lacks(arrays):
+        return stack_bytes(arrays)
+    return collate_numpy_array_fn(arrays, collate_fn_map=collate_fn_map)
 
 
 def _collate_values(values: list[Any]) -> Any:

@@ -5,7 +5,7 @@ shared-memory segment whose handle crosses a socket; for data that needs no
 decoding that hand-off costs more than the work. Here the loader allocates
 one shared block of ``num_slots`` slots once; a worker writes its batch
 straight into the slot it is given and sends back a small descriptor
-(dtype, shape, offset per tensor), and the trainer hands out tensors that are
+(dtype, shape, offset, strides per tensor), and the trainer hands out tensors that are
 views of the slot. The block is a mapping of its own (``RingBlock``): on
 POSIX a temporary file unlinked at once (in /dev/shm on Linux) whose
 descriptor workers inherit or receive, so no name is left behind and the
@@ -17,6 +17,7 @@ batch kept past its loader's end is never overwritten by another ring.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import math
 import multiprocessing
@@ -49,7 +50,6 @@ from .dataset import MmapDataset, SampleList, collate, torch_dtype
 from .errors import WorkerError
 from .forkserver_socket import ForkserverSocket
 from .ragged import RaggedRows, check_padded_size, lengths_key, mask_key
-from .reader import as_raw
 
 # Every array in a slot starts at a multiple of 64 bytes: aligned for any
 # dtype's view, and no two arrays share a cache line.
@@ -114,6 +114,24 @@ class RowsLeaf:
         """Each sample's offset in the slot (a multiple of its itemsize: the region starts aligned)."""
         nbytes = np.prod(self.shapes, axis=1, dtype=np.int64) * self.dtype.itemsize
         return self.offset + np.cumsum(nbytes) - nbytes
+
+
+@dataclass(frozen=True, eq=False)
+class ViewLeaf:
+    """One tensor or array a batch function made: a strided view into a region of the slot.
+
+    Leaves that viewed overlapping memory in the worker share one region (the
+    same tuple), so the trainer's views of it share memory as they did; the
+    same ViewLeaf twice in a tree is one object there too.
+    """
+
+    region: tuple[int, int]  # (offset in the slot, nbytes)
+    offset: int  # bytes from the region's start to the first item
+    dtype: Any  # as Leaf's
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in bytes, as numpy counts them
+    tensor: bool
+    writeable: bool = True  # numpy's flag (a broadcast array is read-only)
 
 
 class SlotFull(Exception):
@@ -210,11 +228,66 @@ class Ring:
 
     def materialise(self, slot: int, tree: Any) -> Any:
         """A descriptor tree with every leaf replaced by its views (new tensors, of the same memory)."""
+        return BatchViews(self, slot).build(tree)
+
+    def region_bytes(self, slot: int, region: tuple[int, int]) -> np.ndarray:
+        start = slot * self.slot_nbytes + region[0]
+        return self.bytes_np[start : start + region[1]]
+
+    def region_storage(self, slot: int, region: tuple[int, int]) -> torch.UntypedStorage:
+        """A storage of exactly the region's bytes (see ``_tensor``: never one of the whole block)."""
+        if region[1] == 0:
+            return torch.UntypedStorage(0)
+        start = slot * self.slot_nbytes + region[0]
+        flat = torch.frombuffer(self.memory, dtype=torch.uint8, count=region[1], offset=start)
+        return flat.untyped_storage()
+
+
+class BatchViews:
+    """One batch's descriptor tree made views of its slot; ViewLeafs of one region share its storage."""
+
+    def __init__(self, ring: Ring, slot: int) -> None:
+        self.ring = ring
+        self.slot = slot
+        self.made: dict[ViewLeaf, Any] = {}  # by identity (eq=False): a leaf twice is one object twice
+        self.storages: dict[tuple[int, int], torch.UntypedStorage] = {}
+
+    def build(self, tree: Any) -> Any:
         if isinstance(tree, Leaf):
-            return self.view(slot, tree)
+            return self.ring.view(self.slot, tree)
         if isinstance(tree, RowsLeaf):
-            return self.rows(slot, tree)
-        return map_tree(tree, lambda item: self.materialise(slot, item))
+            return self.ring.rows(self.slot, tree)
+        if isinstance(tree, ViewLeaf):
+            made = self.made.get(tree)
+            if made is None:
+                made = self.made[tree] = self.tensor(tree) if tree.tensor else self.array(tree)
+            return made
+        return map_tree(tree, self.build)
+
+    def array(self, leaf: ViewLeaf) -> np.ndarray:
+        buffer = self.ring.region_bytes(self.slot, leaf.region)
+        array = np.ndarray(leaf.shape, leaf.dtype, buffer=buffer, offset=leaf.offset, strides=leaf.strides)
+        array.flags.writeable = leaf.writeable
+        return array
+
+    def tensor(self, leaf: ViewLeaf) -> torch.Tensor:
+        """The tensor over its region's storage; over one of its own items where torch cannot place it there.
+
+        A storage offset counts items: a leaf whose first byte is not a whole
+        number of its items from the region's start (a float viewing bytes of
+        a byte tensor, say) gets a storage of its own bytes, still aliasing them.
+        """
+        itemsize = leaf.dtype.itemsize
+        strides = [stride // itemsize for stride in leaf.strides]
+        empty = torch.empty(0, dtype=leaf.dtype)
+        if leaf.offset % itemsize == 0:
+            storage = self.storages.get(leaf.region)
+            if storage is None:
+                storage = self.storages[leaf.region] = self.ring.region_storage(self.slot, leaf.region)
+            return empty.set_(storage, leaf.offset // itemsize, leaf.shape, strides)
+        nbytes = span_nbytes(leaf.shape, leaf.strides, itemsize)
+        own = self.ring.region_storage(self.slot, (leaf.region[0] + leaf.offset, nbytes))
+        return empty.set_(own, 0, leaf.shape, strides)
 
 
 # Values that cannot change in place: a tree may share them between batches.
@@ -227,7 +300,7 @@ def is_bare_layout(tree: Any) -> bool:
     Anything else in a tree is a value handed out as it is, so a cached
     tree would give the same object to every batch of that layout.
     """
-    if isinstance(tree, (Leaf, RowsLeaf)) or type(tree) in IMMUTABLE_ATOMS:
+    if isinstance(tree, (Leaf, RowsLeaf, ViewLeaf)) or type(tree) in IMMUTABLE_ATOMS:
         return True
     if type(tree) is dict:
         return all(type(key) in IMMUTABLE_ATOMS and is_bare_layout(value) for key, value in tree.items())
@@ -280,20 +353,37 @@ class SlotWriter:
     def write(self, tree: Any) -> Any:
         """Copy every tensor and array of ``tree`` into the slot; return the descriptor tree.
 
-        Anything else (numbers, strings, nested or sparse tensors, object
-        arrays, and what a view of bare bytes would lose: a tensor's
-        requires_grad, subclass, quantization or conj/neg bit, an itemless dtype) stays in
-        the tree and travels pickled with it.
+        Leaves are grouped by the memory they view: each region of
+        overlapping leaves is copied once, whole, at its start's alignment
+        modulo SLOT_ALIGN, and each leaf is described as a view into it with
+        its own strides, so the trainer's batch shares memory, layout and
+        identity as this one does. Every place is taken before any byte is
+        copied. Anything else (numbers, strings, nested or sparse tensors,
+        object arrays, and what a view of bare bytes would lose: a tensor's
+        requires_grad, subclass, quantization or conj/neg bit, an itemless
+        dtype) stays in the tree and travels pickled with it.
         """
-        if _is_plain(tree):
-            leaf, target = self.place(tree.dtype, tuple(tree.shape), True)
-            target.copy_(tree)
-            return leaf
-        if _is_plain_array(tree):
-            leaf, target = self.place(tree.dtype, tree.shape, False)
-            as_raw(target)[...] = as_raw(tree)
-            return leaf
-        return map_tree(tree, self.write)
+        regions = plan_regions(tree)
+        described: dict[int, ViewLeaf] = {}
+        copies = []
+        for region in regions:
+            offset = self.reserve_at_alignment_of(region.nbytes, region.start)
+            slot_region = (offset, region.nbytes)
+            copies.append((offset, region))
+            for leaf in region.leaves:
+                described[id(leaf)] = describe_leaf(leaf, slot_region, region.start)
+        address = self.ring.address() + self.slot * self.ring.slot_nbytes
+        for offset, region in copies:
+            if region.nbytes:
+                ctypes.memmove(address + offset, region.start, region.nbytes)
+        return _described(tree, described)
+
+    def reserve_at_alignment_of(self, nbytes: int, address: int) -> int:
+        """Room for ``nbytes`` starting at ``address`` modulo SLOT_ALIGN: every item keeps its alignment."""
+        slot_address = self.ring.address() + self.slot * self.ring.slot_nbytes
+        self.used = aligned(self.used)
+        self.used += (address - slot_address - self.used) % SLOT_ALIGN
+        return self.reserve(nbytes)
 
 
 def _is_plain(value: Any) -> bool:
@@ -315,17 +405,92 @@ def _is_plain_array(value: Any) -> bool:
     return type(value) is np.ndarray and not value.dtype.hasobject and value.dtype.itemsize > 0
 
 
+@dataclass
+class Region:
+    """Bytes ``[start, start + nbytes)`` of the worker's memory that some leaves of a batch view."""
+
+    start: int  # an address
+    nbytes: int
+    leaves: list[Any]
+
+
+def leaves_of(tree: Any) -> list[Any]:
+    """The distinct tensors and arrays a slot can hold in ``tree`` (each once, however often it appears)."""
+    found: dict[int, Any] = {}
+
+    def visit(value: Any) -> Any:
+        if _is_plain(value) or _is_plain_array(value):
+            found.setdefault(id(value), value)
+        else:
+            map_tree(value, visit)
+        return value
+
+    visit(tree)
+    return list(found.values())
+
+
+def leaf_layout(leaf: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
+    """A tensor's or array's address, shape, strides in bytes and itemsize."""
+    if isinstance(leaf, torch.Tensor):
+        itemsize = leaf.element_size()
+        return leaf.data_ptr(), tuple(leaf.shape), tuple(s * itemsize for s in leaf.stride()), itemsize
+    return leaf.__array_interface__["data"][0], leaf.shape, leaf.strides, leaf.dtype.itemsize
+
+
+def leaf_span(leaf: Any) -> tuple[int, int]:
+    """The addresses ``[lo, hi)`` from the leaf's lowest item to past its highest (empty when it has none)."""
+    address, shape, strides, itemsize = leaf_layout(leaf)
+    if 0 in shape:
+        return address, address
+    lo = address + sum(stride * (n - 1) for n, stride in zip(shape, strides, strict=True) if stride < 0)
+    return lo, lo + span_nbytes(shape, strides, itemsize)
+
+
+def span_nbytes(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> int:
+    """Bytes from the lowest item of a strided view to past its highest (0 when it has no items)."""
+    if 0 in shape:
+        return 0
+    return itemsize + sum(abs(stride) * (n - 1) for n, stride in zip(shape, strides, strict=True))
+
+
+def plan_regions(tree: Any) -> list[Region]:
+    """The leaves of ``tree`` grouped into regions of overlapping memory, by address.
+
+    Views that overlap lie in one allocation, so every byte of a region is
+    memory the worker may read. A leaf with no items is a region of its own, of no bytes.
+    """
+    regions: list[Region] = []
+    empty: list[Region] = []
+    for (lo, hi), leaf in sorted(((leaf_span(leaf), leaf) for leaf in leaves_of(tree)), key=lambda s: s[0]):
+        if hi == lo:
+            empty.append(Region(lo, 0, [leaf]))
+        elif regions and lo < regions[-1].start + regions[-1].nbytes:
+            last = regions[-1]
+            last.nbytes = max(last.nbytes, hi - last.start)
+            last.leaves.append(leaf)
+        else:
+            regions.append(Region(lo, hi - lo, [leaf]))
+    return regions + empty
+
+
+def describe_leaf(leaf: Any, slot_region: tuple[int, int], region_start: int) -> ViewLeaf:
+    address, shape, strides, _ = leaf_layout(leaf)
+    offset = address - region_start if slot_region[1] else 0
+    if isinstance(leaf, torch.Tensor):
+        return ViewLeaf(slot_region, offset, leaf.dtype, shape, strides, True)
+    return ViewLeaf(slot_region, offset, leaf.dtype, shape, strides, False, bool(leaf.flags.writeable))
+
+
+def _described(tree: Any, described: dict[int, ViewLeaf]) -> Any:
+    leaf = described.get(id(tree))
+    if leaf is not None:
+        return leaf
+    return map_tree(tree, lambda value: _described(value, described))
+
+
 def tree_nbytes(tree: Any) -> int:
-    """The slot bytes ``tree`` would need (for the message when it does not fit)."""
-    if _is_plain(tree):
-        return aligned(tree.numel() * tree.element_size())
-    if _is_plain_array(tree):
-        return aligned(tree.nbytes)
-    if type(tree) is dict:
-        return sum(tree_nbytes(value) for value in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(tree_nbytes(value) for value in tree)
-    return 0
+    """The slot bytes ``tree`` would need at most (for the message when it does not fit)."""
+    return sum(aligned(region.nbytes + SLOT_ALIGN) for region in plan_regions(tree))
 
 
 # How a worker makes a batch: FIELDS gathers the dataset's fields straight into

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from strategies import padded_record_dtypes, scalar_dtypes
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import ConcatDataset, DataLoader, default_collate
 
 import npz2mmap
 from npz2mmap import MmapDataset, MmapLoader, PaddedCollate, collate
@@ -60,6 +60,16 @@ def default_collate_of_getitems(ds: MmapDataset) -> Any:
 
 def npz2mmap_collate(ds: MmapDataset) -> Any:
     return collate(ds.__getitems__(BATCH))
+
+
+def collate_of_samples(ds: MmapDataset) -> Any:
+    return collate([ds[i] for i in BATCH])
+
+
+def concat_data_loader(ds: MmapDataset) -> Any:
+    """A ConcatDataset has no __getitems__: DataLoader hands collate a plain list of samples."""
+    loader = DataLoader(ConcatDataset([ds]), batch_sampler=[BATCH], collate_fn=collate)
+    return next(iter(loader))
 
 
 def padded_collate(ds: MmapDataset) -> Any:
@@ -107,6 +117,8 @@ IN_PROCESS = {
     "default_collate(ds.__getitems__)": default_collate_of_getitems,
     "collate(ds.__getitems__)": npz2mmap_collate,
     "PaddedCollate(ds.__getitems__)": padded_collate,
+    "collate([ds[i], ...])": collate_of_samples,
+    "DataLoader(ConcatDataset, collate_fn=collate)": concat_data_loader,
     "DataLoader": data_loader(0),
     "DataLoader(collate_fn=collate)": data_loader(0, collate),
     "MmapLoader(prefetch=0)": mmap_loader(0),
@@ -217,3 +229,39 @@ def test_a_string_field_of_any_shape_through_the_dataloader_is_stacked_as_numpy(
     assert type(batch["words"]) is np.ndarray and batch["words"].dtype == np.dtype("<U3")
     np.testing.assert_array_equal(batch["words"], np.stack([words[i] for i in BATCH]))
     np.testing.assert_array_equal(batch["words"], collate(ds.__getitems__(BATCH))["words"])
+
+
+def test_collate_of_a_plain_list_stacks_a_0d_string_as_numpy(tmp_path) -> None:
+    write_dataset(tmp_path / "d.mmap", {"s": [np.array(f"s{i}", "U2") for i in range(NUM_SAMPLES)]})
+    ds = MmapDataset(tmp_path / "d.mmap")
+    for batch in (collate([ds[0], ds[1]]), concat_data_loader(ds)):
+        assert type(batch["s"]) is np.ndarray and batch["s"].dtype == np.dtype("<U2")
+    assert collate([ds[0], ds[1]])["s"].tolist() == ["s0", "s1"]
+    assert concat_data_loader(ds)["s"].tolist() == [f"s{i}" for i in BATCH]
+
+
+def assert_same_batch(got: Any, expected: Any) -> None:
+    """One type, dtype, shape and every byte (a record's padding too)."""
+    assert type(got) is type(expected)
+    if isinstance(expected, dict):
+        assert list(got) == list(expected)
+        for name in expected:
+            assert_same_batch(got[name], expected[name])
+        return
+    assert got.dtype == expected.dtype and tuple(got.shape) == tuple(expected.shape)
+    assert as_bytes(got) == as_bytes(expected)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dtypes=st.lists(zero_d_dtypes(), min_size=1, max_size=3), data=st.data())
+def test_collate_of_a_plain_list_of_samples_equals_collate_of_the_gathered_batch(
+    tmp_path, dtypes, data
+) -> None:
+    root = tmp_path / f"d{len(list(tmp_path.iterdir()))}.mmap"
+    sources = {f"f{k}": [data.draw(hnp.arrays(d, ())) for _ in range(NUM_SAMPLES)] for k, d in enumerate(dtypes)}
+    write_dataset(root, sources)
+    for fields in (None, "f0"):
+        ds = MmapDataset(root, fields=fields)
+        expected = collate(ds.__getitems__(BATCH))
+        assert_same_batch(collate([ds[i] for i in BATCH]), expected)
+        assert_same_batch(concat_data_loader(ds), expected)
