@@ -264,10 +264,7 @@ def _compare_member(
     for offset in sorted(bad_rows):
         yield offset, f"field {name!r}: values differ from the source"
     for offset in sorted(padding_rows - bad_rows):
-        yield offset, (
-            f"field {name!r}: the values equal the source's, but record padding bytes differ "
-            "(np.load does not keep a file's padding: a Writer given its arrays stores theirs)"
-        )
+        yield offset, f"field {name!r}: the values equal the source's, but record padding bytes differ"
 
 
 def _shape_problems(

@@ -354,6 +354,12 @@ def test_verify_sources_names_the_changed_row_of_a_fortran_order_shard(tmp_path)
     changed[4 * 24 + 5] ^= 0xFF  # padding of file element 4: index (1, 1) in Fortran order
     write_raw_npz(shard, {"r": (PADDED, (3, 2), True, bytes(changed))})
     report = verify(tmp_path / "out", sources=True)
+    assert report.problems == [
+        f"sample 1 ({shard} row 1): field 'r': the values equal the source's, but record padding bytes differ"
+    ]
+    changed[4 * 24] ^= 0xFF  # a value byte of the same element
+    write_raw_npz(shard, {"r": (PADDED, (3, 2), True, bytes(changed))})
+    report = verify(tmp_path / "out", sources=True)
     assert report.problems == [f"sample 1 ({shard} row 1): field 'r': values differ from the source"]
 
 
