@@ -9,6 +9,7 @@ parts.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import itertools
@@ -21,7 +22,7 @@ import sys
 import time
 import warnings
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -1379,3 +1380,40 @@ def test_a_ctrl_c_raised_as_interrupts_are_blocked_leaves_them_unblocked(monkeyp
         assert signal.SIGINT not in real_sigmask(signal.SIG_BLOCK, [])
     finally:
         real_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
+@contextlib.contextmanager
+def exit_cut_short() -> Iterator[None]:
+    """interrupts_blocked as a Ctrl-C another thread took leaves it: raised as its exit
+    begins, before it restores the mask (in contextlib's __exit__, say)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    yield
+    raise KeyboardInterrupt
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="needs signal masks (POSIX)")
+@pytest.mark.parametrize("call", ["append", "refused append", "close", "abort"])
+def test_a_ctrl_c_raised_before_the_mask_is_restored_leaves_sigint_unblocked(
+    tmp_path, monkeypatch, call
+) -> None:
+    """Each Writer call gives the caller back its own signal mask, even when a held-back
+    Ctrl-C cuts interrupts_blocked short before it restores SIGINT (a child started
+    afterwards would be deaf to Ctrl-C); the writer then goes on, and an abort frees OUT."""
+    samples = cast_samples(2)
+    w = npz2mmap.Writer(tmp_path / "out", casts={"c": "float32"})
+    w.append(samples[0])
+    monkeypatch.setattr(appender, "interrupts_blocked", exit_cut_short)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if call == "append":
+                w.append(samples[1])
+            elif call == "refused append":
+                w.append(REFUSED)
+            else:
+                getattr(w, call)()
+        assert not sigint_blocked()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    monkeypatch.undo()
+    w.abort()
+    assert lock_is_free(tmp_path / "out") and os.listdir(tmp_path) == []
