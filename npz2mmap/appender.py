@@ -110,8 +110,9 @@ class Writer:
         self._stack = _Cleanups()
         self._finalizer = weakref.finalize(self, _discard_in_owner, self._stack, self._owner_pid)
         try:
-            lock = publish.take_output_lock(self.out_dir)
-            self._stack.callback(lock.release)
+            locks: list[publish.OutputLock] = []  # filled before the call returns: see take_output_lock
+            self._stack.callback(_release_all, locks)
+            lock = publish.take_output_lock(self.out_dir, held_in=locks)
             _LOCK_FDS.add(lock.fd)
             self._stack.callback(_LOCK_FDS.discard, lock.fd)
             # The spools' directory and close's staging directory alike, even one whose callback
@@ -416,6 +417,11 @@ class _Cleanups:
         while self._steps:
             self._steps[-1]()
             self._steps.pop()
+
+
+def _release_all(locks: list[publish.OutputLock]) -> None:
+    for lock in locks:
+        lock.release()
 
 
 def _discard_in_owner(stack: _Cleanups, owner_pid: int) -> None:

@@ -361,18 +361,29 @@ class HeldLock:
         os.close(fd)
 
 
-def take_lock(lock_path: str) -> HeldLock | None:
-    """Lock ``lock_path`` without waiting; None if another process holds it (see exclusive_lock)."""
+def take_lock(lock_path: str, held_in: list[HeldLock] | None = None) -> HeldLock | None:
+    """Lock ``lock_path`` without waiting; None if another process holds it (see exclusive_lock).
+
+    The lock is also put in ``held_in`` before this returns, so that a caller
+    interrupted as the call returns still finds it to release.
+    """
     while True:
         fd = _open_lock_file(lock_path)
+        held = None
         try:  # from the open on: a lock taken and then interrupted is never left held
             locked = _try_lock(fd)
             if locked:
                 token = _write_token(fd)
                 if _path_holds(lock_path, token):
-                    return HeldLock(lock_path, fd, token)
+                    held = HeldLock(lock_path, fd, token)
+                    if held_in is not None:
+                        held_in.append(held)
+                    return held
         except BaseException:
-            os.close(fd)
+            if held is None:
+                os.close(fd)
+            else:  # the descriptor is held's now, and released once whoever else releases it
+                held.release()
             raise
         os.close(fd)
         if not locked:

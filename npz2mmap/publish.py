@@ -214,20 +214,27 @@ class OutputLock:
         _remove_if_empty(self.made_dirs)
 
 
-def take_output_lock(out_dir: str) -> OutputLock:
-    """Lock OUT (see output_lock) until ``release``; OutputError when another conversion holds it."""
+def take_output_lock(out_dir: str, held_in: list[OutputLock] | None = None) -> OutputLock:
+    """Lock OUT (see output_lock) until ``release``; OutputError when another conversion holds it.
+
+    The lock is also put in ``held_in`` before this returns, so that a caller
+    interrupted as the call returns still finds it to release.
+    """
     parent, name = os.path.split(os.path.abspath(out_dir))
     made_dirs = _missing_dirs(parent)
-    held = None
+    taken: list[fsutil.HeldLock] = []
     try:  # taken and then interrupted, the lock is given back
         os.makedirs(parent, exist_ok=True)
-        held = fsutil.take_lock(os.path.join(parent, f".{name}{LOCK_SUFFIX}"))
+        held = fsutil.take_lock(os.path.join(parent, f".{name}{LOCK_SUFFIX}"), held_in=taken)
         if held is not None:
             _remove_leftovers(parent, name)
-            return OutputLock(held, made_dirs)
+            lock = OutputLock(held, made_dirs)
+            if held_in is not None:
+                held_in.append(lock)
+            return lock
     except BaseException as exc:
-        if held is not None:
-            held.release()
+        for each in taken:
+            each.release()
         _remove_if_empty(made_dirs)
         if fsutil.is_io_error(exc):
             raise creation_error(out_dir, exc) from exc

@@ -1417,3 +1417,31 @@ def test_a_ctrl_c_raised_before_the_mask_is_restored_leaves_sigint_unblocked(
     monkeypatch.undo()
     w.abort()
     assert lock_is_free(tmp_path / "out") and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("interrupt_kind", ["SIGINT", "SIGINT taken by another thread"])
+def test_a_ctrl_c_anywhere_in_creating_a_writer_leaves_out_free(tmp_path, interrupt_kind) -> None:
+    """At every bytecode of Writer(OUT): a KeyboardInterrupt out of it leaves the lock
+    free (at the latest once the writer half made is collected), nothing beside OUT and
+    SIGINT unblocked, so the next Writer(OUT) works."""
+    how, _ = INTERRUPTS[interrupt_kind]
+    for k in itertools.count():
+        out = tmp_path / f"out-{k}"
+        w = None
+        with Interrupt(k, **how) as interrupt:
+            try:
+                w = npz2mmap.Writer(out)
+            except KeyboardInterrupt:
+                pass
+        where = f"{interrupt_kind} at event {k}, {interrupt.where}"
+        assert not sigint_blocked(), where
+        if w is not None:
+            if not interrupt.fired:
+                w.abort()
+                break
+            w.abort()  # the Ctrl-C came as the writer was made: the caller has it
+        if not lock_is_free(out):  # held by the writer half made, until it is collected
+            gc.collect()
+        assert lock_is_free(out) and left_beside(out) == [], where
+        npz2mmap.Writer(out).abort()
+    assert k > 100
