@@ -14,6 +14,7 @@ directory is byte-identical to ``convert`` of NPZ files holding the same arrays.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -21,7 +22,7 @@ import warnings
 import weakref
 import zlib
 from array import array
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, overload
 
@@ -42,7 +43,7 @@ from .converter import (
 from .elements import Piece, stored_pieces
 from .errors import FixedShapeError, OutputError, RaggedFieldWarning, SourceError
 from .npzfile import CHUNK_NBYTES, MemberHeader
-from .parallel import interrupts_blocked
+from .parallel import interrupts_blocked, keeps_signal_mask
 from .plan import WRITER_HINTS, PendingSource, Plan, PlanBuilder, check_field_name
 from .provenance import MAX_LINE_NBYTES
 from .shapes import NearlyFixed, describe_nearly_fixed, find_nearly_fixed, unfixed_problem
@@ -106,21 +107,24 @@ class Writer:
         self._overwrite = overwrite
         publish.check_output(self.out_dir, overwrite)
         self._owner_pid = os.getpid()
-        self._stack = contextlib.ExitStack()
+        self._stack = _Cleanups()
         self._finalizer = weakref.finalize(self, _discard_in_owner, self._stack, self._owner_pid)
         try:
-            lock_fd = self._stack.enter_context(publish.output_lock(self.out_dir))
-            _LOCK_FDS.add(lock_fd)
-            self._stack.callback(_LOCK_FDS.discard, lock_fd)
+            locks: list[publish.OutputLock] = []  # filled before the call returns: see take_output_lock
+            self._stack.callback(_release_all, locks)
+            lock = publish.take_output_lock(self.out_dir, held_in=locks)
+            _LOCK_FDS.add(lock.fd)
+            self._stack.callback(_LOCK_FDS.discard, lock.fd)
+            # The spools' directory and close's staging directory alike, even one whose callback
+            # a Ctrl-C kept from being registered: every staging directory of OUT is ours now.
+            self._stack.callback(publish.remove_staging_dirs, self.out_dir)
             self._spool_dir = make_staging_dir(self.out_dir)
-            self._stack.callback(publish.remove_staging, self._spool_dir)
             self._names = _SourceNames(os.path.join(self._spool_dir, "sources"))
             self._stack.callback(self._names.spool.close)
-        except OSError as exc:
+        except BaseException as exc:
             self._finalizer()
-            raise self._spool_error(exc) from exc
-        except BaseException:
-            self._finalizer()
+            if fsutil.is_io_error(exc):
+                raise self._spool_error(exc) from exc
             raise
         self._builder = PlanBuilder(
             align,
@@ -141,6 +145,7 @@ class Writer:
         owed = self._owed
         return self._builder.num_samples if owed is None else owed.num_samples
 
+    @keeps_signal_mask
     def append(self, sample: Mapping[str, Any], source: str | os.PathLike[str] | None = None) -> None:
         """Add one sample; ``source`` names where it came from in sources.jsonl (empty when None).
 
@@ -181,7 +186,7 @@ class Writer:
             self._owed = None
         except BaseException as exc:
             self._settle()
-            if isinstance(exc, OSError):
+            if fsutil.is_io_error(exc):
                 raise self._spool_error(exc) from exc
             raise
 
@@ -244,13 +249,14 @@ class Writer:
                 self._crc32s = []
             self._owed = None
 
+    @keeps_signal_mask
     def close(self) -> None:
         """Write the dataset and publish it at ``out_dir``; nothing is left behind on error.
 
         Raises SourceError when no sample was appended (except for a part,
         which may be empty), OutputError when the dataset cannot be written.
         Warns RaggedFieldWarning for each field in ``nearly_fixed``.
-        Closing a closed writer does nothing.
+        Closing a closed writer only finishes a removal a Ctrl-C cut short.
         """
         self._close(warn_stacklevel=3)
 
@@ -258,25 +264,42 @@ class Writer:
         """close(); warnings point ``warn_stacklevel`` frames up, at the caller's line."""
         self._check_owner()
         if self._closed:
+            self._discard()
             return
         try:
-            self._settle()
-            self._write()
-        finally:
+            try:
+                self._settle()
+                self._write()
+            finally:
+                self._discard()
+        finally:  # a Ctrl-C that cut the discard short: once is enough, so the retry is not cut
             self._discard()
         for item in self.nearly_fixed:
             warnings.warn(_describe_nearly_fixed(item), RaggedFieldWarning, stacklevel=warn_stacklevel)
 
+    @keeps_signal_mask
     def abort(self) -> None:
-        """Discard everything appended; OUT stays as it was."""
+        """Discard everything appended; OUT stays as it was. Also finishes an abort a Ctrl-C cut short."""
         self._check_owner()
-        self._discard()
+        self._discard_surely()
+
+    def _discard_surely(self) -> None:
+        """``_discard``, retried once: a Ctrl-C another thread took is raised even where this
+        thread holds Ctrl-C back, and cuts the first short; one Ctrl-C is raised once."""
+        try:
+            self._discard()
+        finally:
+            self._discard()
 
     def _discard(self) -> None:
-        """Close for good: spools removed, lock released, with Ctrl-C held back so that all of it is done."""
+        """Close for good: spools removed, lock released, with Ctrl-C held back so that all of it is done.
+
+        A discard cut short leaves the rest to the next call, or to garbage collection.
+        """
         with interrupts_blocked():
             self._closed = True
-            self._finalizer()
+            self._stack.close()
+            self._finalizer.detach()
 
     def __enter__(self) -> Writer:
         return self
@@ -317,6 +340,8 @@ class Writer:
                 try:
                     spool = _Spool(path)
                 except OSError as exc:
+                    if not fsutil.is_io_error(exc):
+                        raise
                     raise self._spool_error(exc) from exc
                 self._stack.callback(spool.close)
                 self._spools[key] = spool
@@ -329,9 +354,7 @@ class Writer:
         writer.check_index_nbytes(self.out_dir, plan, 0, self.part)
         found = find_nearly_fixed(plan)
         check_free_space(self.out_dir, dataset_nbytes(plan, (), self.part), free_nbytes(self.out_dir))
-        with interrupts_blocked():  # from here on it is removed, however this ends
-            staging = make_staging_dir(self.out_dir)
-            self._stack.callback(publish.remove_staging, staging)
+        staging = make_staging_dir(self.out_dir)  # removed with the spools' directory, however this ends
         try:
             writer.create_blob(staging, plan.payload_nbytes)
             self._copy_spools(plan, os.path.join(staging, BLOB_NAME))
@@ -340,6 +363,8 @@ class Writer:
             with interrupts_blocked():  # OUT is never left between the old dataset and the new
                 publish.publish(staging, self.out_dir, self._overwrite)
         except OSError as exc:
+            if not fsutil.is_io_error(exc):
+                raise
             raise OutputError(f"{self.out_dir}: cannot write the dataset ({exc.strerror or exc})") from exc
         self.nearly_fixed = found
 
@@ -378,7 +403,28 @@ if hasattr(os, "register_at_fork"):  # POSIX; elsewhere no process is forked
     os.register_at_fork(after_in_child=_drop_locks_in_child)
 
 
-def _discard_in_owner(stack: contextlib.ExitStack, owner_pid: int) -> None:
+class _Cleanups:
+    """Steps that undo a writer, run last first; a step stays listed until it has returned, so
+    a run a Ctrl-C cut short is finished by the next. Every step may therefore run twice."""
+
+    def __init__(self) -> None:
+        self._steps: list[Callable[[], object]] = []
+
+    def callback(self, fn: Callable[..., object], *args: object) -> None:
+        self._steps.append(functools.partial(fn, *args))
+
+    def close(self) -> None:
+        while self._steps:
+            self._steps[-1]()
+            self._steps.pop()
+
+
+def _release_all(locks: list[publish.OutputLock]) -> None:
+    for lock in locks:
+        lock.release()
+
+
+def _discard_in_owner(stack: _Cleanups, owner_pid: int) -> None:
     """Remove the spools and release the lock, unless this is a forked copy of the writer's process."""
     if os.getpid() == owner_pid:
         stack.close()
@@ -520,7 +566,7 @@ class _Spool:
         else:
             self.buffer = bytearray()
             self.flushed = nbytes
-        with contextlib.suppress(OSError):  # bytes past ``flushed`` are never read; this only frees them
+        with fsutil.io_errors_ignored():  # bytes past ``flushed`` are never read; this only frees them
             os.ftruncate(self.fd, self.flushed)
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from . import fsutil, provenance, publish, writer
 from .errors import FixedShapeError, MismatchError, OutputError, SourceError
 from .inputs import discover_sources
 from .npzfile import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, MemberLocation, header_limit
-from .parallel import Mapper, worker_map
+from .parallel import Mapper, keeps_signal_mask, worker_map
 from .plan import CLI_HINTS, Plan, PlanBuilder, drop_files
 from .progress import Progress, progress_display
 from .render import human_bytes
@@ -47,6 +47,7 @@ class ConvertResult:
     nearly_fixed: tuple[NearlyFixed, ...] = ()  # ragged fields only a few files keep from being fixed
 
 
+@keeps_signal_mask
 def convert(
     inputs: Sequence[str | os.PathLike[str]],
     out_dir: str | os.PathLike[str],
@@ -142,6 +143,8 @@ def convert(
             plan, index = copy.run(sources, skipped, part)
             publish.publish(staging, out, overwrite)
         except OSError as exc:
+            if not fsutil.is_io_error(exc):
+                raise
             raise OutputError(
                 f"{out}: cannot write the dataset ({exc.strerror or exc}){_sizes(exc, needed, space)}"
             ) from exc
@@ -367,6 +370,8 @@ def make_staging_dir(out: str) -> str:
     try:
         return publish.make_staging_dir(out)
     except OSError as exc:
+        if not fsutil.is_io_error(exc):
+            raise
         raise publish.creation_error(out, exc) from exc
 
 

@@ -15,11 +15,12 @@ import io
 import mmap
 import os
 import secrets
+import shutil
 import stat
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -281,6 +282,36 @@ def exchange(path_a: str, path_b: str) -> bool:
     raise OSError(code, os.strerror(code), path_a)
 
 
+def is_io_error(exc: BaseException) -> TypeGuard[OSError]:
+    """Whether ``exc`` is an error of a file call of ours, to be told as OutputError.
+
+    An OSError a signal handler raised (TimeoutError from an alarm, say) has no
+    errno, and is the caller's: it must go on unchanged.
+    """
+    return isinstance(exc, OSError) and exc.errno is not None
+
+
+@contextlib.contextmanager
+def io_errors_ignored() -> Iterator[None]:
+    """Ignore the block's I/O errors, not an OSError that a signal handler raised (see is_io_error)."""
+    try:
+        yield
+    except OSError as exc:
+        if not is_io_error(exc):
+            raise
+
+
+def remove_tree(path: str) -> None:
+    """Remove a directory tree as far as it can be, like rmtree's ignore_errors, but let a
+    signal handler's exception through."""
+    shutil.rmtree(path, onerror=_raise_unless_io_error)
+
+
+def _raise_unless_io_error(function: object, path: str, exc_info: tuple[Any, BaseException, Any]) -> None:
+    if not is_io_error(exc_info[1]):
+        raise exc_info[1]
+
+
 @contextlib.contextmanager
 def exclusive_lock(lock_path: str) -> Iterator[int | None]:
     """Hold an exclusive lock file for the block; yield None if another process holds it.
@@ -292,33 +323,71 @@ def exclusive_lock(lock_path: str) -> Iterator[int | None]:
     on a file that was removed meanwhile is retried, so two processes never
     both believe they hold it.
     """
+    held = take_lock(lock_path)
+    if held is None:
+        yield None
+        return
+    try:
+        try:
+            yield held.fd
+        finally:
+            held.release()
+    finally:  # a Ctrl-C that cut the release short: once is enough, so the retry is not cut
+        held.release()
+
+
+class HeldLock:
+    """A lock file taken by ``take_lock``; ``release`` gives it back, and finishes a release cut short."""
+
+    def __init__(self, path: str, fd: int, token: bytes) -> None:
+        self.path = path
+        self.fd = fd
+        self.token = token
+        self.owner_pid = os.getpid()
+
+    def release(self) -> None:
+        """Remove the lock file while it is still ours, then close it; a no-op once done.
+
+        A forked child's copy does nothing: the lock and the descriptor are its parent's.
+        """
+        if self.fd < 0 or os.getpid() != self.owner_pid:
+            return
+        # Only while the path still names our file: one removed by hand may have been
+        # replaced by another process's lock since.
+        with io_errors_ignored():
+            if _path_holds(self.path, self.token):
+                os.unlink(self.path)
+        fd, self.fd = self.fd, -1
+        os.close(fd)
+
+
+def take_lock(lock_path: str, held_in: list[HeldLock] | None = None) -> HeldLock | None:
+    """Lock ``lock_path`` without waiting; None if another process holds it (see exclusive_lock).
+
+    The lock is also put in ``held_in`` before this returns, so that a caller
+    interrupted as the call returns still finds it to release.
+    """
     while True:
         fd = _open_lock_file(lock_path)
-        if not _try_lock(fd):
-            os.close(fd)
-            yield None
-            return
-        try:
-            token = _write_token(fd)
-            if _path_holds(lock_path, token):
-                break
+        held = None
+        try:  # from the open on: a lock taken and then interrupted is never left held
+            locked = _try_lock(fd)
+            if locked:
+                token = _write_token(fd)
+                if _path_holds(lock_path, token):
+                    held = HeldLock(lock_path, fd, token)
+                    if held_in is not None:
+                        held_in.append(held)
+                    return held
         except BaseException:
-            os.close(fd)
+            if held is None:
+                os.close(fd)
+            else:  # the descriptor is held's now, and released once whoever else releases it
+                held.release()
             raise
         os.close(fd)
-    owner = os.getpid()
-    try:
-        yield fd
-    finally:
-        # A forked child's copy of this generator, collected when the child exits, must
-        # neither remove the lock its parent still holds nor close a descriptor it reused.
-        if os.getpid() == owner:
-            # Only while the path still names our file: one removed by hand may have been
-            # replaced by another process's lock since.
-            with contextlib.suppress(OSError):
-                if _path_holds(lock_path, token):
-                    os.unlink(lock_path)
-            os.close(fd)
+        if not locked:
+            return None
 
 
 def _try_lock(fd: int) -> bool:

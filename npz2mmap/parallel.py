@@ -10,6 +10,7 @@ workers with it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -21,12 +22,13 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Protocol, TypeVar
+from typing import ParamSpec, Protocol, TypeVar
 
 from .errors import Npz2mmapError
 
 T = TypeVar("T")
 R = TypeVar("R")
+P = ParamSpec("P")
 
 
 class Mapper(Protocol):
@@ -120,6 +122,28 @@ def interrupts_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def keeps_signal_mask(fn: Callable[P, R]) -> Callable[P, R]:
+    """Make ``fn`` leave this thread's signal mask as it found it, however it ends.
+
+    A Ctrl-C that another thread of the process took is raised in this one at
+    the next call or loop, whatever its mask: also as interrupts_blocked's
+    exit starts, before it restores the mask, which would then stay blocked
+    for good. The restore here is retried in a frame already running.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        return fn
+
+    @functools.wraps(fn)
+    def with_mask_restored(*args: P.args, **kwargs: P.kwargs) -> R:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    return with_mask_restored
 
 
 def _start_worker(forked: bool, close_in_workers: tuple[int, ...]) -> None:

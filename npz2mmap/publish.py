@@ -42,6 +42,8 @@ def check_output(out_dir: str, overwrite: bool) -> None:
     try:
         reason = _why_not_ours(out_dir)
     except OSError as exc:
+        if not fsutil.is_io_error(exc):
+            raise
         reason = f"cannot look inside: {exc.strerror or exc}"
     if reason is not None:
         raise OutputError(
@@ -180,25 +182,65 @@ def output_lock(out_dir: str) -> Iterator[int]:
     must close (see fsutil.exclusive_lock). Raises OutputError when another
     conversion to OUT is running.
     """
-    parent, name = os.path.split(os.path.abspath(out_dir))
-    owner = os.getpid()
-    with contextlib.ExitStack() as stack:
+    lock = None
+    try:
         try:
-            stack.callback(_remove_if_empty, _missing_dirs(parent))
-            os.makedirs(parent, exist_ok=True)
-            lock = fsutil.exclusive_lock(os.path.join(parent, f".{name}{LOCK_SUFFIX}"))
-            lock_fd = lock.__enter__()
-        except OSError as exc:
-            raise creation_error(out_dir, exc) from exc
-        stack.push(lock)
-        if lock_fd is None:
-            raise OutputError(f"{out_dir}: another npz2mmap conversion or Writer is writing it")
-        _remove_leftovers(parent, name)
-        try:
-            yield lock_fd
+            lock = take_output_lock(out_dir)
+            yield lock.fd
         finally:
-            if os.getpid() != owner:  # a forked child's copy, collected at its exit: the lock is not its
-                stack.pop_all()
+            if lock is not None:
+                lock.release()
+    finally:  # a Ctrl-C that cut the release short: once is enough, so the retry is not cut
+        if lock is not None:
+            lock.release()
+
+
+class OutputLock:
+    """OUT's lock, held from ``take_output_lock`` to ``release``, which a later call finishes if cut short."""
+
+    def __init__(self, held: fsutil.HeldLock, made_dirs: list[str]) -> None:
+        self.held = held
+        self.fd = held.fd
+        self.made_dirs = made_dirs  # OUT's ancestors made for the lock, deepest first
+
+    def release(self) -> None:
+        """Give the lock back and remove the directories made for it that stayed empty.
+
+        In a forked child, does nothing: the lock is its parent's.
+        """
+        if os.getpid() != self.held.owner_pid:
+            return
+        self.held.release()
+        _remove_if_empty(self.made_dirs)
+
+
+def take_output_lock(out_dir: str, held_in: list[OutputLock] | None = None) -> OutputLock:
+    """Lock OUT (see output_lock) until ``release``; OutputError when another conversion holds it.
+
+    The lock is also put in ``held_in`` before this returns, so that a caller
+    interrupted as the call returns still finds it to release.
+    """
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    made_dirs = _missing_dirs(parent)
+    taken: list[fsutil.HeldLock] = []
+    try:  # taken and then interrupted, the lock is given back
+        os.makedirs(parent, exist_ok=True)
+        held = fsutil.take_lock(os.path.join(parent, f".{name}{LOCK_SUFFIX}"), held_in=taken)
+        if held is not None:
+            _remove_leftovers(parent, name)
+            lock = OutputLock(held, made_dirs)
+            if held_in is not None:
+                held_in.append(lock)
+            return lock
+    except BaseException as exc:
+        for each in taken:
+            each.release()
+        _remove_if_empty(made_dirs)
+        if fsutil.is_io_error(exc):
+            raise creation_error(out_dir, exc) from exc
+        raise
+    _remove_if_empty(made_dirs)
+    raise OutputError(f"{out_dir}: another npz2mmap conversion or Writer is writing it")
 
 
 def _missing_dirs(path: str) -> list[str]:
@@ -297,5 +339,14 @@ def publish(staging_dir: str, out_dir: str, overwrite: bool) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
+def remove_staging_dirs(out_dir: str) -> None:
+    """Remove every staging directory of OUT: only for the holder of OUT's lock, whose they all are."""
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    with fsutil.io_errors_ignored():
+        for entry in os.listdir(parent):
+            if entry.startswith(f".{name}{STAGING_MARK}"):
+                fsutil.remove_tree(os.path.join(parent, entry))
+
+
 def remove_staging(staging_dir: str) -> None:
-    shutil.rmtree(staging_dir, ignore_errors=True)
+    fsutil.remove_tree(staging_dir)

@@ -730,6 +730,7 @@ class RemoteTraceback(Exception):
 class WorkerPool:
     """``num_workers`` processes and the ring they write into, started once and kept across epochs."""
 
+    @parallel.keeps_signal_mask  # SIGINT is blocked while workers start: never for longer
     def __init__(
         self,
         recipe: Recipe,

@@ -475,6 +475,8 @@ def open_regular(path: str, missing: str = "missing") -> int:
     except FileNotFoundError:
         raise FormatError(f"{path}: {missing}") from None
     except OSError as exc:
+        if not fsutil.is_io_error(exc):  # a signal handler's, not the file's: the caller's to see
+            raise
         raise FormatError(f"{path}: cannot open ({exc.strerror or exc})") from None
     except fsutil.NotRegularFile as exc:
         raise FormatError(f"{path}: {exc}") from None

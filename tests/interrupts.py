@@ -6,10 +6,20 @@ the main thread, unless SIGINT is blocked, when it waits for the unblocking.
 npz2mmap's modules and, at the k-th, sends the process a real SIGINT
 (``signal.raise_signal``): raised at once where it is not blocked, held back
 by the kernel where it is, exactly as a Ctrl-C pressed at that instant.
+
+Two variants: ``other_thread=True`` raises the KeyboardInterrupt at the next
+check whatever this thread's signal mask (``_thread.interrupt_main``), as when
+a Ctrl-C sent to the process was taken by another of its threads (numpy's
+BLAS threads, say) while this one held SIGINT back; ``raises=`` an exception
+class sends SIGALRM to a handler that raises it, as the ``signal.alarm``
+timeout idiom does. The frames counted also include those of contextlib,
+where npz2mmap's ``with`` statements run.
 """
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import os
 import signal
 import sys
@@ -17,8 +27,10 @@ from types import FrameType, TracebackType
 from typing import Any
 
 import npz2mmap
+from npz2mmap import fsutil, publish
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(npz2mmap.__file__)) + os.sep
+CONTEXTLIB_FILE = contextlib.__file__
 
 
 def sigint_blocked() -> bool:
@@ -35,8 +47,19 @@ class Interrupt:
     line) and ``blocked`` whether SIGINT was blocked there.
     """
 
-    def __init__(self, k: int, on_fire: Any = None, opcodes: bool = True, blocked_only: bool = False) -> None:
+    def __init__(
+        self,
+        k: int,
+        on_fire: Any = None,
+        opcodes: bool = True,
+        blocked_only: bool = False,
+        other_thread: bool = False,
+        raises: type[BaseException] | None = None,
+    ) -> None:
         self.k = k
+        self.other_thread = other_thread
+        self.raises = raises
+        self.previous_alarm_handler: Any = None
         self.opcodes = opcodes  # False: line events only, for long code
         self.blocked_only = blocked_only  # count only events where SIGINT is blocked
         self.count = 0
@@ -49,6 +72,8 @@ class Interrupt:
     def __enter__(self) -> Interrupt:
         if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
             raise RuntimeError("SIGINT must raise KeyboardInterrupt for this test")
+        if self.raises is not None:
+            self.previous_alarm_handler = signal.signal(signal.SIGALRM, self._raise)
         sys.settrace(self._call)
         return self
 
@@ -56,9 +81,16 @@ class Interrupt:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         sys.settrace(None)
+        if self.raises is not None:
+            signal.signal(signal.SIGALRM, self.previous_alarm_handler)
+
+    def _raise(self, signum: int, frame: FrameType | None) -> None:
+        assert self.raises is not None
+        raise self.raises("alarm")
 
     def _call(self, frame: FrameType, event: str, arg: object) -> Any:
-        if not frame.f_code.co_filename.startswith(PACKAGE_DIR):
+        filename = frame.f_code.co_filename
+        if not (filename.startswith(PACKAGE_DIR) or filename == CONTEXTLIB_FILE):
             return None
         frame.f_trace_opcodes = self.opcodes
         return self._event
@@ -76,8 +108,31 @@ class Interrupt:
         self.fired = True
         self.blocked = sigint_blocked()
         code = frame.f_code
-        name = os.path.relpath(code.co_filename, PACKAGE_DIR)
+        name = (
+            os.path.basename(code.co_filename)
+            if code.co_filename == CONTEXTLIB_FILE
+            else (os.path.relpath(code.co_filename, PACKAGE_DIR))
+        )
         self.where = f"{name}:{code.co_name}:{frame.f_lineno} (opcode at {frame.f_lasti})"
         if self.on_fire is not None:
             self.noted = self.on_fire()
-        signal.raise_signal(signal.SIGINT)
+        if self.raises is not None:
+            signal.raise_signal(signal.SIGALRM)
+        elif self.other_thread:
+            _thread.interrupt_main()
+        else:
+            signal.raise_signal(signal.SIGINT)
+
+
+def lock_is_free(out_dir: str | os.PathLike[str]) -> bool:
+    """Whether OUT's output lock can be taken now (it is given back at once)."""
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    with fsutil.exclusive_lock(os.path.join(parent, f".{name}{publish.LOCK_SUFFIX}")) as fd:
+        return fd is not None
+
+
+def left_beside(out_dir: str | os.PathLike[str]) -> list[str]:
+    """What a writer or conversion of OUT left beside it: staging or retired directories."""
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    marks = (f".{name}{publish.STAGING_MARK}", f".{name}{publish.RETIRED_MARK}")
+    return sorted(entry for entry in os.listdir(parent) if entry.startswith(marks))

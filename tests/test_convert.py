@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import assert_same_array, blob_bytes, write_npz, write_samples
+from interrupts import Interrupt, left_beside, lock_is_free, sigint_blocked
 
 from npz2mmap import publish, writer
 from npz2mmap.converter import convert
@@ -337,3 +340,41 @@ def test_list_files_skip_comments_and_a_list_that_is_a_pipe_is_refused(tmp_path)
     os.mkfifo(tmp_path / "pipe.txt")
     with pytest.raises(SourceError, match=r"pipe\.txt: list file is a pipe \(FIFO\), not a regular file"):
         convert([f"@{tmp_path / 'pipe.txt'}"], tmp_path / "out2", workers=1)
+
+
+def dataset_bytes(out: Path) -> dict[str, bytes]:
+    return {name: (out / name).read_bytes() for name in sorted(os.listdir(out))}
+
+
+@pytest.mark.parametrize(("interrupt_kind", "step"), [("SIGINT", 5), ("SIGINT taken by another thread", 7)])
+def test_a_ctrl_c_anywhere_in_a_conversion_caught_leaves_out_free_for_the_next(
+    tmp_path, monkeypatch, interrupt_kind, step
+) -> None:
+    """A Ctrl-C at every few lines of convert() in Python, caught by the caller: SIGINT is
+    not blocked, OUT's lock is free, OUT is the old dataset or the new one, and the same
+    conversion run again succeeds and leaves nothing beside OUT."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # durability is not under test: speed
+    sources = write_samples(tmp_path / "src", [{"x": np.arange(i + 3, dtype=np.int32)} for i in range(3)])
+    convert(sources[:1], tmp_path / "old", workers=1)
+    convert(sources, tmp_path / "new", workers=1)
+    old, new = dataset_bytes(tmp_path / "old"), dataset_bytes(tmp_path / "new")
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    for k in itertools.count(0, step):
+        out = parent / f"out-{k}"
+        shutil.copytree(tmp_path / "old", out)
+        with Interrupt(k, opcodes=False, other_thread=interrupt_kind != "SIGINT") as interrupt:
+            try:
+                convert(sources, out, workers=1, overwrite=True)
+            except KeyboardInterrupt:
+                pass
+        where = f"{interrupt_kind} at line {k}, {interrupt.where}"
+        if not interrupt.fired:
+            assert dataset_bytes(out) == new
+            break
+        assert not sigint_blocked(), where
+        assert lock_is_free(out), where
+        assert dataset_bytes(out) in (old, new), where
+        convert(sources, out, workers=1, overwrite=True)
+        assert dataset_bytes(out) == new and left_beside(out) == [], where
+    assert k > 100
