@@ -257,8 +257,9 @@ def _compare_member(
     found = _file_order_pieces(stored, header.fortran_order)
     bad_rows: set[int] = set()
     padding_rows: set[int] = set()
-    value_bytes = value_byte_mask(field.dtype)
-    for elements, padding_only in _changed_elements(expected, found, stored.nbytes, value_bytes):
+    value_bytes = value_byte_mask(field.dtype) if _may_hold_padding(field.dtype) else None
+    itemsize = field.dtype.itemsize
+    for elements, padding_only in _changed_elements(expected, found, stored.nbytes, itemsize, value_bytes):
         bad_rows.update(_element_rows(elements, header, rows_mode).tolist())
         padding_rows.update(_element_rows(padding_only, header, rows_mode).tolist())
     for offset in sorted(bad_rows):
@@ -308,11 +309,15 @@ def _c_order_pieces(array: np.ndarray) -> Iterator[memoryview]:
 
 
 def _changed_elements(
-    expected: Iterator[Piece], found: Iterator[memoryview], nbytes: int, value_bytes: np.ndarray
+    expected: Iterator[Piece],
+    found: Iterator[memoryview],
+    nbytes: int,
+    itemsize: int,
+    value_bytes: np.ndarray | None,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Indices, in stream order, of the elements whose bytes differ between two streams: those
-    where a value's bytes differ, and those where only record padding (not ``value_bytes``) does."""
-    itemsize = len(value_bytes)
+    where a value's bytes differ, and those where only record padding (not ``value_bytes``;
+    None: every byte is a value's) does."""
     left, right = ByteReader(expected, "source"), ByteReader(found, "dataset")
     for position in range(0, nbytes, CHUNK_NBYTES):
         size = min(CHUNK_NBYTES, nbytes - position)
@@ -320,7 +325,7 @@ def _changed_elements(
             np.frombuffer(left.read(size), np.uint8) != np.frombuffer(right.read(size), np.uint8)
         )
         if len(differ):
-            in_value = value_bytes[differ % itemsize]
+            in_value = np.ones(len(differ), bool) if value_bytes is None else value_bytes[differ % itemsize]
             yield np.unique(differ[in_value] // itemsize), np.unique(differ[~in_value] // itemsize)
     left.finish()
     right.finish()
@@ -333,6 +338,17 @@ def _element_rows(elements: np.ndarray, header: MemberHeader, rows_mode: bool) -
     if header.fortran_order:
         return np.unique(elements % header.shape[0])
     return np.unique(elements // math.prod(header.shape[1:]))
+
+
+# A record longer than this is compared byte for byte, padding counted as values: its mask would
+# cost its size in memory (a void element may be a gigabyte).
+MAX_MASKED_ITEMSIZE = 1 << 20
+
+
+def _may_hold_padding(dtype: np.dtype) -> bool:
+    """Records (or subarrays of them) short enough to mask: only they can differ in padding alone."""
+    base = dtype.subdtype[0] if dtype.subdtype is not None else dtype
+    return base.names is not None and dtype.itemsize <= MAX_MASKED_ITEMSIZE
 
 
 def value_byte_mask(dtype: np.dtype) -> np.ndarray:
