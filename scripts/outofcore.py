@@ -124,18 +124,29 @@ class MemoryCgroup:
         stat = self.stat()
         return stat.get("file", stat.get("cache", 0))
 
-    def remove(self) -> None:
-        """Move any process left back to the parent, then rmdir (retried: the kernel frees it lazily)."""
-        for _ in range(50):
-            try:
-                pids = (self.path / "cgroup.procs").read_text().split()
-            except OSError:
-                return
+    def pids(self) -> list[int]:
+        try:
+            return [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
+        except OSError:
+            return []
+
+    def end_processes(self, timeout: float = 20.0) -> None:
+        """SIGKILL every process in this cgroup (all started by us, its only users), until none is left."""
+        deadline = time.monotonic() + timeout
+        while (pids := self.pids()) and time.monotonic() < deadline:
             for pid in pids:
                 try:
-                    (self.parent / "cgroup.procs").write_text(pid)
-                except OSError:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
                     pass
+            time.sleep(0.05)
+        if self.pids():
+            print(f"  processes left in {self.path}: {self.pids()}", file=sys.stderr)
+
+    def remove(self) -> None:
+        """End any process left, then rmdir (retried: the kernel frees it lazily)."""
+        self.end_processes()
+        for _ in range(50):
             try:
                 self.path.rmdir()
                 return
@@ -267,13 +278,14 @@ def run_in_cgroup(
     device: str,
     limit_of: Callable[[int], int],
     data_files: list[Path],
+    script: str = __file__,
 ) -> dict[str, Any]:
-    """Start ``child_args`` (this file's --child) in the cgroup, wait for its "ready", set the limit,
-    let it run, and return its JSON result with the device's bytes read while it ran."""
+    """Start ``child_args`` (``script``'s --child, by default this file's) in the cgroup, wait for its
+    "ready", set the limit, let it run, and return its JSON result with the device's bytes read."""
     cgroup.unlimit()
     drop_caches()
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--child", *child_args],
+        [sys.executable, script, "--child", *child_args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -313,6 +325,9 @@ def run_in_cgroup(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        # workers outlive a child that exits at once, still mapping the data: their pages would
+        # survive the next drop_caches, so every process left in the cgroup is ended first
+        cgroup.end_processes()
     if not result_line:
         raise RuntimeError(f"child {child_args[0]} exited {proc.returncode} without a result")
     result = json.loads(result_line)
