@@ -41,7 +41,7 @@ BATCH = 64
 SAMPLE_BYTES = 3 * 64 * 64 * 4  # the image; the 8-byte label lives in another column
 DELIVERED_BYTES = SAMPLE_BYTES + 8
 CACHE_FRACTION = 0.4
-MAX_SAMPLES = 3200  # per loader; or MAX_SECONDS, whichever comes first
+MAX_SAMPLES = 6400  # per loader; or MAX_SECONDS, whichever comes first
 MAX_SECONDS = 15.0
 FLOOR_SAMPLES = 12_000
 DROP_CACHES = "/proc/sys/vm/drop_caches"
@@ -169,6 +169,15 @@ def block_device(path: Path) -> str:
     return sysdev.name
 
 
+def pgpgin_bytes() -> int:
+    """/proc/vmstat pgpgin (KiB read from every block device since boot), in bytes: a cross-check."""
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if key == "pgpgin":
+            return int(value) * 1024
+    return 0
+
+
 def device_read_bytes(device: str) -> int:
     """Bytes read from the device since boot: /sys/block/<dev>/stat's sectors read (always 512 bytes)."""
     fields = Path(f"/sys/block/{device}/stat").read_text().split()
@@ -239,7 +248,8 @@ class OutOfCore:
     cpu_s: float = 0.0
     own_bytes: int = 0
     limit_bytes: int = 0
-    peak_cache_bytes: int = 0
+    end_cache_bytes: int = 0
+    pgpgin_bytes: int = 0
     note: str = ""
 
 
@@ -301,10 +311,10 @@ def run_in_cgroup(
         own = cgroup.usage() - resident_bytes(data_files)
         limit = limit_of(own)
         cgroup.set_limit(limit)
-        before = device_read_bytes(device)
+        before, before_pgpgin = device_read_bytes(device), pgpgin_bytes()
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        peak_cache = 0
+        end_cache = 0
         result_line = ""
         while True:  # the child prints its result and then waits for "exit": count reads before teardown
             line = proc.stdout.readline()
@@ -313,9 +323,9 @@ def run_in_cgroup(
             if line.startswith("{"):
                 result_line = line
                 break
-        read = device_read_bytes(device) - before
+        read, pgpgin = device_read_bytes(device) - before, pgpgin_bytes() - before_pgpgin
         try:
-            peak_cache = cgroup.page_cache()
+            end_cache = cgroup.page_cache()
         except OSError:
             pass
         proc.stdin.write("exit\n")
@@ -331,7 +341,9 @@ def run_in_cgroup(
     if not result_line:
         raise RuntimeError(f"child {child_args[0]} exited {proc.returncode} without a result")
     result = json.loads(result_line)
-    result.update(read_bytes=read, own_bytes=own, limit_bytes=limit, peak_cache_bytes=peak_cache)
+    result.update(
+        read_bytes=read, pgpgin_bytes=pgpgin, own_bytes=own, limit_bytes=limit, end_cache_bytes=end_cache
+    )
     return result
 
 
@@ -644,6 +656,7 @@ def outofcore_section(
         "data_bytes": data_bytes,
         "cache_fraction": CACHE_FRACTION,
         "max_seconds": max_seconds,
+        "max_samples": max_samples,
         "limit_mb": limit_mb,
         "idle_read_bytes_per_s": idle,
         "notes": notes,
@@ -721,7 +734,8 @@ def _one(
         return row
     row.samples, row.seconds, row.cpu_s = result["samples"], result["seconds"], result["cpu_s"]
     row.read_bytes, row.own_bytes = result["read_bytes"], result["own_bytes"]
-    row.limit_bytes, row.peak_cache_bytes = result["limit_bytes"], result["peak_cache_bytes"]
+    row.limit_bytes, row.end_cache_bytes = result["limit_bytes"], result["end_cache_bytes"]
+    row.pgpgin_bytes = result["pgpgin_bytes"]
     row.per_s = row.samples / row.seconds if row.seconds else 0.0
     row.delivered_bytes = row.samples * (SAMPLE_BYTES if floor else DELIVERED_BYTES)
     row.amplification = row.read_bytes / row.delivered_bytes if row.delivered_bytes else 0.0
@@ -743,7 +757,8 @@ def outofcore_lines(rows: list[OutOfCore], info: dict[str, Any]) -> list[str]:
         f"Out of core: dataset {info['data_bytes'] / 1e6:,.0f} MB on {info['device']}, each loader in a "
         f"memory cgroup ({info['cgroup'].split(':')[0]}) limited to its own use after 2 warm-up batches + "
         f"{info['cache_fraction']:.0%} of the data, page cache dropped before each; at most "
-        f"{max(r.samples for r in rows):,} samples or {info.get('max_seconds', MAX_SECONDS):.0f} s each; "
+        f"{info.get('max_samples', MAX_SAMPLES):,} samples (floors {FLOOR_SAMPLES:,}) or "
+        f"{info.get('max_seconds', MAX_SECONDS):.0f} s each; "
         f"bytes read from /sys/block/{info['device']}/stat (machine-wide; idle rate before the run "
         f"{info['idle_read_bytes_per_s'] / 1e6:.2f} MB/s):",
         "",

@@ -12,6 +12,8 @@ gathered into one preallocated (64, 49152) byte buffer. Strategies:
     mmap                     page faults on a plain mapping (default advice): the baseline
     mmap+random              madvise(MADV_RANDOM) on the whole mapping, then the same copy
     mmap+random+willneed:k   also madvise(MADV_WILLNEED) each sample's range k batches ahead
+                             (k=0: the batch's own ranges, just before its copy: all a worker
+                             that sees one batch at a time can do)
     pread:T                  os.preadv of each sample into the batch buffer, T threads
     fadvise:k+pread          posix_fadvise(WILLNEED) each sample's range k batches ahead, then preadv
     fadvise:k+mmap           the same ahead, then the copy from a plain mapping
@@ -47,10 +49,10 @@ PAGE = mmap.PAGESIZE
 
 def strategies() -> list[str]:
     names = ["mmap", "mmap+random"]
-    names += [f"mmap+random+willneed:{k}" for k in (1, 2, 4, 8)]
+    names += [f"mmap+random+willneed:{k}" for k in (0, 1, 2, 4, 8)]
     names += [f"pread:{t}" for t in (1, 4, 8, 16, 32)]
-    names += [f"fadvise:{k}+pread" for k in (1, 2, 4, 8)]
-    names += [f"fadvise:{k}+mmap" for k in (1, 4)]
+    names += [f"fadvise:{k}+pread" for k in (0, 1, 2, 4, 8)]
+    names += [f"fadvise:{k}+mmap" for k in (0, 4)]
     try:
         import liburing  # noqa: F401
 
