@@ -8,12 +8,13 @@ can hold about that much of the data. Then the child reads a bounded number of
 batches and reports samples/s and its process tree's CPU time; the parent counts
 the bytes read from the device holding the data meanwhile.
 
-Bytes read come from /sys/block/<dev>/stat (sectors read, x512): the blkio
-cgroup counters stay at 0 for buffered reads on this kernel and v1 memory.stat
-has no read counter, while /proc/vmstat pgpgin counts the same thing as the
-device's sectors but for every device. It is machine-wide, so other work
-reading from the same disk shows up in it: the idle rate is measured before
-the loaders and reported.
+Bytes read are the sum of /proc/PID/io read_bytes over the child's process
+tree (what its reads, faults, readahead and hints submitted to storage): it is
+the loader's own, while the device's counter (/sys/block/<dev>/stat sectors
+read x512, kept as a cross-check, as is /proc/vmstat pgpgin, which agrees with
+it) also counts whatever else the machine reads meanwhile. The blkio cgroup
+counters stay at 0 for buffered reads on this kernel, and v1 memory.stat has
+no read counter.
 
 Root only (cgroups, drop_caches, read_ahead_kb); otherwise the section is skipped.
 """
@@ -242,9 +243,11 @@ class OutOfCore:
     samples: int = 0
     seconds: float = 0.0
     per_s: float = 0.0
-    read_bytes: int = 0
+    read_bytes: int = 0  # the child's process tree (/proc/PID/io)
+    device_read_bytes: int = 0  # the whole device meanwhile (/sys/block/DEV/stat)
     delivered_bytes: int = 0
     amplification: float = 0.0
+    device_amplification: float = 0.0
     cpu_s: float = 0.0
     own_bytes: int = 0
     limit_bytes: int = 0
@@ -266,6 +269,21 @@ def process_tree(pid: int) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def tree_read_bytes(root: int) -> int:
+    """Bytes a process and its live descendants caused to be read from storage (/proc/PID/io
+    read_bytes, counted when each read or readahead is submitted, for all of a process's threads)."""
+    total = 0
+    for pid in process_tree(root):
+        try:
+            with open(f"/proc/{pid}/io") as fp:
+                for line in fp:
+                    if line.startswith("read_bytes:"):
+                        total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
 
 
 def tree_cpu_seconds(root: int) -> float:
@@ -532,7 +550,7 @@ def child(args: list[str]) -> None:
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return
-    cpu0 = tree_cpu_seconds(os.getpid())
+    cpu0, io0 = tree_cpu_seconds(os.getpid()), tree_read_bytes(os.getpid())
     self0 = resource.getrusage(resource.RUSAGE_SELF)
     seen = 0
     started = time.perf_counter()
@@ -542,10 +560,11 @@ def child(args: list[str]) -> None:
         if seen >= int(max_samples) or time.perf_counter() > deadline:
             break
     seconds = time.perf_counter() - started
-    cpu = tree_cpu_seconds(os.getpid()) - cpu0
+    cpu, io = tree_cpu_seconds(os.getpid()) - cpu0, tree_read_bytes(os.getpid()) - io0
     self1 = resource.getrusage(resource.RUSAGE_SELF)
     self_cpu = self1.ru_utime + self1.ru_stime - self0.ru_utime - self0.ru_stime
-    print(json.dumps({"samples": seen, "seconds": seconds, "cpu_s": max(cpu, self_cpu)}), flush=True)
+    result = {"samples": seen, "seconds": seconds, "cpu_s": max(cpu, self_cpu), "tree_read_bytes": io}
+    print(json.dumps(result), flush=True)
     sys.stdin.readline()  # "exit": the parent has read the device's counters
     os._exit(0)  # workers of every kind are ended with us; no slow teardown
 
@@ -733,14 +752,18 @@ def _one(
         print(f"  ra {kb:>5} KB {name:58s} failed: {error}", flush=True)
         return row
     row.samples, row.seconds, row.cpu_s = result["samples"], result["seconds"], result["cpu_s"]
-    row.read_bytes, row.own_bytes = result["read_bytes"], result["own_bytes"]
+    row.read_bytes, row.device_read_bytes = result["tree_read_bytes"], result["read_bytes"]
+    row.own_bytes = result["own_bytes"]
     row.limit_bytes, row.end_cache_bytes = result["limit_bytes"], result["end_cache_bytes"]
     row.pgpgin_bytes = result["pgpgin_bytes"]
     row.per_s = row.samples / row.seconds if row.seconds else 0.0
     row.delivered_bytes = row.samples * (SAMPLE_BYTES if floor else DELIVERED_BYTES)
-    row.amplification = row.read_bytes / row.delivered_bytes if row.delivered_bytes else 0.0
+    if row.delivered_bytes:
+        row.amplification = row.read_bytes / row.delivered_bytes
+        row.device_amplification = row.device_read_bytes / row.delivered_bytes
     print(
-        f"  ra {kb:>5} KB {name:58s} {row.per_s:>9,.0f}/s  read/delivered {row.amplification:6.2f}  "
+        f"  ra {kb:>5} KB {name:58s} {row.per_s:>9,.0f}/s  read/delivered {row.amplification:6.2f} "
+        f"(device {row.device_amplification:6.2f})  "
         f"CPU {row.cpu_s / row.seconds if row.seconds else 0:4.2f} cores  own {row.own_bytes / 1e6:4.0f} MB  "
         f"limit {row.limit_bytes / 1e6:4.0f} MB",
         flush=True,
@@ -759,11 +782,14 @@ def outofcore_lines(rows: list[OutOfCore], info: dict[str, Any]) -> list[str]:
         f"{info['cache_fraction']:.0%} of the data, page cache dropped before each; at most "
         f"{info.get('max_samples', MAX_SAMPLES):,} samples (floors {FLOOR_SAMPLES:,}) or "
         f"{info.get('max_seconds', MAX_SECONDS):.0f} s each; "
-        f"bytes read from /sys/block/{info['device']}/stat (machine-wide; idle rate before the run "
+        "bytes read: the loader's process tree's /proc/PID/io read_bytes; in brackets the whole "
+        f"device's, /sys/block/{info['device']}/stat (machine-wide; idle before the run "
         f"{info['idle_read_bytes_per_s'] / 1e6:.2f} MB/s):",
         "",
         "| loader | "
-        + " | ".join(f"read_ahead_kb {kb}: samples/s | read/delivered | CPU cores" for kb in settings)
+        + " | ".join(
+            f"read_ahead_kb {kb}: samples/s | read/delivered (device) | CPU cores" for kb in settings
+        )
         + " |",
         "| --- |" + " ---: | ---: | ---: |" * len(settings),
     ]
@@ -774,7 +800,10 @@ def outofcore_lines(rows: list[OutOfCore], info: dict[str, Any]) -> list[str]:
             if r is None or not r.seconds:
                 cells.append("- | - | -")
             else:
-                cells.append(f"{r.per_s:,.0f} | {r.amplification:.2f} | {r.cpu_s / r.seconds:.2f}")
+                cells.append(
+                    f"{r.per_s:,.0f} | {r.amplification:.2f} ({r.device_amplification:.2f}) "
+                    f"| {r.cpu_s / r.seconds:.2f}"
+                )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
