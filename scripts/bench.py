@@ -5,6 +5,7 @@
     python scripts/bench.py --scale          # also the scale section (10M samples, 1M files, 2 GiB member)
     python scripts/bench.py --only conversion --workload ragged --files 50000   # conversion alone
     python scripts/bench.py --only loaders --workdir DIR   # worker-process loaders alone (warm cache)
+    python scripts/bench.py --only outofcore --workdir DIR # cold, in a memory cgroup (root; outofcore.py)
 
 Everything is measured side by side in one run on workloads this script
 generates from fixed seeds. Prints a markdown table and writes results.md,
@@ -1164,6 +1165,28 @@ def chart(report: Report, path: Path) -> None:
 # --- main ------------------------------------------------------------------------------------
 
 
+def outofcore_main(args: argparse.Namespace, workdir: Path, work: Workload) -> None:
+    """--only outofcore: the fixed workload converted once, then scripts/outofcore.py's section."""
+    import outofcore
+
+    src = make_workload(work, workdir)
+    dataset = converted(src, workdir / work.name / "dataset")
+    rows, info = outofcore.outofcore_section(
+        dataset,
+        src,
+        workdir / work.name,
+        read_aheads=args.read_ahead_kb,
+        limit_mb=args.limit_mb,
+        only=args.loader,
+        max_samples=600 if args.quick else outofcore.MAX_SAMPLES,
+        max_seconds=3.0 if args.quick else outofcore.MAX_SECONDS,
+    )
+    text = outofcore.write(rows, info, args.out)
+    print(text)
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1174,7 +1197,21 @@ def main() -> None:
     parser.add_argument(
         "--workdir", type=Path, default=None, help="where workloads live (default: a temp dir)"
     )
-    parser.add_argument("--only", choices=["conversion", "loaders"], help="run only this section")
+    parser.add_argument(
+        "--only", choices=["conversion", "loaders", "outofcore"], help="run only this section"
+    )
+    parser.add_argument(
+        "--limit-mb", type=int, help="outofcore: the cgroup's limit (default: own use + 40%% of the data)"
+    )
+    parser.add_argument(
+        "--read-ahead-kb",
+        type=int,
+        action="append",
+        help="outofcore: read_ahead_kb settings to run (repeatable; default: the device's own and 128)",
+    )
+    parser.add_argument(
+        "--loader", action="append", help="outofcore: only loaders whose name contains this (repeatable)"
+    )
     parser.add_argument(
         "--workload", action="append", choices=WORKLOAD_NAMES, help="only these workloads (repeatable)"
     )
@@ -1203,6 +1240,11 @@ def main() -> None:
         Workload("compressed", args.files or count // 4, compressed=True),
     ]
     workloads = [w for w in workloads if w.name in (args.workload or WORKLOAD_NAMES)]
+    if args.only == "outofcore":
+        outofcore_main(
+            args, workdir, workloads[0] if args.workload else Workload("fixed", args.files or count)
+        )
+        return
     cores = os.cpu_count() or 1
     report = Report(machine_facts(), "pages of the files read evicted with posix_fadvise(DONTNEED) before it")
     if can_drop_all_caches():
