@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from proctree import process_tree
 from torch.utils.data import DataLoader, Dataset
 
 from npz2mmap import MmapDataset, MmapLoader, collate
@@ -96,18 +97,6 @@ def npz_paths(src: Path) -> list[str]:
 # --- memory: the sum of PSS over a process tree ---------------------------------
 
 
-def process_tree(pid: int) -> list[int]:
-    pids, pending = [], [pid]
-    while pending:
-        current = pending.pop()
-        pids.append(current)
-        try:
-            for task in os.listdir(f"/proc/{current}/task"):
-                with open(f"/proc/{current}/task/{task}/children") as fp:
-                    pending.extend(int(c) for c in fp.read().split())
-        except OSError:
-            continue
-    return pids
 
 
 def pss_bytes(pid: int) -> tuple[int, int]:

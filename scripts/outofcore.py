@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from proctree import process_tree
 
 BATCH = 64
 SAMPLE_BYTES = 3 * 64 * 64 * 4  # the image; the 8-byte label lives in another column
@@ -254,21 +255,6 @@ class OutOfCore:
     end_cache_bytes: int = 0
     pgpgin_bytes: int = 0
     note: str = ""
-
-
-def process_tree(pid: int) -> list[int]:
-    """A process and its descendants (bench.py's, here to keep the floors' children free of torch)."""
-    pids, pending = [], [pid]
-    while pending:
-        current = pending.pop()
-        pids.append(current)
-        try:
-            for task in os.listdir(f"/proc/{current}/task"):
-                with open(f"/proc/{current}/task/{task}/children") as fp:
-                    pending.extend(int(c) for c in fp.read().split())
-        except OSError:
-            continue
-    return pids
 
 
 def tree_read_bytes(root: int) -> int:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable, Sequence
+import signal
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +106,19 @@ def small_dataset(tmp_path: Path) -> tuple[Path, list[Path]]:
     out = tmp_path / "dataset"
     convert([tmp_path / "src"], out, workers=1)
     return out, sources
+
+
+@contextlib.contextmanager
+def no_hang(seconds: int = 60) -> Iterator[None]:
+    """Fail, rather than wait forever, if something blocks (an open of a pipe without O_NONBLOCK)."""
+
+    def interrupt(*_: object) -> None:
+        raise TimeoutError(f"blocked for {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import write_npz
+from conftest import no_hang, write_npz
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -113,20 +112,6 @@ def shuffled(seed: int) -> Callable[[list[os.DirEntry[str]]], list[os.DirEntry[s
 ORDERS = [by_name, by_name_reversed, reversed_order]
 
 
-@contextlib.contextmanager
-def no_hang(seconds: int = 30) -> Iterator[None]:
-    """Fail, rather than wait forever, if something blocks (an open of a pipe without O_NONBLOCK)."""
-
-    def interrupt(*_: object) -> None:
-        raise TimeoutError(f"blocked for {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 # --- hidden files and directories are neither sources nor fields -------------------------------------------

@@ -6,23 +6,20 @@ the sources untouched.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import zipfile
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import hostile
 import numpy as np
 import pytest
 from click.testing import CliRunner, Result
-from conftest import write_npz
+from conftest import no_hang, write_npz
 
 from npz2mmap import fsutil, publish
 from npz2mmap.cli import cli
@@ -305,20 +302,6 @@ def test_a_source_replaced_after_the_scan_by_a_pipe_or_device_is_refused(tmp_pat
 # --- what the scan opens, and how -------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def no_hang(seconds: int = 60) -> Iterator[None]:
-    """Fail, rather than wait forever, if something blocks (an open of a pipe without O_NONBLOCK)."""
-
-    def interrupt(*_: object) -> None:
-        raise TimeoutError(f"blocked for {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def recorded(monkeypatch, module: object, name: str) -> list[tuple[object, ...]]:
