@@ -202,12 +202,15 @@ class DatasetReader:
 
 
 def as_raw(array: np.ndarray) -> np.ndarray:
-    """A record array as raw bytes per element (a void dtype), which numpy copies whole.
+    """A record or non-native-order array as raw bytes per element (a void dtype), which numpy
+    copies whole.
 
     numpy copies records field by field and leaves their padding bytes
-    undefined; other arrays have no padding and are returned as they are.
+    undefined, and makes a stack or concatenation of big-endian arrays native
+    (so a view of it back in the source's order would swap every value); other
+    arrays are returned as they are.
     """
-    if array.dtype.names is None:
+    if array.dtype.names is None and array.dtype.isnative:
         return array
     return array.view(np.dtype((np.void, array.dtype.itemsize)))
 

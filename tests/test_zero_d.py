@@ -265,3 +265,21 @@ def test_collate_of_a_plain_list_of_samples_equals_collate_of_the_gathered_batch
         expected = collate(ds.__getitems__(BATCH))
         assert_same_batch(collate([ds[i] for i in BATCH]), expected)
         assert_same_batch(concat_data_loader(ds), expected)
+
+
+BIG_ENDIAN = [">f8", ">f4", ">i4", ">u2", ">c16", ">M8[s]", ">m8[ms]", ">U3", [("a", ">i2"), ("b", ">f8")]]
+
+
+@pytest.mark.parametrize("dtype", BIG_ENDIAN, ids=str)
+@pytest.mark.parametrize("shape", [(), (3,)])
+def test_collate_of_big_endian_arrays_keeps_their_values(dtype, shape) -> None:
+    """numpy stacks big-endian arrays into a native one: a byte copy must not be read back swapped."""
+    rng = np.random.default_rng(0)
+    count = max(1, int(np.prod(shape)))
+    values = [np.frombuffer(rng.bytes(np.dtype(dtype).itemsize * count), dtype) for _ in range(2)]
+    samples = [{"f": v.reshape(shape) if shape else v[0].copy().reshape(())} for v in values]
+    samples = [{"f": np.asarray(s["f"], dtype=dtype)} for s in samples]
+    out = npz2mmap.collate(samples)["f"]
+    expected = np.stack([s["f"] for s in samples])  # numpy's values, in native order
+    assert out.shape == expected.shape
+    assert np.asarray(out).astype(expected.dtype).tobytes() == expected.tobytes()
