@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import fsutil, provenance, publish, writer
-from .errors import FixedShapeError, MismatchError, OutputError, SourceError
+from .errors import DatasetInputError, FixedShapeError, MismatchError, OutputError, SourceError
 from .inputs import discover_sources
 from .npzfile import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, MemberLocation, header_limit
 from .parallel import Mapper, keeps_signal_mask, worker_map
@@ -525,6 +525,8 @@ class Scan:
         """A source's member headers and locations, or with --skip-bad the reason it is unusable."""
         try:
             return scan_source(path, self.keys, self.header_limit)
+        except DatasetInputError:
+            raise  # a mistake in the inputs, not a bad file: --skip-bad does not leave it out
         except SourceError as exc:
             if not self.skip_bad:
                 raise

@@ -25,6 +25,10 @@ class WorkerError(Npz2mmapError, RuntimeError):
     """A loader's worker process failed or died; the message names the worker and the batch."""
 
 
+class DatasetInputError(SourceError):
+    """An input is an npz2mmap dataset (or its blob), not a source: refused even with --skip-bad."""
+
+
 class FixedShapeError(SourceError):
     """A source's sample shape differs, for a field held fixed (--fixed), from the first source's."""
 

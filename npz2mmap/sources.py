@@ -19,8 +19,10 @@ import zlib
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO, Protocol
 
+import numpy as np
+
 from . import fsutil
-from .errors import SourceError
+from .errors import DatasetInputError, SourceError
 from .npzfile import (
     CHUNK_NBYTES,
     IN_SAMPLE_DIR,
@@ -40,6 +42,7 @@ from .npzfile import (
     read_member_header,
     source_errors,
 )
+from .spec import BLOB_HEADER_NBYTES, IDENTITY_MAGIC
 from .zipdir import FileView, ZipEntry, directory_entries
 
 NPY_FILE_KEY = "arr_0"
@@ -247,7 +250,27 @@ class _NpyFile:
             )
         with source_errors(self.path):
             self.header_crc32 = zlib.crc32(fsutil.read_at(self.fp.fileno(), header.header_nbytes, 0))
+        self._refuse_blob(header)
         return header
+
+    def _refuse_blob(self, header: MemberHeader) -> None:
+        """DatasetInputError for an npz2mmap blob under any name (a copy, a link): its bytes say so."""
+        looks_like_blob = (
+            header.header_nbytes == BLOB_HEADER_NBYTES
+            and header.dtype == np.uint8
+            and len(header.shape) == 1
+            and header.nbytes >= len(IDENTITY_MAGIC)
+        )
+        if not looks_like_blob:
+            return
+        with source_errors(self.path):
+            start = fsutil.read_at(self.fp.fileno(), len(IDENTITY_MAGIC), BLOB_HEADER_NBYTES)
+        if start == IDENTITY_MAGIC:
+            raise DatasetInputError(
+                f"{self.path}: is the blob of an npz2mmap dataset (it starts with the blob identity), "
+                "not a source; convert its sources again by naming the paths listed in its dataset's "
+                "sources.jsonl, or join datasets with npz2mmap merge"
+            )
 
     def data_chunks(self, header: MemberHeader) -> Iterator[bytes]:
         with source_errors(self.path):

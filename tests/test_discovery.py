@@ -588,3 +588,30 @@ def test_a_field_named_data_is_a_source_not_a_blob(tmp_path) -> None:
     result = convert([tmp_path / "samples"], tmp_path / "out", sample_dirs=True, workers=1)
     assert result.index.num_samples == 2
     assert DatasetReader(tmp_path / "out").view("data", 1).tolist() == list(range(1, 41))
+
+
+@pytest.mark.parametrize("how", ["copy", "symlink", "renamed in its dataset"])
+@pytest.mark.parametrize("options", [[], ["--skip-bad"], ["--workers", "2"]])
+def test_a_blob_under_another_name_is_refused_by_its_bytes(tmp_path, how, options) -> None:
+    dataset, _ = make_dataset(tmp_path)
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    if how == "copy":
+        blob = inputs / "blob.npy"
+        shutil.copyfile(dataset / "data.npy", blob)
+    elif how == "symlink":
+        blob = inputs / "z.npy"
+        blob.symlink_to(dataset / "data.npy")
+    else:
+        inputs = tmp_path / "images.mmap"
+        (inputs / "index.json").rename(inputs / "index.json.bak")
+        blob = inputs / "data_x.npy"
+        (inputs / "data.npy").rename(blob)
+    code, output = convert_cli(str(inputs), *options, "-o", str(tmp_path / "again.mmap"))
+    assert (code, output.splitlines()[-1]) == (
+        1,
+        f"Error: {blob}: is the blob of an npz2mmap dataset (it starts with the blob identity), not a source; "
+        "convert its sources again by naming the paths listed in its dataset's sources.jsonl, or join "
+        "datasets with npz2mmap merge",
+    )
+    assert not (tmp_path / "again.mmap").exists()
