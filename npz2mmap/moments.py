@@ -186,13 +186,18 @@ class FloatStatistics:
         out["max"] = math.inf if self.positive_inf else self.high
         m = self.moments
         if m.count:
-            # rounding may not carry the figures past what the finite values bound them by
-            unscale = _unscaled_wide if self.beyond_float64 else _unscaled
-            out["mean"] = min(max(unscale(m.mean, m.exponent), self.low), self.high)
-            spread = (self.high - self.low) / 2  # Popoviciu: std <= (max - min) / 2
-            spread = spread if math.isfinite(spread) else self.high / 2 - self.low / 2
-            out["std"] = min(unscale(math.sqrt(m.m2 / m.count), m.exponent), spread)
+            # rounding may not carry the figures past what the finite values bound them by; a
+            # longdouble that overflows on the way (max - min near its limit) is bounded so too
+            with np.errstate(over="ignore"):
+                self._add_mean_and_std(out, m)
         return {key: _narrowed(value) for key, value in out.items()}
+
+    def _add_mean_and_std(self, out: dict[str, Any], m: ScaledMoments) -> None:
+        unscale = _unscaled_wide if self.beyond_float64 else _unscaled
+        out["mean"] = min(max(unscale(m.mean, m.exponent), self.low), self.high)
+        spread = (self.high - self.low) / 2  # Popoviciu: std <= (max - min) / 2
+        spread = spread if math.isfinite(spread) else self.high / 2 - self.low / 2
+        out["std"] = min(unscale(math.sqrt(m.m2 / m.count), m.exponent), spread)
 
 
 def _unscaled(value: float, exponent: int) -> float:

@@ -281,3 +281,14 @@ def test_longdouble_figures_beyond_float64_keep_their_value(tmp_path) -> None:
     assert rows[1][4:6] == ["3.3621e-4932", "1.18973e+4932"]
     sample = strict_json(inspect_sample(dataset, 1, "--json").stdout)["fields"][0]
     assert np.longdouble(sample["min"]) == info.tiny and sample["max"] == 1.0
+
+
+@pytest.mark.skipif(not LONGDOUBLE_WIDER, reason="longdouble is float64 on this platform")
+def test_longdouble_extremes_whose_spread_overflows_print_no_warning(tmp_path) -> None:
+    """max - min of -max and max overflows longdouble: the bound is taken otherwise, and nothing is said."""
+    info = np.finfo(np.longdouble)
+    dataset = write_field(tmp_path / "ds", [np.array([-info.max, info.max, 1], np.longdouble)])
+    for run in (inspect_stats(dataset, "--json"), inspect_sample(dataset, 0, "--json")):
+        assert (run.returncode, run.stderr) == (0, "")
+    figures = strict_json(inspect_stats(dataset, "--json").stdout)["stats"]["x"]
+    assert np.longdouble(figures["max"]) == info.max and np.longdouble(figures["min"]) == -info.max
