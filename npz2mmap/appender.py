@@ -43,7 +43,7 @@ from .converter import (
 from .elements import Piece, stored_pieces
 from .errors import FixedShapeError, OutputError, RaggedFieldWarning, SourceError
 from .npzfile import CHUNK_NBYTES, MemberHeader
-from .parallel import interrupts_blocked, keeps_signal_mask
+from .parallel import SIGNAL_MASK_FRAMES, interrupts_blocked, keeps_signal_mask
 from .plan import WRITER_HINTS, PendingSource, Plan, PlanBuilder, check_field_name
 from .provenance import MAX_LINE_NBYTES
 from .shapes import NearlyFixed, describe_nearly_fixed, find_nearly_fixed, unfixed_problem
@@ -258,7 +258,7 @@ class Writer:
         Warns RaggedFieldWarning for each field in ``nearly_fixed``.
         Closing a closed writer only finishes a removal a Ctrl-C cut short.
         """
-        self._close(warn_stacklevel=3)
+        self._close(warn_stacklevel=3 + SIGNAL_MASK_FRAMES)  # the caller's line, past the mask's wrapper
 
     def _close(self, warn_stacklevel: int) -> None:
         """close(); warnings point ``warn_stacklevel`` frames up, at the caller's line."""

@@ -124,6 +124,10 @@ def interrupts_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+# The frames keeps_signal_mask adds between a caller and the function: for warnings' stacklevel.
+SIGNAL_MASK_FRAMES = 1 if hasattr(signal, "pthread_sigmask") else 0
+
+
 def keeps_signal_mask(fn: Callable[P, R]) -> Callable[P, R]:
     """Make ``fn`` leave this thread's signal mask as it found it, however it ends.
 

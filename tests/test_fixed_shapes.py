@@ -381,3 +381,13 @@ def test_when_the_first_sample_is_the_odd_one_the_writer_says_to_append_a_good_o
         "(3, 2); fixed=['x'] keeps the first sample's shape, and that sample is one that differs: append a "
         "sample of shape (2, 3) first, then write with fixed=['x']"
     ]
+
+
+def test_a_writer_closed_by_hand_warns_at_the_callers_line(tmp_path) -> None:
+    w = npz2mmap.Writer(tmp_path / "w")
+    for k in range(20):
+        w.append({"x": np.zeros((3, 2) if k == 5 else (2, 3))})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        w.close()
+    assert [(c.category, Path(c.filename).name) for c in caught] == [(RaggedFieldWarning, Path(__file__).name)]
