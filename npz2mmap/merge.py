@@ -62,12 +62,35 @@ def merge(
     opened = Parts(given)  # without empty parts, which contribute nothing
     labels = [index.part for index in opened.all_indexes]  # empty parts' too
     check_part_set(list(zip(given, labels, strict=True)), _naming(given))
+    _check_disjoint_sources(opened, _naming(given))
     out = os.fspath(out_dir)
     if copy:
         _merge_by_copy(opened, out, overwrite, progress or SilentProgress())
     else:
         _write_manifest(given, out, overwrite)
     return MergeResult(out, len(given), opened.num_samples, copy)
+
+
+def _check_disjoint_sources(parts: Parts, where: str) -> None:
+    """FormatError if two parts of one run name the same source: one was converted again, alone,
+    after the input list changed, so its slice overlaps its neighbour's (samples twice).
+
+    Only parts that record a part (i, n) are compared, and named sources only (a Writer's
+    samples without ``source=`` have none). Reads every part's sources.jsonl once.
+    """
+    owner: dict[str, str] = {}
+    for path, index in zip(parts.paths, parts.indexes, strict=True):
+        if index.part is None:
+            continue
+        for name in dict.fromkeys(provenance.read_sources(path, index)[0]):
+            if not name:
+                continue
+            first = owner.setdefault(name, path)
+            if first != path:
+                raise FormatError(
+                    f"{where}: {name} is a source of both {first} and {path}: the inputs changed between "
+                    "their conversions (a part converted again alone); convert every part of the run again"
+                )
 
 
 def _naming(parts: list[str]) -> str:

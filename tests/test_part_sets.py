@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import write_samples
+from conftest import write_npz, write_samples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import npz2mmap
 from npz2mmap import MmapDataset
 from npz2mmap.cli import cli
 from npz2mmap.converter import convert
@@ -239,3 +240,27 @@ def test_the_message_describes_missing_parts_by_runs_whatever_the_count() -> Non
         "m: parts 42, 44 of 50 are missing (parts 0-41, 43, 45-49 of 50 are listed): "
         "convert them (--part I/50 for each), then merge"
     )
+
+
+def test_a_part_converted_again_after_the_inputs_changed_is_refused_by_the_source_both_name(tmp_path) -> None:
+    """Same count, same part numbers, but a file added: the re-run part's slice overlaps its neighbour's."""
+    src = tmp_path / "src"
+    for i in range(1, 7):
+        write_npz(src / f"f{i}.npz", x=np.array(i))
+    for i in range(2):
+        convert([src], tmp_path / "out", part=(i, 2), workers=1)
+    write_npz(src / "f0.npz", x=np.array(0))  # sorts first: every slice moves by one file
+    convert([src], tmp_path / "out", part=(1, 2), workers=1, overwrite=True)
+    parts = [tmp_path / "out" / "part-00000", tmp_path / "out" / "part-00001"]
+    for copy in (False, True):
+        with pytest.raises(FormatError) as refused:
+            merge(parts, tmp_path / "merged", copy=copy)
+        assert str(refused.value) == (
+            f"parts {parts[0]} to {parts[1]}: {src / 'f3.npz'} is a source of both {parts[0]} and {parts[1]}: "
+            "the inputs changed between their conversions (a part converted again alone); convert every part "
+            "of the run again"
+        )
+        assert not (tmp_path / "merged").exists()
+    convert([src], tmp_path / "out", part=(0, 2), workers=1, overwrite=True)  # the way out
+    merge(parts, tmp_path / "merged", copy=True)
+    assert [int(v) for v in npz2mmap.DatasetReader(tmp_path / "merged").column("x")] == list(range(7))
