@@ -281,3 +281,23 @@ def test_workers_hold_no_descriptor_of_the_output_lock(tmp_path, sources) -> Non
             os.killpg(process.pid, signal.SIGCONT)
         process.wait(timeout=120)
     assert process.returncode == 0
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no signal masks here")
+def test_a_ctrl_c_after_the_command_ended_is_held_back_so_the_exit_code_stands(monkeypatch) -> None:
+    """Python restores SIGINT's default action while it shuts down: a late Ctrl-C would kill with -2."""
+    import npz2mmap.cli
+    import npz2mmap.commands
+
+    def finished(**_: object) -> None:
+        raise SystemExit(0)
+
+    monkeypatch.setattr(npz2mmap.commands, "cli", finished)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    try:
+        with pytest.raises(SystemExit) as ended:
+            npz2mmap.cli.main()
+        assert ended.value.code == 0
+        assert signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
