@@ -2,47 +2,75 @@
 
 The commands (``commands.py``) import click and numpy, which takes a moment;
 an interrupt then, or at any later moment, ends with ``Aborted!`` on stderr and
-exit code 1 (click's own answer to Ctrl-C during a command), never a traceback.
-This module imports nothing else on its own, so the console script reaches
-``main`` at once.
+exit code 1 (click's own answer to Ctrl-C during a command), never a traceback;
+once the command has ended, a Ctrl-C changes nothing. This module imports
+nothing else of the package, so the console script reaches ``main`` at once.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+import threading
 from typing import Any
 
 ABORTED_EXIT_CODE = 1
 
 
 def main() -> None:
-    """Run the command line; Ctrl-C at any moment prints 'Aborted!' and exits 1."""
-    try:
+    """Run the command line; Ctrl-C at any moment prints 'Aborted!' and exits 1.
+
+    The console script's entry point: it ends the process (SystemExit) and
+    leaves Ctrl-C ignored, so nothing can change the exit code after it.
+    """
+    while True:  # a Ctrl-C can land between any two steps below: each is retried, none run twice
         try:
-            from .commands import cli
-
-            cli(prog_name="npz2mmap")
+            if "code" not in _outcome:
+                _outcome["code"] = run_command()
+            ignore_late_interrupts()
+            break
         except KeyboardInterrupt:
-            sys.stderr.write("\nAborted!\n")
-            sys.exit(ABORTED_EXIT_CODE)
-        except OSError as exc:  # our own output could not be written (a full disk, a closed pipe)
-            if sys.stderr is not None:
-                sys.stderr.write(f"Error: cannot write the output ({exc.strerror or exc})\n")
-            sys.exit(1)
-    finally:
-        hold_back_late_interrupts()
+            _outcome.setdefault("code", ABORTED)
+    code = _outcome.pop("code")
+    if code == ABORTED:
+        sys.stderr.write("\nAborted!\n")
+        code = ABORTED_EXIT_CODE
+    sys.exit(code)
 
 
-def hold_back_late_interrupts() -> None:
-    """Block Ctrl-C once the command has ended: the exit code and output are final.
+# How the command ended, kept outside main's frame so that a Ctrl-C at its first step loses nothing.
+_outcome: dict[str, int | str] = {}
+ABORTED = "aborted"
+
+
+def run_command() -> int | str:
+    """Run the click group; return its exit code (0 when it returns)."""
+    try:
+        from .commands import cli
+
+        cli(prog_name="npz2mmap")
+    except SystemExit as exited:
+        return 0 if exited.code is None else exited.code  # type: ignore[return-value]
+    except KeyboardInterrupt:  # before click's own handler could take it
+        return ABORTED
+    except OSError as exc:  # our own output could not be written (a full disk, a closed pipe)
+        if sys.stderr is not None:
+            sys.stderr.write(f"Error: cannot write the output ({exc.strerror or exc})\n")
+        return 1
+    return 0
+
+
+def ignore_late_interrupts() -> None:
+    """Ignore Ctrl-C once the command has ended: the exit code and output are final.
 
     Python puts SIGINT's default action back while it shuts down, so a Ctrl-C
     in those last moments would kill the process by the signal (exit -2, no
-    'Aborted!') after a command that succeeded. Nothing runs after this.
+    'Aborted!') after a command that succeeded. Ignoring it holds for every
+    thread of the process (numpy's BLAS threads take signals too), where a
+    signal mask would hold for this thread alone. Nothing runs after this.
     """
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def __getattr__(name: str) -> Any:

@@ -283,21 +283,67 @@ def test_workers_hold_no_descriptor_of_the_output_lock(tmp_path, sources) -> Non
     assert process.returncode == 0
 
 
-@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no signal masks here")
-def test_a_ctrl_c_after_the_command_ended_is_held_back_so_the_exit_code_stands(monkeypatch) -> None:
+LATE_CTRL_C = """
+import atexit, os, subprocess, sys, threading, time
+import npz2mmap.cli
+
+# A thread that can take a signal sent to the process, as numpy's BLAS threads can.
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+# Once the command has ended: Ctrl-C after Ctrl-C until this process is gone.
+atexit.register(lambda: subprocess.Popen(
+    ["sh", "-c", "while kill -INT %d 2>/dev/null; do :; done" % os.getpid()],
+    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+))
+sys.argv = ["npz2mmap", "--version"]
+npz2mmap.cli.main()
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="sh and kill")
+def test_ctrl_c_after_the_command_ended_leaves_its_exit_code_and_output_as_they_were() -> None:
     """Python restores SIGINT's default action while it shuts down: a late Ctrl-C would kill with -2."""
+    ended = subprocess.run([sys.executable, "-c", LATE_CTRL_C], capture_output=True, text=True, timeout=60)
+    assert (ended.returncode, ended.stderr) == (0, "")
+    assert ended.stdout.startswith("npz2mmap, version ")
+
+
+def test_ctrl_c_at_any_point_of_the_entry_point_exits_0_or_1_never_by_the_signal(monkeypatch) -> None:
+    """A Ctrl-C at each line and opcode of ``main``, around a command that succeeded or was interrupted."""
+    from interrupts import Interrupt
+
     import npz2mmap.cli
     import npz2mmap.commands
 
-    def finished(**_: object) -> None:
+    calls = []
+
+    def succeeds(**_: object) -> None:
+        calls.append("succeeds")
+        sys.stdout.write("done\n")
         raise SystemExit(0)
 
-    monkeypatch.setattr(npz2mmap.commands, "cli", finished)
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    try:
-        with pytest.raises(SystemExit) as ended:
-            npz2mmap.cli.main()
-        assert ended.value.code == 0
-        assert signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    def interrupted(**_: object) -> None:
+        calls.append("interrupted")
+        raise KeyboardInterrupt
+
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, []) if hasattr(signal, "pthread_sigmask") else None
+    for command, expected in [(succeeds, {0, 1}), (interrupted, {1})]:
+        monkeypatch.setattr(npz2mmap.commands, "cli", command)
+        k = 0
+        while True:
+            calls.clear()
+            try:
+                with Interrupt(k) as interrupt:
+                    npz2mmap.cli.main()
+            except SystemExit as ended:
+                assert ended.code in expected, interrupt.where
+            except KeyboardInterrupt:  # only at main's very first steps, before its first try takes hold
+                assert calls == [] and interrupt.count < 4, interrupt.where
+            finally:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                if mask is not None:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            assert len(calls) <= 1, "the command ran twice"
+            if not interrupt.fired:
+                break
+            k += 1
+        assert k > 10
