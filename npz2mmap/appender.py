@@ -89,6 +89,7 @@ class Writer:
     ``align``, ``casts`` or ``part``.
     """
 
+    @keeps_signal_mask  # taking OUT's lock holds Ctrl-C back for a moment: never for longer
     def __init__(
         self,
         out_dir: str | os.PathLike[str],
@@ -115,9 +116,7 @@ class Writer:
             lock = publish.take_output_lock(self.out_dir, held_in=locks)
             _LOCK_FDS.add(lock.fd)
             self._stack.callback(_LOCK_FDS.discard, lock.fd)
-            # The spools' directory and close's staging directory alike, even one whose callback
-            # a Ctrl-C kept from being registered: every staging directory of OUT is ours now.
-            self._stack.callback(publish.remove_staging_dirs, self.out_dir)
+            # The spools' directory and close's staging directory alike go with the lock's release.
             self._spool_dir = make_staging_dir(self.out_dir)
             self._names = _SourceNames(os.path.join(self._spool_dir, "sources"))
             self._stack.callback(self._names.spool.close)

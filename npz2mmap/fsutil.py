@@ -390,6 +390,18 @@ def take_lock(lock_path: str, held_in: list[HeldLock] | None = None) -> HeldLock
             return None
 
 
+def remove_free_lock_file(lock_path: str) -> None:
+    """Remove a lock file that no process holds, as one cut short between its creation and its lock.
+
+    Taken and given back, which removes it; a process that opened it meanwhile
+    finds it gone once it has the lock, and retries (see exclusive_lock).
+    """
+    with contextlib.suppress(OSError):
+        held = take_lock(lock_path)
+        if held is not None:
+            held.release()
+
+
 def _try_lock(fd: int) -> bool:
     """Lock ``fd`` without waiting: flock(2) on POSIX, its first byte on Windows.
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 from . import fsutil
 from .errors import FormatError, OutputError
+from .parallel import interrupts_blocked
 from .parts import MANIFEST_NAME, read_manifest
 from .spec import DATASET_FILES, INDEX_NAME, load_index
 
@@ -198,18 +199,24 @@ def output_lock(out_dir: str) -> Iterator[int]:
 class OutputLock:
     """OUT's lock, held from ``take_output_lock`` to ``release``, which a later call finishes if cut short."""
 
-    def __init__(self, held: fsutil.HeldLock, made_dirs: list[str]) -> None:
+    def __init__(self, out_dir: str, held: fsutil.HeldLock, made_dirs: list[str]) -> None:
+        self.out_dir = out_dir
         self.held = held
         self.fd = held.fd
         self.made_dirs = made_dirs  # OUT's ancestors made for the lock, deepest first
 
     def release(self) -> None:
-        """Give the lock back and remove the directories made for it that stayed empty.
+        """Remove OUT's staging directories, give the lock back, remove the directories made for it.
 
-        In a forked child, does nothing: the lock is its parent's.
+        Every staging directory of OUT is the lock holder's, so none outlives
+        the lock: not even one a Ctrl-C made before its maker could note it, or
+        kept from being removed. In a forked child, does nothing: the lock is
+        its parent's.
         """
         if os.getpid() != self.held.owner_pid:
             return
+        if self.held.fd >= 0:
+            remove_staging_dirs(self.out_dir)
         self.held.release()
         _remove_if_empty(self.made_dirs)
 
@@ -222,19 +229,23 @@ def take_output_lock(out_dir: str, held_in: list[OutputLock] | None = None) -> O
     """
     parent, name = os.path.split(os.path.abspath(out_dir))
     made_dirs = _missing_dirs(parent)
+    lock_path = os.path.join(parent, f".{name}{LOCK_SUFFIX}")
     taken: list[fsutil.HeldLock] = []
     try:  # taken and then interrupted, the lock is given back
         os.makedirs(parent, exist_ok=True)
-        held = fsutil.take_lock(os.path.join(parent, f".{name}{LOCK_SUFFIX}"), held_in=taken)
+        with interrupts_blocked():  # from the lock file's creation to ``taken``: none is left beside OUT
+            held = fsutil.take_lock(lock_path, held_in=taken)
         if held is not None:
             _remove_leftovers(parent, name)
-            lock = OutputLock(held, made_dirs)
+            lock = OutputLock(out_dir, held, made_dirs)
             if held_in is not None:
                 held_in.append(lock)
             return lock
     except BaseException as exc:
         for each in taken:
             each.release()
+        if not taken:  # the lock file may have been made, its descriptor lost to a Ctrl-C
+            fsutil.remove_free_lock_file(lock_path)
         _remove_if_empty(made_dirs)
         if fsutil.is_io_error(exc):
             raise creation_error(out_dir, exc) from exc

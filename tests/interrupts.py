@@ -13,16 +13,21 @@ a Ctrl-C sent to the process was taken by another of its threads (numpy's
 BLAS threads, say) while this one held SIGINT back; ``raises=`` an exception
 class sends SIGALRM to a handler that raises it, as the ``signal.alarm``
 timeout idiom does. The frames counted also include those of contextlib,
-where npz2mmap's ``with`` statements run.
+where npz2mmap's ``with`` statements run, and with ``pool_too=True`` those
+of concurrent.futures, multiprocessing and threading that this thread runs
+(a pool starting its thread and its processes).
 """
 
 from __future__ import annotations
 
 import _thread
+import concurrent.futures
 import contextlib
+import multiprocessing
 import os
 import signal
 import sys
+import threading
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -31,6 +36,10 @@ from npz2mmap import fsutil, publish
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(npz2mmap.__file__)) + os.sep
 CONTEXTLIB_FILE = contextlib.__file__
+# With ``pool_too=True``, also the standard library's code that starts and feeds worker processes.
+POOL_DIRS = tuple(
+    os.path.dirname(module.__file__) + os.sep for module in (concurrent.futures, multiprocessing)
+) + (threading.__file__,)
 
 
 def sigint_blocked() -> bool:
@@ -55,8 +64,10 @@ class Interrupt:
         blocked_only: bool = False,
         other_thread: bool = False,
         raises: type[BaseException] | None = None,
+        pool_too: bool = False,
     ) -> None:
         self.k = k
+        self.pool_too = pool_too
         self.other_thread = other_thread
         self.raises = raises
         self.previous_alarm_handler: Any = None
@@ -68,12 +79,14 @@ class Interrupt:
         self.blocked = False
         self.where = ""
         self.noted: Any = None
+        self.pid = os.getpid()
 
     def __enter__(self) -> Interrupt:
         if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
             raise RuntimeError("SIGINT must raise KeyboardInterrupt for this test")
         if self.raises is not None:
             self.previous_alarm_handler = signal.signal(signal.SIGALRM, self._raise)
+        self.pid = os.getpid()  # a forked child inherits the trace function: it must not fire there
         sys.settrace(self._call)
         return self
 
@@ -90,13 +103,17 @@ class Interrupt:
 
     def _call(self, frame: FrameType, event: str, arg: object) -> Any:
         filename = frame.f_code.co_filename
-        if not (filename.startswith(PACKAGE_DIR) or filename == CONTEXTLIB_FILE):
+        if not (
+            filename.startswith(PACKAGE_DIR)
+            or filename == CONTEXTLIB_FILE
+            or (self.pool_too and filename.startswith(POOL_DIRS))
+        ):
             return None
         frame.f_trace_opcodes = self.opcodes
         return self._event
 
     def _event(self, frame: FrameType, event: str, arg: object) -> Any:
-        if event in ("line", "opcode") and not self.fired:
+        if event in ("line", "opcode") and not self.fired and os.getpid() == self.pid:
             if self.blocked_only and not sigint_blocked():
                 return self._event
             if self.count == self.k:
@@ -110,7 +127,7 @@ class Interrupt:
         code = frame.f_code
         name = (
             os.path.basename(code.co_filename)
-            if code.co_filename == CONTEXTLIB_FILE
+            if not code.co_filename.startswith(PACKAGE_DIR)
             else (os.path.relpath(code.co_filename, PACKAGE_DIR))
         )
         self.where = f"{name}:{code.co_name}:{frame.f_lineno} (opcode at {frame.f_lasti})"

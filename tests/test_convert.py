@@ -346,13 +346,30 @@ def dataset_bytes(out: Path) -> dict[str, bytes]:
     return {name: (out / name).read_bytes() for name in sorted(os.listdir(out))}
 
 
-@pytest.mark.parametrize(("interrupt_kind", "step"), [("SIGINT", 5), ("SIGINT taken by another thread", 7)])
+class Timeout(Exception):
+    """What a ``signal.alarm`` handler raises in the timeout idiom."""
+
+
+@pytest.mark.parametrize(
+    ("interrupt_kind", "step", "workers"),
+    [
+        ("SIGINT", 5, 1),
+        ("SIGINT taken by another thread", 7, 1),
+        ("an alarm handler's exception", 13, 1),
+        ("SIGINT", 29, 2),
+        ("an alarm handler's exception", 31, 2),
+        # Where the pool starts its thread and its processes, inside the standard library:
+        # interrupts are held back there, to be raised once the start is whole.
+        ("an alarm handler's exception, while the pool starts", 3, 2),
+    ],
+)
 def test_a_ctrl_c_anywhere_in_a_conversion_caught_leaves_out_free_for_the_next(
-    tmp_path, monkeypatch, interrupt_kind, step
+    tmp_path, monkeypatch, interrupt_kind, step, workers
 ) -> None:
-    """A Ctrl-C at every few lines of convert() in Python, caught by the caller: SIGINT is
-    not blocked, OUT's lock is free, OUT is the old dataset or the new one, and the same
-    conversion run again succeeds and leaves nothing beside OUT."""
+    """A Ctrl-C (or a timeout handler's exception) at every few lines of convert() in Python,
+    caught by the caller: it is the exception raised, SIGINT is not blocked, OUT's lock is
+    free, nothing is left beside OUT, OUT is the old dataset or the new one, and the same
+    conversion run again succeeds."""
     monkeypatch.setattr(os, "fsync", lambda fd: None)  # durability is not under test: speed
     sources = write_samples(tmp_path / "src", [{"x": np.arange(i + 3, dtype=np.int32)} for i in range(3)])
     convert(sources[:1], tmp_path / "old", workers=1)
@@ -361,12 +378,20 @@ def test_a_ctrl_c_anywhere_in_a_conversion_caught_leaves_out_free_for_the_next(
     parent = tmp_path / "parent"
     parent.mkdir()
     for k in itertools.count(0, step):
-        out = parent / f"out-{k}"
+        out = parent / str(k) / "out"  # a parent each: listing it stays quick
         shutil.copytree(tmp_path / "old", out)
-        with Interrupt(k, opcodes=False, other_thread=interrupt_kind != "SIGINT") as interrupt:
+        raises = Timeout if "alarm" in interrupt_kind else None
+        starts = "pool starts" in interrupt_kind
+        how = {
+            "other_thread": "thread" in interrupt_kind,
+            "raises": raises,
+            "pool_too": starts,
+            "blocked_only": starts,
+        }
+        with Interrupt(k, opcodes=False, **how) as interrupt:
             try:
-                convert(sources, out, workers=1, overwrite=True)
-            except KeyboardInterrupt:
+                convert(sources, out, workers=workers, overwrite=True)
+            except (KeyboardInterrupt, Timeout):
                 pass
         where = f"{interrupt_kind} at line {k}, {interrupt.where}"
         if not interrupt.fired:
@@ -374,7 +399,8 @@ def test_a_ctrl_c_anywhere_in_a_conversion_caught_leaves_out_free_for_the_next(
             break
         assert not sigint_blocked(), where
         assert lock_is_free(out), where
+        assert os.listdir(out.parent) == ["out"], where
         assert dataset_bytes(out) in (old, new), where
-        convert(sources, out, workers=1, overwrite=True)
+        convert(sources, out, workers=workers, overwrite=True)
         assert dataset_bytes(out) == new and left_beside(out) == [], where
     assert k > 100

@@ -1036,7 +1036,7 @@ def test_a_ctrl_c_anywhere_in_close_publishes_the_whole_dataset_or_leaves_the_ol
                 gc.collect()
         assert lock_is_free(out) and left_beside(out) == [], where
         assert dataset_files(out) in (old, new), where
-        leftovers |= set(os.listdir(parent)) - baseline - {f".out-{k}.npz2mmap-lock"}
+        leftovers |= set(os.listdir(parent)) - baseline
     assert leftovers == set()
     assert outcomes.count("old") > 300 // step and outcomes.count("new") >= 1
 
@@ -1063,13 +1063,13 @@ def test_a_ctrl_c_anywhere_in_abort_removes_everything_or_leaves_the_writer_open
             break
         where = f"{interrupt_kind} at event {k}, {interrupt.where}"
         assert not sigint_blocked(), where
-        left = set(os.listdir(tmp_path)) - baseline - {f".out-{k}.npz2mmap-lock"}
+        left = set(os.listdir(tmp_path)) - baseline
         if left:  # nothing was done: the writer is whole
             assert not lock_is_free(out), where
             w.append(samples[1], source="s1")
             assert w.num_samples == 2
             w.abort()
-        assert set(os.listdir(tmp_path)) - baseline <= {f".out-{k}.npz2mmap-lock"}, where
+        assert set(os.listdir(tmp_path)) - baseline == set(), where
         assert lock_is_free(out), where
         npz2mmap.Writer(out).abort()
         assert not out.exists()
@@ -1440,8 +1440,8 @@ def test_a_ctrl_c_anywhere_in_creating_a_writer_leaves_out_free(tmp_path, interr
                 w.abort()
                 break
             w.abort()  # the Ctrl-C came as the writer was made: the caller has it
-        if not lock_is_free(out):  # held by the writer half made, until it is collected
-            gc.collect()
-        assert lock_is_free(out) and left_beside(out) == [], where
+        gc.collect()  # a writer half made holds the lock until it is collected
+        assert [e for e in os.listdir(tmp_path) if e.startswith(f".{out.name}.")] == [], where
+        assert lock_is_free(out), where
         npz2mmap.Writer(out).abort()
     assert k > 100
