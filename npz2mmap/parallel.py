@@ -89,7 +89,7 @@ def _ordered_map(
     def submit_next() -> None:
         chunk = list(itertools.islice(remaining, batch))
         if chunk:
-            with interrupts_blocked():  # a submit may start worker processes
+            with interrupts_blocked(handled_too=True):  # a submit may start the pool's thread and processes
                 pending.append(executor.submit(_run_batch, fn, chunk))
 
     for _ in range(in_flight):
@@ -105,16 +105,17 @@ def _run_batch(fn: Callable[[T], R], chunk: list[T]) -> list[R]:
 
 
 @contextlib.contextmanager
-def interrupts_blocked() -> Iterator[None]:
-    """Hold interrupts back from this thread, and so from processes it starts meanwhile.
+def interrupts_blocked(handled_too: bool = False) -> Iterator[None]:
+    """Hold Ctrl-C back from this thread, and so from processes it starts meanwhile.
 
-    Held: SIGINT, and every signal whose handler is Python code (a
+    With ``handled_too``, also every signal whose handler is Python code (a
     ``signal.alarm`` timeout that raises, say), whose exception could
-    otherwise land halfway through starting a thread or a process, or
-    publishing OUT; each is raised as the block ends. A worker inherits the
-    mask and stays deaf until its initializer ignores SIGINT, so an interrupt
-    while workers start prints no traceback from them. A no-op where signal
-    masks do not exist (Windows).
+    otherwise land halfway through the start of a pool's thread; only where
+    the workers started meanwhile unblock them again (become_worker). Each
+    is raised as the block ends. A worker inherits the mask and stays deaf
+    until its initializer ignores SIGINT, so an interrupt while workers start
+    prints no traceback from them. A no-op where signal masks do not exist
+    (Windows).
     """
     if not hasattr(signal, "pthread_sigmask"):
         yield
@@ -122,7 +123,7 @@ def interrupts_blocked() -> Iterator[None]:
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     try:
         # Inside the try: a Ctrl-C that came before is raised by this very call, once the mask is set.
-        signal.pthread_sigmask(signal.SIG_BLOCK, interrupting_signals())
+        signal.pthread_sigmask(signal.SIG_BLOCK, interrupting_signals() if handled_too else {signal.SIGINT})
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
@@ -173,6 +174,8 @@ def keeps_signal_mask(fn: Callable[P, R]) -> Callable[P, R]:
 def _start_worker(forked: bool, close_in_workers: tuple[int, ...]) -> None:
     """Leave Ctrl-C to the main process, drop its private descriptors, die with it."""
     become_worker()
+    if hasattr(signal, "pthread_sigmask"):  # what interrupts_blocked(handled_too=True) held at the fork
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, interrupting_signals())
     if forked:  # only a forked worker has the parent's descriptors, under the same numbers
         for fd in close_in_workers:
             with contextlib.suppress(OSError):
@@ -186,8 +189,8 @@ def become_worker(before_exit: Callable[[], None] | None = None) -> None:
     runs once the parent is gone, just before the exit.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):  # what interrupts_blocked held when this process started
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, interrupting_signals())
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _exit_with_parent(before_exit)
 
 

@@ -122,3 +122,17 @@ def no_hang(seconds: int = 60) -> Iterator[None]:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_left_as_found() -> Iterator[None]:
+    """Fail a test after which Ctrl-C no longer works in this process (a handler or mask left
+    changed), and put it back: processes started by later tests would inherit it."""
+    handler = signal.getsignal(signal.SIGINT)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, []) if hasattr(signal, "pthread_sigmask") else set()
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    after_mask = signal.pthread_sigmask(signal.SIG_SETMASK, mask) if mask is not None and hasattr(signal, "pthread_sigmask") else set()
+    if after is not handler:
+        signal.signal(signal.SIGINT, handler)
+    assert (after, after_mask) == (handler, mask), "the test left Ctrl-C's handler or signal mask changed"
