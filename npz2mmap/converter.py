@@ -309,7 +309,8 @@ def free_nbytes(out: str) -> int | None:
     """Bytes free on the file system that will hold OUT, or None where unknown."""
     try:
         return shutil.disk_usage(os.path.dirname(os.path.abspath(out))).free
-    except OSError:
+    except OSError as exc:
+        fsutil.reraise_if_from_a_handler(exc)
         return None
 
 

@@ -291,6 +291,17 @@ def is_io_error(exc: BaseException) -> TypeGuard[OSError]:
     return isinstance(exc, OSError) and exc.errno is not None
 
 
+def reraise_if_from_a_handler(exc: BaseException) -> None:
+    """Raise ``exc`` again if it is an OSError a signal handler raised (see is_io_error).
+
+    For the ``except OSError`` that tells a file's problem: a TimeoutError from
+    an alarm is not the file's, and must reach the caller as itself, never be
+    taken for a bad file (and skipped) or a bad dataset.
+    """
+    if isinstance(exc, OSError) and not is_io_error(exc):
+        raise exc
+
+
 @contextlib.contextmanager
 def io_errors_ignored() -> Iterator[None]:
     """Ignore the block's I/O errors, not an OSError that a signal handler raised (see is_io_error)."""

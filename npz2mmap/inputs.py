@@ -91,6 +91,7 @@ def _expand_list_file(
             raise SourceError(f"{list_path}: list file is longer than {MAX_LIST_CHARS:,} characters")
         lines = text.splitlines()
     except OSError as exc:
+        fsutil.reraise_if_from_a_handler(exc)
         raise SourceError(f"{list_path}: cannot read list file ({exc.strerror})") from None
     except fsutil.NotRegularFile as exc:
         raise SourceError(f"{list_path}: list file is {exc}") from None
@@ -174,6 +175,7 @@ def _list_unseen(path: str, seen_dirs: set[tuple[int, int]]) -> list[os.DirEntry
         seen_dirs.add((info.st_dev, info.st_ino))
         return list(os.scandir(path))
     except OSError as exc:
+        fsutil.reraise_if_from_a_handler(exc)
         raise SourceError(f"{path}: cannot list directory ({exc.strerror})") from None
 
 
@@ -206,11 +208,13 @@ def is_npz2mmap_blob(blob_path: str) -> bool:
     """Whether the regular file at ``blob_path`` starts as every npz2mmap blob does (a 64-byte read)."""
     try:
         fd = fsutil.open_regular_sized(blob_path)[0]
-    except (OSError, fsutil.NotRegularFile):
+    except (OSError, fsutil.NotRegularFile) as exc:
+        fsutil.reraise_if_from_a_handler(exc)
         return False
     try:
         return fsutil.read_at(fd, len(IDENTITY_MAGIC), BLOB_HEADER_NBYTES) == IDENTITY_MAGIC
-    except OSError:
+    except OSError as exc:
+        fsutil.reraise_if_from_a_handler(exc)
         return False
     finally:
         os.close(fd)
@@ -306,7 +310,8 @@ def _is(test: Callable[[], bool]) -> bool:
     """A DirEntry type test that says False where following a link fails (a loop: ELOOP)."""
     try:
         return test()
-    except OSError:
+    except OSError as exc:
+        fsutil.reraise_if_from_a_handler(exc)
         return False
 
 
@@ -328,6 +333,7 @@ def _refuse_duplicates(found: list[Found]) -> None:
 def _is_file_or_directory(path: str) -> bool:
     try:
         mode = os.stat(path).st_mode
-    except OSError:
+    except OSError as exc:
+        fsutil.reraise_if_from_a_handler(exc)
         return False
     return stat.S_ISREG(mode) or stat.S_ISDIR(mode)

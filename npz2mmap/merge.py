@@ -117,6 +117,7 @@ def _write_manifest(parts: list[str], out: str, overwrite: bool) -> None:
         os.replace(temporary, manifest)
         fsutil.fsync_dir(out)
     except OSError as exc:
+        fsutil.reraise_if_from_a_handler(exc)
         raise OutputError(f"{manifest}: cannot write ({exc.strerror or exc})") from exc
 
 
@@ -146,6 +147,7 @@ def _merge_by_copy(parts: Parts, out: str, overwrite: bool, progress: Progress) 
             writer.finish_dataset(staging, plan, crcs, skipped)
             publish.publish(staging, out, overwrite)
         except OSError as exc:
+            fsutil.reraise_if_from_a_handler(exc)
             raise OutputError(f"{out}: cannot write the dataset ({exc.strerror or exc})") from exc
         finally:
             publish.remove_staging(staging)

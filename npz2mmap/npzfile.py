@@ -653,6 +653,7 @@ def _stored_chunks(fd: int, offset: int, nbytes: int, where: str) -> Iterator[by
         try:
             chunk = fsutil.read_at(fd, min(CHUNK_NBYTES, end - offset), offset)
         except OSError as exc:
+            fsutil.reraise_if_from_a_handler(exc)
             raise SourceError(f"{where}: cannot read ({exc.strerror or exc})") from None
         if not chunk:
             raise SourceError(f"{where}: ends early (changed since it was scanned?)")

@@ -78,6 +78,7 @@ def _unresolved_link(path: str) -> str | None:
     try:
         os.stat(path)
     except OSError as exc:
+        fsutil.reraise_if_from_a_handler(exc)
         if exc.errno == errno.ELOOP:
             return "a symbolic link loop"
         if os.path.islink(path):
@@ -268,7 +269,8 @@ def _remove_if_empty(dirs: list[str]) -> None:
     for path in dirs:
         try:
             os.rmdir(path)
-        except OSError:
+        except OSError as exc:
+            fsutil.reraise_if_from_a_handler(exc)
             return
 
 
@@ -295,7 +297,8 @@ def _holds_data(path: str) -> bool:
     """A dataset or a manifest directory of ours, not an empty directory: worth putting back."""
     try:
         return bool(os.listdir(path)) and _why_not_ours(path) is None
-    except OSError:
+    except OSError as exc:
+        fsutil.reraise_if_from_a_handler(exc)
         return False
 
 

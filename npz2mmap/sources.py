@@ -102,7 +102,8 @@ def _mode_now(path: str) -> int:
     """The st_mode of what ``path`` names, links followed; 0 if there is none (opening it says why)."""
     try:
         return os.stat(path).st_mode
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        fsutil.reraise_if_from_a_handler(exc)
         return 0
 
 
@@ -167,6 +168,7 @@ class _Npz:
         try:
             self.fd, self.file_nbytes = open_regular_file(path)
         except OSError as exc:
+            fsutil.reraise_if_from_a_handler(exc)
             raise SourceError(f"{path}: {exc.strerror or exc}") from None
         # Made on first use: the copy reads members by location, without them.
         self.entries: dict[str, ZipEntry] | None = None
@@ -373,6 +375,7 @@ def sample_dir_files(path: str) -> dict[str, str]:
     try:
         entries = sorted(os.scandir(path), key=lambda e: e.name)
     except OSError as exc:
+        fsutil.reraise_if_from_a_handler(exc)
         raise SourceError(f"{path}: cannot list directory ({exc.strerror})") from None
     files: dict[str, str] = {}
     for entry in entries:
@@ -394,7 +397,8 @@ def holds_npy_files(entries: Sequence[os.DirEntry[str]]) -> bool:
 def _is_dir(entry: os.DirEntry[str]) -> bool:
     try:
         return entry.is_dir()
-    except OSError:
+    except OSError as exc:
+        fsutil.reraise_if_from_a_handler(exc)
         return False
 
 
@@ -412,6 +416,7 @@ def _open_npy(path: str) -> BinaryIO:
     except fsutil.NotRegularFile as exc:
         raise SourceError(f"{path}: {exc}") from None
     except OSError as exc:
+        fsutil.reraise_if_from_a_handler(exc)
         if exc.errno in (errno.ENOENT, errno.ELOOP) and os.path.lexists(path):
             raise SourceError(f"{path}: {fsutil.describe_kind(path)}, not a regular file") from None
         raise SourceError(f"{path}: cannot open ({exc.strerror or exc})") from None

@@ -490,6 +490,7 @@ def read_regular_file(path: str, max_nbytes: int) -> bytes:
         with os.fdopen(fd, "rb") as fp:
             raw = fp.read(max_nbytes + 1)
     except OSError as exc:
+        fsutil.reraise_if_from_a_handler(exc)
         raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if len(raw) > max_nbytes:
         raise FormatError(f"{path}: larger than {max_nbytes} bytes; not a valid {os.path.basename(path)}")

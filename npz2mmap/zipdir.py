@@ -108,6 +108,7 @@ class FileView:
         try:
             data = fsutil.read_at(self.fd, nbytes, offset)
         except OSError as exc:
+            fsutil.reraise_if_from_a_handler(exc)
             raise SourceError(f"{self.where}: cannot read ({exc.strerror or exc})") from None
         if len(data) != nbytes:
             raise SourceError(f"{self.where}: ends early (changed while it was read?)")

@@ -404,3 +404,32 @@ def test_a_ctrl_c_anywhere_in_a_conversion_caught_leaves_out_free_for_the_next(
         convert(sources, out, workers=workers, overwrite=True)
         assert dataset_bytes(out) == new and left_beside(out) == [], where
     assert k > 100
+
+
+@pytest.mark.parametrize("skip_bad", [False, True])
+def test_an_alarm_handlers_timeout_anywhere_comes_out_as_itself_never_as_a_bad_file(tmp_path, skip_bad) -> None:
+    """TimeoutError is an OSError: raised by a signal handler at every few lines of a
+    conversion and of opening its dataset, it comes out unchanged, and never makes a
+    good file skipped or a good dataset bad."""
+    sources = write_samples(tmp_path / "src", [{"x": np.arange(i + 3, dtype=np.int32)} for i in range(3)])
+    convert(sources, tmp_path / "whole", workers=1)
+    for k in itertools.count(0, 3):
+        out = tmp_path / str(k) / "out"
+        with Interrupt(k, opcodes=False, raises=TimeoutError) as interrupt:
+            try:
+                result = convert(sources, out, workers=1, skip_bad=skip_bad)
+            except TimeoutError as exc:
+                assert str(exc) == "alarm", interrupt.where
+                continue
+        if not interrupt.fired:
+            break
+        assert result.skipped == () and dataset_bytes(out) == dataset_bytes(tmp_path / "whole"), interrupt.where
+    for k in itertools.count(0, 2):
+        with Interrupt(k, opcodes=False, raises=TimeoutError) as interrupt:
+            try:
+                DatasetReader(tmp_path / "whole")
+            except TimeoutError as exc:
+                assert str(exc) == "alarm", interrupt.where
+        if not interrupt.fired:
+            break
+    assert k > 20
