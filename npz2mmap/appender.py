@@ -43,7 +43,13 @@ from .converter import (
 from .elements import Piece, stored_pieces
 from .errors import FixedShapeError, OutputError, RaggedFieldWarning, SourceError
 from .npzfile import CHUNK_NBYTES, MemberHeader
-from .parallel import SIGNAL_MASK_FRAMES, interrupts_blocked, keeps_signal_mask
+from .parallel import (
+    SIGNAL_MASK_FRAMES,
+    interrupts_blocked,
+    keeps_signal_mask,
+    restore_signal_mask,
+    signal_mask,
+)
 from .plan import WRITER_HINTS, PendingSource, Plan, PlanBuilder, check_field_name
 from .provenance import MAX_LINE_NBYTES
 from .shapes import NearlyFixed, describe_nearly_fixed, find_nearly_fixed, unfixed_problem
@@ -144,7 +150,6 @@ class Writer:
         owed = self._owed
         return self._builder.num_samples if owed is None else owed.num_samples
 
-    @keeps_signal_mask
     def append(self, sample: Mapping[str, Any], source: str | os.PathLike[str] | None = None) -> None:
         """Add one sample; ``source`` names where it came from in sources.jsonl (empty when None).
 
@@ -157,36 +162,43 @@ class Writer:
         sample is not in and the writer is as it was, usable; when it
         returns, the sample is in.
         """
-        self._check_open()
-        if not isinstance(sample, Mapping):
-            raise TypeError(f"a sample is a dict of field name to array, not {type(sample).__name__}")
-        name = "" if source is None else os.fspath(source)
-        if not isinstance(name, str):
-            raise TypeError(f"source must be a str or a path, not {type(source).__name__}")
-        line = self._names.line(name, f"sample {self.num_samples}")
-        # Stored as given (sources.jsonl is JSON), shown escaped: a message stays one line.
-        label = _sample_label(self.num_samples, name)
-        arrays = {
-            _field_name(key, label): _as_array(value, f"{label}[{key}]") for key, value in sample.items()
-        }
-        pending = self._builder.check(label, {key: _header(key, a) for key, a in arrays.items()})
-        self._check_fixed(arrays, label)
-        spools = [self._spool(key) for key in pending.collectors]
-        # All or nothing, whenever a Ctrl-C strikes: the undo to these marks is owed from here
-        # until the last step; the spools are written with Ctrl-C live, the sample is recorded
-        # with it held back, and an exception (a Ctrl-C held back included, raised as the
-        # recording ends) pays the undo, again with Ctrl-C held back, or leaves it owed for the
-        # next call to pay, if a second Ctrl-C comes first.
-        self._owed = self._marks(spools)
+        # Not the keeps_signal_mask wrapper: the sample goes in at the last statement, and no
+        # call of ours returns after it, where a signal could still raise on the way out.
+        mask = signal_mask()
         try:
-            crc32s = self._spool_sample(pending, arrays, line, label, spools)
-            with interrupts_blocked():
-                self._record(pending, crc32s)
-            self._owed = None
-        except BaseException as exc:
-            self._settle()
-            if fsutil.is_io_error(exc):
-                raise self._spool_error(exc) from exc
+            self._check_open()
+            if not isinstance(sample, Mapping):
+                raise TypeError(f"a sample is a dict of field name to array, not {type(sample).__name__}")
+            name = "" if source is None else os.fspath(source)
+            if not isinstance(name, str):
+                raise TypeError(f"source must be a str or a path, not {type(source).__name__}")
+            line = self._names.line(name, f"sample {self.num_samples}")
+            # Stored as given (sources.jsonl is JSON), shown escaped: a message stays one line.
+            label = _sample_label(self.num_samples, name)
+            arrays = {
+                _field_name(key, label): _as_array(value, f"{label}[{key}]") for key, value in sample.items()
+            }
+            pending = self._builder.check(label, {key: _header(key, a) for key, a in arrays.items()})
+            self._check_fixed(arrays, label)
+            spools = [self._spool(key) for key in pending.collectors]
+            # All or nothing, whenever a Ctrl-C strikes: the undo to these marks is owed from here
+            # until the last step; the spools are written with Ctrl-C live, the sample is recorded
+            # with it held back, and an exception (a Ctrl-C held back included, raised as the
+            # recording ends) pays the undo, again with Ctrl-C held back, or leaves it owed for the
+            # next call to pay, if a second Ctrl-C comes first.
+            self._owed = self._marks(spools)
+            try:
+                crc32s = self._spool_sample(pending, arrays, line, label, spools)
+                with interrupts_blocked():
+                    self._record(pending, crc32s)
+                self._owed = None
+            except BaseException as exc:
+                self._settle()
+                if fsutil.is_io_error(exc):
+                    raise self._spool_error(exc) from exc
+                raise
+        except BaseException:
+            restore_signal_mask(mask)
             raise
 
     def _check_fixed(self, arrays: dict[str, np.ndarray], label: str) -> None:

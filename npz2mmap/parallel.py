@@ -145,6 +145,17 @@ def interrupting_signals() -> set[int]:
     return {signal.SIGINT, *itertools.compress(_ASYNCHRONOUS, map(callable, handlers))}
 
 
+def signal_mask() -> set[int] | None:
+    """This thread's signal mask, None where there are no masks (Windows)."""
+    return signal.pthread_sigmask(signal.SIG_BLOCK, []) if hasattr(signal, "pthread_sigmask") else None
+
+
+def restore_signal_mask(mask: set[int] | None) -> None:
+    """Put back a mask ``signal_mask`` returned."""
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 # The frames keeps_signal_mask adds between a caller and the function: for warnings' stacklevel.
 SIGNAL_MASK_FRAMES = 1 if hasattr(signal, "pthread_sigmask") else 0
 
@@ -155,7 +166,10 @@ def keeps_signal_mask(fn: Callable[P, R]) -> Callable[P, R]:
     A Ctrl-C that another thread of the process took is raised in this one at
     the next call or loop, whatever its mask: also as interrupts_blocked's
     exit starts, before it restores the mask, which would then stay blocked
-    for good. The restore here is retried in a frame already running.
+    for good. The restore here is retried in a frame already running, when
+    ``fn`` raises. When it returns, every block inside it has ended and put
+    the mask back, and nothing more runs: a call that did its work (a sample
+    appended) is never turned into one that raises on its way out.
     """
     if not hasattr(signal, "pthread_sigmask"):
         return fn
@@ -165,8 +179,9 @@ def keeps_signal_mask(fn: Callable[P, R]) -> Callable[P, R]:
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, [])
         try:
             return fn(*args, **kwargs)
-        finally:
+        except BaseException:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+            raise
 
     return with_mask_restored
 
