@@ -110,9 +110,9 @@ def interrupts_blocked(handled_too: bool = False) -> Iterator[None]:
 
     With ``handled_too``, also every signal whose handler is Python code (a
     ``signal.alarm`` timeout that raises, say), whose exception could
-    otherwise land halfway through the start of a pool's thread; only where
-    the workers started meanwhile unblock them again (become_worker). Each
-    is raised as the block ends. A worker inherits the mask and stays deaf
+    otherwise land halfway through the start of a pool's thread; only for
+    the conversion pool, whose workers unblock them again (_start_worker).
+    Each is raised as the block ends. A worker inherits the mask and stays deaf
     until its initializer ignores SIGINT, so an interrupt while workers start
     prints no traceback from them. A no-op where signal masks do not exist
     (Windows).
