@@ -11,6 +11,7 @@ import contextlib
 import functools
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -22,7 +23,7 @@ from . import __version__
 from .cache import warm as warm_dataset
 from .converter import cast_dtype, resolve_part
 from .converter import convert as convert_files
-from .errors import Npz2mmapError, UnknownKeyError
+from .errors import Npz2mmapError, RaggedFieldWarning, UnknownKeyError
 from .inputs import npy_with_sample_dirs
 from .merge import merge as merge_parts
 from .npzfile import CLI_HEADER_OPTION, MAX_HEADER_SIZE_LIMIT, MAX_NPY_HEADER_CHARS, HeaderLimit
@@ -474,11 +475,15 @@ def merge(
     single dataset at OUT.
     """
     with showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress:
-        result = merge_parts(list(parts), out_dir, copy=copy, overwrite=overwrite, progress=progress)
+        with warnings.catch_warnings():  # said below, as a line of output
+            warnings.simplefilter("ignore", RaggedFieldWarning)
+            result = merge_parts(list(parts), out_dir, copy=copy, overwrite=overwrite, progress=progress)
     if not quiet:
         what = f"one dataset at {out_dir}" if result.copied else os.path.join(out_dir, "manifest.json")
         counts = f"{plural(result.num_parts, 'part')}, {plural(result.num_samples, 'sample')}"
         click.echo(one_line(f"Merged {counts}, into {what}"))
+    for line in result.ragged_across_parts:
+        echo_err(one_line(f"Warning: {line}"))
 
 
 @cli.command()

@@ -27,7 +27,7 @@ from .parallel import Mapper, keeps_signal_mask, worker_map
 from .plan import CLI_HINTS, Plan, PlanBuilder, drop_files
 from .progress import Progress, progress_display
 from .render import human_bytes
-from .shapes import NearlyFixed, describe_unfixed, find_nearly_fixed, find_unfixed, first_holder
+from .shapes import HeldShape, NearlyFixed, describe_unfixed, find_nearly_fixed, find_unfixed, held_shapes
 from .sources import is_field_name, is_npy_path, scan_source
 from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
 
@@ -104,7 +104,8 @@ def convert(
     fixed_keys = parse_fixed(fixed)
     limit = header_limit(max_header_size)
     publish.check_output(out, overwrite)
-    sources = select_part(discover_sources(inputs, sample_dirs, skip_bad), part)
+    all_sources = discover_sources(inputs, sample_dirs, skip_bad)
+    sources = select_part(all_sources, part)
     _refuse_output_inside_inputs(out, inputs)
     skipped: list[tuple[str, str]] = []
     with (
@@ -132,7 +133,8 @@ def convert(
                 raise
             raise MismatchError(f"{exc} (each directory one sample? use --sample-dirs)") from exc
         locations = found.table(len(plan.sources), len(plan.fields))
-        plan, locations = hold_fixed(plan, locations, fixed_keys, skip_bad, skipped, part)
+        earlier = earlier_held_shapes(sources_before_part(all_sources, part), scan)
+        plan, locations = hold_fixed(plan, locations, fixed_keys, skip_bad, skipped, part, earlier)
         writer.check_index_nbytes(out, plan, len(skipped) + len(plan.sources), part)
         needed = dataset_nbytes(plan, skipped, part)
         check_free_space(out, needed, space)
@@ -163,16 +165,18 @@ def hold_fixed(
     skip_bad: bool,
     skipped: list[tuple[str, str]],
     part: tuple[int, int] | None,
+    earlier: dict[str, HeldShape] | None = None,
 ) -> tuple[Plan, np.ndarray]:
-    """The plan and member locations without the files whose sample shape breaks ``fixed``, each
-    listed in ``skipped``; without ``skip_bad``, FixedShapeError naming the first of them instead."""
-    differing, fields = find_unfixed(plan, fixed)
+    """The plan and member locations without the files whose sample shape breaks ``fixed``
+    (the shape ``earlier`` holds, else the first file's), each listed in ``skipped``; without
+    ``skip_bad``, FixedShapeError naming the first of them instead."""
+    differing, fields = find_unfixed(plan, fixed, earlier)
     if not len(differing):
         return plan, locations
-    first = first_holder(plan)
+    held = {**held_shapes(plan, fixed), **(earlier or {})}
 
     def reason(k: int, j: int) -> str:
-        return describe_unfixed(plan, k, plan.fields[j], CLI_HINTS, first)
+        return describe_unfixed(plan, k, plan.fields[j], CLI_HINTS, held[plan.fields[j].name])
 
     if not skip_bad:
         raise FixedShapeError(reason(int(differing[0]), int(fields[0])) + CLI_HINTS.fixed_way_out)
@@ -182,6 +186,31 @@ def hold_fixed(
     kept = np.ones(len(plan.sources), dtype=bool)
     kept[differing] = False
     return drop_files(plan, differing.tolist(), allow_empty=part is not None), locations[kept]
+
+
+def earlier_held_shapes(earlier_sources: Sequence[str], scan: Scan) -> dict[str, HeldShape]:
+    """The shapes the files before a part hold its ``--fixed`` keys to: for each key, the
+    first of them with samples of it. Files that cannot be read are passed over (the part
+    holding them reports them); reading stops once every key has its shape."""
+    wanted = set(scan.fixed)
+    held: dict[str, HeldShape] = {}
+    for path in earlier_sources:
+        if not wanted:
+            break
+        try:
+            scanned = scan.scan_one(path)
+        except SourceError:
+            continue
+        if isinstance(scanned, str):
+            continue
+        for key in sorted(wanted & scanned[0].keys()):
+            shape = scanned[0][key].shape
+            if not scan.rows:
+                held[key] = HeldShape(shape, path)
+            elif shape and shape[0] > 0:
+                held[key] = HeldShape(shape[1:], path)
+        wanted -= held.keys()
+    return held
 
 
 def looks_like_sample_dirs(sources: Sequence[str]) -> bool:
@@ -206,10 +235,18 @@ MAX_PARTS = 100_000
 
 def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
     """The i-th of n contiguous slices of the sources; empty when there are fewer sources than parts."""
-    if part is None:
-        return sources
+    return sources if part is None else sources[part_slice(len(sources), part)]
+
+
+def sources_before_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
+    """The sources of the parts before ``part`` (none without a part)."""
+    return [] if part is None else sources[: part_slice(len(sources), part).start]
+
+
+def part_slice(num_sources: int, part: tuple[int, int]) -> slice:
+    """Where the i-th of n contiguous slices of ``num_sources`` sources lies."""
     i, n = check_part(part)
-    return sources[len(sources) * i // n : len(sources) * (i + 1) // n]
+    return slice(num_sources * i // n, num_sources * (i + 1) // n)
 
 
 def check_part(part: object) -> tuple[int, int]:

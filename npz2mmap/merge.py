@@ -9,13 +9,14 @@ checksum tables are concatenated, never recomputed.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import fsutil, provenance, publish, writer
-from .errors import FormatError, OutputError
+from .errors import FormatError, OutputError, RaggedFieldWarning
 from .parts import (
     MANIFEST_NAME,
     Parts,
@@ -39,6 +40,7 @@ class MergeResult:
     num_parts: int
     num_samples: int
     copied: bool
+    ragged_across_parts: tuple[str, ...] = ()  # one line per field each part holds fixed, in different shapes
 
 
 def merge(
@@ -68,7 +70,30 @@ def merge(
         _merge_by_copy(opened, out, overwrite, progress or SilentProgress())
     else:
         _write_manifest(given, out, overwrite)
-    return MergeResult(out, len(given), opened.num_samples, copy)
+    ragged = ragged_across_parts(opened)
+    for line in ragged:
+        warnings.warn(line, RaggedFieldWarning, stacklevel=2)
+    return MergeResult(out, len(given), opened.num_samples, copy, ragged)
+
+
+def ragged_across_parts(parts: Parts) -> tuple[str, ...]:
+    """A line for each field that every part holding samples stores fixed, but not all in one
+    shape: ragged only once merged, which no part's conversion could see (a Writer's parts
+    each hold ``fixed=`` keys to their own first sample)."""
+    lines = []
+    pairs = zip(parts.paths, parts.indexes, strict=True)
+    holding = [(path, index) for path, index in pairs if index.num_samples]
+    for name, info in parts.fields.items():
+        shapes = [(path, index.field(name).shape) for path, index in holding]
+        if info.shape is not None or not shapes or any(shape is None for _, shape in shapes):
+            continue
+        first, shape = shapes[0]
+        other, other_shape = next(item for item in shapes if item[1] != shape)
+        lines.append(
+            f"field {name} is ragged only because the parts differ in shape: {first} has {shape}, "
+            f"{other} has {other_shape}; convert the parts again with one shape if it should be fixed"
+        )
+    return tuple(lines)
 
 
 def _check_disjoint_sources(parts: Parts, where: str) -> None:

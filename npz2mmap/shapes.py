@@ -22,12 +22,14 @@ plan's shape table, with no per-sample Python objects.
 A field held fixed (``--fixed KEY``) must have the first source's sample shape
 in every source that holds samples; find_unfixed finds those that differ. The
 first, not the most common: a Writer must decide at each append, and convert
-decides the same, so that both write the same bytes for the same samples.
+decides the same, so that both write the same bytes for the same samples. A
+part of a conversion (``--part``) holds its sources to the first source of the
+whole input list, so that its parts refuse what one conversion would.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,36 +126,57 @@ def describe_nearly_fixed(item: NearlyFixed, unit: str, first_odd: str, advice: 
     )
 
 
-def find_unfixed(plan: Plan, fixed: Collection[str]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
-    """The sources, in order, whose sample shape differs from the first one's for a key in
-    ``fixed``, and for each the index in ``plan.fields`` of the first such field. Vectorised:
-    a field held fixed that is ragged throughout costs no Python work per source."""
+@dataclass(frozen=True)
+class HeldShape:
+    """The sample shape a field held fixed must keep, and the source that set it."""
+
+    shape: tuple[int, ...]
+    source: str
+
+
+def find_unfixed(
+    plan: Plan, fixed: Collection[str], earlier: Mapping[str, HeldShape] | None = None
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """The sources, in order, whose sample shape differs from the held one for a key in
+    ``fixed`` (``earlier``'s, else the first source's), and for each the index in
+    ``plan.fields`` of the first such field. Vectorised: a field held fixed that is ragged
+    throughout costs no Python work per source."""
     breaks = np.full(len(plan.sources), -1, dtype=np.int64)
     for j, field in enumerate(plan.fields):
-        if field.name not in fixed or field.fixed_shape is not None:
+        held = (earlier or {}).get(field.name)
+        if field.name not in fixed or (field.fixed_shape is not None and held is None):
             continue
         holders, shapes = source_shapes(plan, field)
         if not len(holders):  # rows mode, every file empty
             continue
-        differing = holders[(shapes != shapes[0]).any(axis=1)]
+        if held is None:
+            differing = holders[(shapes != shapes[0]).any(axis=1)]
+        elif len(held.shape) != shapes.shape[1]:
+            differing = holders
+        else:
+            differing = holders[(shapes != np.array(held.shape, dtype=np.int64)).any(axis=1)]
         breaks[differing[breaks[differing] < 0]] = j
     sources = np.flatnonzero(breaks >= 0)
     return sources, breaks[sources]
 
 
-def first_holder(plan: Plan) -> int:
-    """The first source holding samples, whose shapes a field held fixed must keep."""
-    return int(np.argmax(np.diff(plan.file_starts) > 0))
+def held_shapes(plan: Plan, fixed: Collection[str]) -> dict[str, HeldShape]:
+    """For each field in ``fixed``, the sample shape of the first source holding samples."""
+    held = {}
+    for field in plan.fields:
+        holders, shapes = source_shapes(plan, field)
+        if field.name in fixed and len(holders):
+            held[field.name] = HeldShape(_shape(shapes[0]), plan.sources[int(holders[0])])
+    return held
 
 
-def describe_unfixed(plan: Plan, k: int, field: FieldPlan, hints: Hints, first: int) -> str:
-    """Why source ``k`` breaks ``--fixed`` for ``field``: its shape and that of ``first``
-    (first_holder), both named."""
+def describe_unfixed(plan: Plan, k: int, field: FieldPlan, hints: Hints, held: HeldShape) -> str:
+    """Why source ``k`` breaks ``--fixed`` for ``field``: its shape and the held one, both named."""
     return unfixed_problem(
         f"{plan.sources[k]}[{field.name}]",
         _shape(field.shapes[int(plan.file_starts[k])]),
-        _shape(field.shapes[int(plan.file_starts[first])]),
-        plan.sources[first],
+        held.shape,
+        held.source,
         hints.fixed.format(key=field.name),
         rows=plan.mode == "rows",
     )

@@ -27,7 +27,14 @@ from npz2mmap.converter import convert
 from npz2mmap.errors import FixedShapeError, RaggedFieldWarning, UnknownKeyError
 from npz2mmap.plan import lay_out
 from npz2mmap.shapes import NearlyFixed, find_nearly_fixed
-from npz2mmap.spec import BLOB_HEADER_NBYTES, IDENTITY_NBYTES, INDEX_NAME, SKIPPED_NAME, SOURCES_NAME
+from npz2mmap.spec import (
+    BLOB_HEADER_NBYTES,
+    IDENTITY_NBYTES,
+    INDEX_NAME,
+    SKIPPED_NAME,
+    SOURCES_NAME,
+    load_index,
+)
 
 IMAGE = (3, 96, 96)
 TRANSPOSED = (96, 96, 3)
@@ -217,18 +224,32 @@ def test_npy_files_and_sample_directories(tmp_path) -> None:
     assert kept.index.field("image").shape == (3, 4)
 
 
-def test_each_part_keeps_its_own_first_shape(tmp_path) -> None:
+def test_parts_hold_the_first_file_of_the_whole_list(tmp_path) -> None:
+    """Each part of a conversion holds --fixed keys to the first file of all the inputs, so a
+    part whose own files agree among themselves is refused as one conversion would be."""
     src = tmp_path / "src"
     for k in range(8):
-        write_npz(src / f"{k}.npz", x=np.zeros((2, 2) if k != 6 else (1, 4)))
-    first = convert([src], tmp_path / "p0", part=(0, 2))
-    assert first.nearly_fixed == ()
-    second = convert([src], tmp_path / "p1", part=(1, 2))
-    assert reported(second.nearly_fixed) == [("x", (2, 2), 4, 1, 2)]
+        write_npz(src / f"{k}.npz", x=np.zeros((2, 2) if k < 4 else (1, 4)))
+    first = convert([src], tmp_path / "p0", part=(0, 2), fixed=["x"])
+    assert first.index.field("x").shape == (2, 2)
     with pytest.raises(
-        FixedShapeError, match=r"6\.npz\[x\]: shape \(1, 4\) differs from \(2, 2\) in .*4\.npz"
+        FixedShapeError, match=r"4\.npz\[x\]: shape \(1, 4\) differs from \(2, 2\) in .*[/\\]0\.npz, and"
     ):
-        convert([src], tmp_path / "p1-fixed", part=(1, 2), fixed=["x"])
+        convert([src], tmp_path / "p1", part=(1, 2), fixed=["x"])
+    assert not (tmp_path / "p1").exists()
+    kept = convert([src], tmp_path / "p1-kept", part=(1, 2), fixed=["x"], skip_bad=True)
+    assert kept.index.num_samples == 0
+    assert [Path(path).name for path, _ in kept.skipped] == ["4.npz", "5.npz", "6.npz", "7.npz"]
+    result = run("convert", str(src), "-o", str(tmp_path / "cli"), "--part", "1/2", "--fixed", "x", "-q")
+    assert result.exit_code == 1
+    assert "4.npz[x]: shape (1, 4) differs from (2, 2) in " in result.output
+    unreadable = tmp_path / "unreadable"
+    (unreadable / "0.npz").parent.mkdir()
+    (unreadable / "0.npz").write_bytes(b"not a zip")
+    for k in range(1, 4):
+        write_npz(unreadable / f"{k}.npz", x=np.zeros((2, 2) if k == 1 else (1, 4)))
+    with pytest.raises(FixedShapeError, match=r"2\.npz\[x\]: .* in .*[/\\]1\.npz"):
+        convert([unreadable], tmp_path / "u1", part=(1, 2), fixed=["x"])  # the bad 0.npz is part 0's to report
     empty = convert([src / "0.npz"], tmp_path / "empty", part=(0, 2), fixed=["x"])
     assert empty.index.num_samples == 0
 
@@ -264,6 +285,35 @@ def test_writer_fixed_refuses_a_sample_and_stays_usable(tmp_path) -> None:
         e.append({"image": np.ones((3, 4), dtype=np.uint8), "label": np.int64(2)}, source="c")
     for name in (INDEX_NAME, SOURCES_NAME, "data.npy"):
         assert (tmp_path / "w" / name).read_bytes() == (tmp_path / "expected" / name).read_bytes()
+
+
+def test_merge_warns_of_a_field_each_part_holds_fixed_in_another_shape(tmp_path) -> None:
+    """A Writer's parts each hold fixed= keys to their own first sample; merge is the first to
+    see them all, and says the merged field is ragged (Python: a warning; CLI: a line on stderr)."""
+    shapes = [(3, 4), (3, 4), (4, 3)]
+    for rank, shape in enumerate(shapes):
+        with npz2mmap.Writer(tmp_path / "w", part=(rank, len(shapes)), fixed=["image"]) as w:
+            w.append({"image": np.zeros(shape, dtype=np.uint8), "label": np.int64(rank)})
+    parts = sorted(str(p) for p in (tmp_path / "w").glob("part-*"))
+    line = (
+        f"field image is ragged only because the parts differ in shape: {parts[0]} has (3, 4), "
+        f"{parts[2]} has (4, 3); convert the parts again with one shape if it should be fixed"
+    )
+    with pytest.warns(RaggedFieldWarning) as caught:
+        result = npz2mmap.merge.merge(parts, tmp_path / "m", copy=True)
+    assert [str(w.message) for w in caught] == [line]
+    assert result.ragged_across_parts == (line,)
+    assert load_index(tmp_path / "m").field("image").ragged
+    cli_result = CliRunner().invoke(cli, ["merge", *parts, "-o", str(tmp_path / "listed"), "-q"])
+    assert cli_result.exit_code == 0
+    assert cli_result.stderr == f"Warning: {line}\n"
+    for rank in range(2):
+        with npz2mmap.Writer(tmp_path / "agree", part=(rank, 2), fixed=["image"]) as w:
+            w.append({"image": np.zeros((3, 4), dtype=np.uint8), "label": np.int64(rank)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        agreeing = npz2mmap.merge.merge(sorted((tmp_path / "agree").glob("part-*")), tmp_path / "a", copy=True)
+    assert agreeing.ragged_across_parts == ()
 
 
 def test_writer_fixed_names_fields(tmp_path) -> None:
@@ -325,10 +375,15 @@ def test_the_rule_over_shape_tables(shapes, rows) -> None:
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(shapes=shape_mixes(max_sources=12), workers=st.sampled_from([1, 2]), rows=st.booleans())
-def test_reported_and_held_fixed_over_shape_mixes(tmp_path_factory, shapes, workers, rows) -> None:
+@given(
+    shapes=shape_mixes(max_sources=12),
+    workers=st.sampled_from([1, 2]),
+    rows=st.booleans(),
+    num_parts=st.integers(1, 4),
+)
+def test_reported_and_held_fixed_over_shape_mixes(tmp_path_factory, shapes, workers, rows, num_parts) -> None:
     """Converted files: the report is the rule's, and --fixed --skip-bad converts exactly the files
-    that keep the first file's shape."""
+    that keep the first file's shape, in one conversion or in parts merged by copy."""
     root = tmp_path_factory.mktemp("mix")
     paths = []
     for k, shape in enumerate(shapes):
@@ -343,6 +398,12 @@ def test_reported_and_held_fixed_over_shape_mixes(tmp_path_factory, shapes, work
     assert held.nearly_fixed == ()
     convert(conforming, root / "expected", rows=rows)
     assert_same_dataset(root / "held", root / "expected")
+    parts = [
+        convert([root / "src"], root / "parts", part=(i, num_parts), rows=rows, fixed=["x"], skip_bad=True).out_dir
+        for i in range(num_parts)
+    ]
+    npz2mmap.merge.merge(parts, root / "merged", copy=True)
+    assert_same_dataset(root / "merged", root / "expected")
     if len(conforming) < len(paths):
         with pytest.raises(FixedShapeError) as caught:
             convert([root / "src"], root / "refused", workers=workers, rows=rows, fixed=["x"])
