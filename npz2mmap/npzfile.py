@@ -27,8 +27,8 @@ from typing import Any, NamedTuple, NoReturn, Protocol
 import numpy as np
 
 from . import fsutil
-from .errors import SourceError
-from .spec import NPY_MAGIC, brief, checked_nbytes, representable_nbytes
+from .errors import DatasetInputError, SourceError
+from .spec import IDENTITY_MAGIC, NPY_MAGIC, brief, checked_nbytes, representable_nbytes
 from .zipdir import FileView, ZipEntry
 
 NPY_SUFFIX = ".npy"
@@ -261,17 +261,31 @@ def read_member_header(
     key = member_key(entry.filename)
     where = f"{path}[{key}]"
     location = check_member_sizes(view, entry, path)
+    start = _MemberStart(view, location)
     try:
-        header = parse_npy_header(_MemberStart(view, location), key, where, limit)
+        header = parse_npy_header(start, key, where, limit)
+        declared = header.header_nbytes + header.nbytes
+        if declared != entry.file_size:
+            raise SourceError(
+                f"{where}: header declares {header.nbytes} data bytes but the member holds "
+                f"{entry.file_size - header.header_nbytes}"
+            )
+        if header.nbytes >= len(IDENTITY_MAGIC):  # mostly read already, with the header
+            refuse_blob_data(start.read(len(IDENTITY_MAGIC)), where)
     except zlib.error as exc:
         raise SourceError(f"{where}: {exc}") from exc
-    declared = header.header_nbytes + header.nbytes
-    if declared != entry.file_size:
-        raise SourceError(
-            f"{where}: header declares {header.nbytes} data bytes but the member holds "
-            f"{entry.file_size - header.header_nbytes}"
-        )
     return header, location
+
+
+def refuse_blob_data(data_start: bytes, where: str) -> None:
+    """DatasetInputError when an array's data starts with the identity every npz2mmap blob
+    starts with: a dataset's blob, copied, linked, zipped or saved again in another dtype."""
+    if data_start == IDENTITY_MAGIC:
+        raise DatasetInputError(
+            f"{where}: holds the blob of an npz2mmap dataset (its data starts with the blob identity), "
+            "not a source; convert its sources again by naming the paths listed in its dataset's "
+            "sources.jsonl, or join datasets with npz2mmap merge"
+        )
 
 
 class _MemberStart:

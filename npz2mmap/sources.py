@@ -19,10 +19,8 @@ import zlib
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO, Protocol
 
-import numpy as np
-
 from . import fsutil
-from .errors import DatasetInputError, SourceError
+from .errors import SourceError
 from .npzfile import (
     CHUNK_NBYTES,
     IN_SAMPLE_DIR,
@@ -40,9 +38,10 @@ from .npzfile import (
     open_regular_file,
     parse_npy_header,
     read_member_header,
+    refuse_blob_data,
     source_errors,
 )
-from .spec import BLOB_HEADER_NBYTES, IDENTITY_MAGIC
+from .spec import IDENTITY_MAGIC
 from .zipdir import FileView, ZipEntry, directory_entries
 
 NPY_FILE_KEY = "arr_0"
@@ -256,23 +255,12 @@ class _NpyFile:
         return header
 
     def _refuse_blob(self, header: MemberHeader) -> None:
-        """DatasetInputError for an npz2mmap blob under any name (a copy, a link): its bytes say so."""
-        looks_like_blob = (
-            header.header_nbytes == BLOB_HEADER_NBYTES
-            and header.dtype == np.uint8
-            and len(header.shape) == 1
-            and header.nbytes >= len(IDENTITY_MAGIC)
-        )
-        if not looks_like_blob:
+        """DatasetInputError for an npz2mmap blob under any name or dtype: its bytes say so."""
+        if header.nbytes < len(IDENTITY_MAGIC):
             return
         with source_errors(self.path):
-            start = fsutil.read_at(self.fp.fileno(), len(IDENTITY_MAGIC), BLOB_HEADER_NBYTES)
-        if start == IDENTITY_MAGIC:
-            raise DatasetInputError(
-                f"{self.path}: is the blob of an npz2mmap dataset (it starts with the blob identity), "
-                "not a source; convert its sources again by naming the paths listed in its dataset's "
-                "sources.jsonl, or join datasets with npz2mmap merge"
-            )
+            start = fsutil.read_at(self.fp.fileno(), len(IDENTITY_MAGIC), header.header_nbytes)
+        refuse_blob_data(start, self.path)
 
     def data_chunks(self, header: MemberHeader) -> Iterator[bytes]:
         with source_errors(self.path):

@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -590,13 +591,32 @@ def test_a_field_named_data_is_a_source_not_a_blob(tmp_path) -> None:
     assert DatasetReader(tmp_path / "out").view("data", 1).tolist() == list(range(1, 41))
 
 
-@pytest.mark.parametrize("how", ["copy", "symlink", "renamed in its dataset"])
+@pytest.mark.parametrize(
+    "how",
+    ["copy", "symlink", "renamed in its dataset", "saved as uint32", "zipped", "zipped deflated", "savez"],
+)
 @pytest.mark.parametrize("options", [[], ["--skip-bad"], ["--workers", "2"]])
 def test_a_blob_under_another_name_is_refused_by_its_bytes(tmp_path, how, options) -> None:
+    """A dataset's blob is no source, however it was copied, packed or saved again."""
     dataset, _ = make_dataset(tmp_path)
     inputs = tmp_path / "inputs"
     inputs.mkdir()
-    if how == "copy":
+    where = None
+    if how == "saved as uint32":
+        blob = inputs / "as_u4.npy"
+        raw = np.load(dataset / "data.npy")
+        np.save(blob, raw[: len(raw) // 4 * 4].view("<u4"))
+    elif how.startswith("zipped"):
+        blob = inputs / "blob.npz"
+        method = zipfile.ZIP_DEFLATED if how == "zipped deflated" else zipfile.ZIP_STORED
+        with zipfile.ZipFile(blob, "w", method) as z:
+            z.write(dataset / "data.npy", "data.npy")
+        where = f"{blob}[data]"
+    elif how == "savez":
+        blob = inputs / "blob.npz"
+        np.savez(blob, payload=np.load(dataset / "data.npy"), label=np.int64(0))
+        where = f"{blob}[payload]"
+    elif how == "copy":
         blob = inputs / "blob.npy"
         shutil.copyfile(dataset / "data.npy", blob)
     elif how == "symlink":
@@ -610,7 +630,8 @@ def test_a_blob_under_another_name_is_refused_by_its_bytes(tmp_path, how, option
     code, output = convert_cli(str(inputs), *options, "-o", str(tmp_path / "again.mmap"))
     assert (code, output.splitlines()[-1]) == (
         1,
-        f"Error: {blob}: is the blob of an npz2mmap dataset (it starts with the blob identity), not a source; "
+        f"Error: {where or blob}: holds the blob of an npz2mmap dataset (its data starts with the blob identity), "
+        "not a source; "
         "convert its sources again by naming the paths listed in its dataset's sources.jsonl, or join "
         "datasets with npz2mmap merge",
     )
