@@ -111,7 +111,7 @@ class ScaledMoments:
     def scaled_to(self, exponent: int) -> tuple[float, float]:
         """Mean and M2 at a scale ``exponent`` at least this one's (small parts may underflow to 0)."""
         shift = self.exponent - exponent
-        return math.ldexp(self.mean, shift), math.ldexp(self.m2, 2 * shift)
+        return _ldexp(self.mean, shift), _ldexp(self.m2, 2 * shift)
 
     def merged(self, other: ScaledMoments) -> ScaledMoments:
         """Both sets of values as one (Chan, Golub and LeVeque's update)."""
@@ -129,21 +129,34 @@ class ScaledMoments:
 def scaled_moments(finite: NDArray[np.floating[Any]]) -> ScaledMoments:
     """The moments of finite floats, scaled so that the largest magnitude is in [0.5, 1).
 
-    Computed in float64 (after scaling, so also for longdouble) by the corrected
-    two-pass algorithm: the mean, then the deviations' sum corrects both figures.
+    Computed in float64, or for longdouble in longdouble (whose extra digits
+    float64 would round away: values 1 + k * eps would have no spread), by the
+    corrected two-pass algorithm: the mean, then the deviations' sum corrects
+    both figures.
     """
     wide = finite.astype(np.float64) if finite.dtype.itemsize < 8 else finite
+    work = np.longdouble if finite.dtype.itemsize > 8 else np.float64
     peak = np.max(np.abs(wide))
     if peak == 0:
         return ScaledMoments(finite.size)
     exponent = int(np.frexp(peak)[1])
     with np.errstate(under="ignore"):  # what underflows is below 2**-1074 of the peak: nothing to the sums
-        scaled = np.ldexp(wide, -exponent).astype(np.float64, copy=False)
-        mean = float(scaled.mean())
+        scaled = np.ldexp(wide, -exponent).astype(work, copy=False)
+        mean = _number(scaled.mean())
         scaled -= mean
-        correction = float(scaled.sum())
-        m2 = float(np.square(scaled, out=scaled).sum()) - correction * correction / finite.size
+        correction = _number(scaled.sum())
+        m2 = _number(np.square(scaled, out=scaled).sum()) - correction * correction / finite.size
     return ScaledMoments(finite.size, mean + correction / finite.size, max(m2, 0.0), exponent)
+
+
+def _number(value: np.floating[Any]) -> Any:
+    """A float64 figure as a Python float; a longdouble one kept, with its digits."""
+    return float(value) if value.dtype.itemsize <= 8 else value
+
+
+def _ldexp(value: Any, exponent: int) -> Any:
+    """``value * 2**exponent``, in longdouble for a longdouble value."""
+    return np.ldexp(value, exponent) if isinstance(value, np.floating) else math.ldexp(value, exponent)
 
 
 class FloatStatistics:
@@ -197,7 +210,12 @@ class FloatStatistics:
         out["mean"] = min(max(unscale(m.mean, m.exponent), self.low), self.high)
         spread = (self.high - self.low) / 2  # Popoviciu: std <= (max - min) / 2
         spread = spread if math.isfinite(spread) else self.high / 2 - self.low / 2
-        out["std"] = min(unscale(math.sqrt(m.m2 / m.count), m.exponent), spread)
+        out["std"] = min(
+            unscale(
+                np.sqrt(m.m2 / m.count) if self.beyond_float64 else math.sqrt(m.m2 / m.count), m.exponent
+            ),
+            spread,
+        )
 
 
 def _unscaled(value: float, exponent: int) -> float:
@@ -208,8 +226,8 @@ def _unscaled(value: float, exponent: int) -> float:
         return math.copysign(math.inf, value)
 
 
-def _unscaled_wide(value: float, exponent: int) -> Any:
-    """``value * 2**exponent`` as np.longdouble, for figures beyond float64's range."""
+def _unscaled_wide(value: Any, exponent: int) -> Any:
+    """``value * 2**exponent`` as np.longdouble, for figures beyond float64's range or precision."""
     return np.ldexp(np.longdouble(value), exponent)
 
 

@@ -118,8 +118,11 @@ def render_sample(info: dict[str, Any]) -> str:
 
 def _figure(value: float) -> str:
     """An integer exactly (3000000000, not 3e+09), anything else to 6 significant digits."""
-    if isinstance(value, np.floating) and not isinstance(value, float):  # a longdouble beyond float64
-        return np.format_float_scientific(value, precision=5, unique=False, trim="-")
+    if isinstance(value, np.floating) and not isinstance(value, float):  # a longdouble float64 cannot hold
+        if value == 0 or np.finfo(np.float64).tiny <= abs(value) <= np.finfo(np.float64).max:
+            return f"{float(value):.6g}"  # only digits past the 6th were beyond float64
+        text = np.format_float_scientific(value, precision=5, unique=False, trim="-")
+        return text.replace(".e", "e")  # numpy keeps the point when trimming every digit after it
     return str(value) if isinstance(value, int) else f"{value:.6g}"
 
 

@@ -292,3 +292,56 @@ def test_longdouble_extremes_whose_spread_overflows_print_no_warning(tmp_path) -
         assert (run.returncode, run.stderr) == (0, "")
     figures = strict_json(inspect_stats(dataset, "--json").stdout)["stats"]["x"]
     assert np.longdouble(figures["max"]) == info.max and np.longdouble(figures["min"]) == -info.max
+
+
+def exact_longdouble(values: np.ndarray) -> tuple[Fraction, Fraction]:
+    """Mean and variance of longdouble values from their exact rationals."""
+    exact = [Fraction(*v.as_integer_ratio()) for v in values]
+    mean = sum(exact) / len(exact)
+    return mean, sum((v - mean) ** 2 for v in exact) / len(exact)
+
+
+@pytest.mark.skipif(not LONGDOUBLE_WIDER, reason="longdouble is float64 on this platform")
+@settings(max_examples=60, deadline=None)
+@given(
+    exponent=st.integers(-60, 60),
+    steps=st.lists(st.integers(0, 1000), min_size=2, max_size=30),
+    cuts=st.lists(st.integers(0, 30), max_size=3),
+)
+def test_longdouble_digits_beyond_float64_count_in_mean_and_std(exponent, steps, cuts) -> None:
+    """Values that differ only past float64's digits (2**e * (1 + k * eps)) have their own mean
+    and spread, within a few longdouble ulps, not float64's rounding of them (spread 0)."""
+    eps = np.finfo(np.longdouble).eps
+    values = np.ldexp(np.longdouble(1) + np.array(steps, dtype=np.longdouble) * eps, exponent)
+    with tempfile.TemporaryDirectory() as tmp:
+        dataset = write_field(Path(tmp) / "ds", np.split(values, sorted(c % (len(values) + 1) for c in cuts)))
+        got = field_statistics(dataset)["x"]
+    mean, variance = exact_longdouble(values)
+    ulp = Fraction(*np.ldexp(eps, exponent + 1).as_integer_ratio())
+    assert abs(Fraction(*np.longdouble(got["mean"]).as_integer_ratio()) - mean) <= 2 * ulp
+    std = Fraction(*np.longdouble(got["std"]).as_integer_ratio())
+    assert abs(std * std - variance) <= variance * Fraction(1, 10**6) + 4 * ulp * ulp
+    assert np.longdouble(got["min"]) == values.min() and np.longdouble(got["max"]) == values.max()
+
+
+@pytest.mark.skipif(not LONGDOUBLE_WIDER, reason="longdouble is float64 on this platform")
+def test_longdouble_figures_beyond_float64_precision_in_text_and_json(tmp_path) -> None:
+    """2**64 and 2**64 + 4: JSON keeps the digits float64 lacks; text shows 6 digits, as for floats."""
+    values = np.array([2**64, 2**64 + 4], dtype=np.longdouble)
+    dataset = write_field(tmp_path / "ds", [values])
+    figures = strict_json(inspect_stats(dataset, "--json").stdout)["stats"]["x"]
+    assert (figures["min"], figures["max"]) == (2.0**64, "1.844674407370955162e+19")
+    assert np.longdouble(figures["mean"]) == np.longdouble(2**64 + 2) and figures["std"] == 2.0
+    assert stats_rows(inspect_stats(dataset).stdout)[1] == [
+        "x",
+        "2",
+        "0",
+        "0",
+        "1.84467e+19",
+        "1.84467e+19",
+        "1.84467e+19",
+        "2",
+    ]
+    sample = strict_json(inspect_sample(dataset, 0, "--json").stdout)["fields"][0]
+    assert sample["max"] == "1.844674407370955162e+19"
+    assert np.longdouble(sample["mean"]) == np.longdouble(2**64 + 2)
