@@ -100,21 +100,24 @@ def _check_disjoint_sources(parts: Parts, where: str) -> None:
     """FormatError if two parts of one run name the same source: one was converted again, alone,
     after the input list changed, so its slice overlaps its neighbour's (samples twice).
 
-    Only parts that record a part (i, n) are compared, and named sources only (a Writer's
-    samples without ``source=`` have none). Reads every part's sources.jsonl once.
+    Only parts that record a part (i, n) are compared, and among them only those that name each
+    source once, as a conversion does: a Writer's parts may give many samples one ``source=``
+    (or none), which says nothing of overlap. Reads every part's sources.jsonl once.
     """
     owner: dict[str, str] = {}
     for path, index in zip(parts.paths, parts.indexes, strict=True):
         if index.part is None:
             continue
-        for name in dict.fromkeys(provenance.read_sources(path, index)[0]):
-            if not name:
-                continue
+        names = [name for name in provenance.read_sources(path, index)[0] if name]
+        if len(set(names)) < len(names):
+            continue
+        for name in names:
             first = owner.setdefault(name, path)
             if first != path:
                 raise FormatError(
                     f"{where}: {name} is a source of both {first} and {path}: the inputs changed between "
-                    "their conversions (a part converted again alone); convert every part of the run again"
+                    "their conversions (a part converted again alone), or two Writers were given one "
+                    "source=; convert every part of the run again, or give each sample its own source"
                 )
 
 

@@ -257,10 +257,35 @@ def test_a_part_converted_again_after_the_inputs_changed_is_refused_by_the_sourc
             merge(parts, tmp_path / "merged", copy=copy)
         assert str(refused.value) == (
             f"parts {parts[0]} to {parts[1]}: {src / 'f3.npz'} is a source of both {parts[0]} and {parts[1]}: "
-            "the inputs changed between their conversions (a part converted again alone); convert every part "
-            "of the run again"
+            "the inputs changed between their conversions (a part converted again alone), or two Writers were "
+            "given one source=; convert every part of the run again, or give each sample its own source"
         )
         assert not (tmp_path / "merged").exists()
     convert([src], tmp_path / "out", part=(0, 2), workers=1, overwrite=True)  # the way out
     merge(parts, tmp_path / "merged", copy=True)
     assert [int(v) for v in npz2mmap.DatasetReader(tmp_path / "merged").column("x")] == list(range(7))
+
+
+@pytest.mark.parametrize("labels", [["gen", "gen"], ["", ""], ["shared.npz", "shared.npz", "own"]])
+def test_writer_parts_giving_many_samples_one_source_merge(tmp_path, labels) -> None:
+    """source= labels what a sample came from; several ranks' samples may share it (rows of one
+    file, or one generator), which is no sign of a part converted again."""
+    for rank in range(2):
+        with npz2mmap.Writer(tmp_path / "w", part=(rank, 2)) as w:
+            for k, label in enumerate(labels):
+                w.append({"x": np.array(rank * 10 + k)}, source=label)
+    parts = sorted((tmp_path / "w").glob("part-*"))
+    merge(parts, tmp_path / "merged", copy=True)
+    expected = [rank * 10 + k for rank in range(2) for k in range(len(labels))]
+    assert [int(v) for v in npz2mmap.DatasetReader(tmp_path / "merged").column("x")] == expected
+
+
+def test_writer_parts_naming_one_source_each_once_are_refused(tmp_path) -> None:
+    """Each sample its own source, as a conversion's, yet one in both parts: a sample written twice."""
+    for rank in range(2):
+        with npz2mmap.Writer(tmp_path / "w", part=(rank, 2)) as w:
+            w.append({"x": np.array(rank)}, source=f"s{rank}")
+            w.append({"x": np.array(9)}, source="s9")
+    parts = sorted((tmp_path / "w").glob("part-*"))
+    with pytest.raises(FormatError, match=r"s9 is a source of both .*part-00000 and .*part-00001"):
+        merge(parts, tmp_path / "merged")
