@@ -126,23 +126,23 @@ class Writer:
             self._spool_dir = make_staging_dir(self.out_dir)
             self._names = _SourceNames(os.path.join(self._spool_dir, "sources"))
             self._stack.callback(self._names.spool.close)
-        except BaseException as exc:
+            self._builder = PlanBuilder(
+                align,
+                parsed_casts,
+                max_payload_nbytes=free_nbytes(self.out_dir),
+                hints=WRITER_HINTS,
+                fixed=self._fixed,
+            )
+            self._spools: dict[str, _Spool] = {}
+            self._num_spools_made = 0
+            self._crc32s: list[array[int]] = []  # per field, one CRC-32 per sample
+            self._owed: _Marks | None = None  # where an interrupted append must go back to, until it has
+            self._closed = False
+        except BaseException as exc:  # a Ctrl-C included: nothing is left for the garbage collector
             self._finalizer()
             if fsutil.is_io_error(exc):
                 raise self._spool_error(exc) from exc
             raise
-        self._builder = PlanBuilder(
-            align,
-            parsed_casts,
-            max_payload_nbytes=free_nbytes(self.out_dir),
-            hints=WRITER_HINTS,
-            fixed=self._fixed,
-        )
-        self._spools: dict[str, _Spool] = {}
-        self._num_spools_made = 0
-        self._crc32s: list[array[int]] = []  # per field, one CRC-32 per sample
-        self._owed: _Marks | None = None  # where an interrupted append must go back to, until it has
-        self._closed = False
 
     @property
     def num_samples(self) -> int:

@@ -317,19 +317,42 @@ def _collate_transformed_samples(batch: Sequence[TransformedSample], *, collate_
         values = [sample[name] for sample in batch]
         if name in ragged:
             _check_stackable(name, values)
-        if _arrays_torch_lacks(values):  # strings, records: numpy, as without a transform
-            out[name] = stack_bytes(values)
-        else:
-            out[name] = torch_collate(values, collate_fn_map=collate_fn_map)
+        stacked = collate_numpy_torch_lacks(values)  # strings, records: numpy, as without a transform
+        out[name] = stacked if stacked is not None else torch_collate(values, collate_fn_map=collate_fn_map)
     return out
 
 
-def _arrays_torch_lacks(values: Sequence[Any]) -> bool:
-    """Numpy arrays of one dtype and shape that torch has no tensor for (strings, records, datetimes)."""
-    first = values[0]
-    if type(first) is not np.ndarray or torch_dtype(first.dtype) is not None:
-        return False
-    return all(type(v) is np.ndarray and v.dtype == first.dtype and v.shape == first.shape for v in values)
+# numpy scalars torch's default collate refuses; str_ and bytes_ it keeps, as a list
+NUMPY_SCALARS_TORCH_LACKS = (np.void, np.datetime64, np.timedelta64)
+
+
+def _is_numpy_value(value: Any) -> bool:
+    return type(value) is np.ndarray or isinstance(value, NUMPY_SCALARS_TORCH_LACKS)
+
+
+def collate_numpy_torch_lacks(values: Sequence[Any]) -> Any:
+    """Numpy values torch has no tensor for as they are, collated by numpy; None for any other.
+
+    Arrays (or record and datetime scalars) of a dtype torch lacks are stacked, every
+    byte copied, or by numpy's promotion where dtypes differ (strings of other widths,
+    datetimes of other units); a byte order torch does not read is made native, and
+    the result is a tensor where torch has its dtype. Shapes that differ are numpy's
+    ValueError.
+    """
+    if not _is_numpy_value(values[0]) or not all(_is_numpy_value(v) for v in values):
+        return None
+    arrays = [np.asarray(v) for v in values]
+    if all(torch_dtype(a.dtype) is not None for a in arrays):
+        return None
+    if all(a.dtype == arrays[0].dtype for a in arrays):
+        stacked = stack_bytes(arrays) if all(a.shape == arrays[0].shape for a in arrays) else np.stack(arrays)
+    else:
+        stacked = np.stack(arrays)
+    if torch_dtype(stacked.dtype) is None and not stacked.dtype.isnative:
+        native = stacked.dtype.newbyteorder("=")
+        if torch_dtype(native) is not None:
+            stacked = stacked.astype(native)
+    return as_tensors(stacked)
 
 
 @functools.cache
@@ -393,7 +416,10 @@ def collate(batch: Any) -> Any:
     if isinstance(batch, SampleList):
         return _collate_listing_ragged(batch)
     if not isinstance(batch, GatheredBatch):
-        return torch_collate(batch, collate_fn_map={**default_collate_fn_map, np.ndarray: _collate_arrays})
+        plain: dict[type | tuple[type, ...], Callable[..., Any]] = {
+            kind: _collate_arrays for kind in (np.ndarray, *NUMPY_SCALARS_TORCH_LACKS)
+        }
+        return torch_collate(batch, collate_fn_map={**default_collate_fn_map, **plain})
     tensors = {
         name: as_tensors(batch.field(name)) if name in batch.ragged else batch.tensor(name)
         for name in batch.field_names
@@ -417,14 +443,14 @@ def _collate_listing_ragged(samples: SampleList) -> Any:
 
 def _collate_arrays(arrays: Sequence[np.ndarray], *, collate_fn_map: Any = None) -> Any:
     """Arrays of plain samples (``ds[i]``) stacked as a GatheredBatch's: numpy where torch lacks the dtype."""
-    if _arrays_torch_lacks(arrays):
-        return stack_bytes(arrays)
-    return collate_numpy_array_fn(arrays, collate_fn_map=collate_fn_map)
+    stacked = collate_numpy_torch_lacks(arrays)
+    return stacked if stacked is not None else collate_numpy_array_fn(arrays, collate_fn_map=collate_fn_map)
 
 
 def _collate_values(values: list[Any]) -> Any:
     """torch's default collate, except arrays of a dtype torch lacks, stacked as numpy."""
-    return stack_bytes(values) if values and _arrays_torch_lacks(values) else default_collate(values)
+    stacked = collate_numpy_torch_lacks(values) if values else None
+    return stacked if stacked is not None else default_collate(values)
 
 
 def _as_tensor(value: Any) -> Any:

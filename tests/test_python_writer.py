@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import gc
+import inspect
 import itertools
 import json
 import os
@@ -1431,17 +1432,22 @@ def test_a_ctrl_c_raised_before_the_mask_is_restored_leaves_sigint_unblocked(
 @pytest.mark.parametrize("interrupt_kind", ["SIGINT", "SIGINT taken by another thread"])
 def test_a_ctrl_c_anywhere_in_creating_a_writer_leaves_out_free(tmp_path, interrupt_kind) -> None:
     """At every bytecode of Writer(OUT): a KeyboardInterrupt out of it leaves the lock
-    free (at the latest once the writer half made is collected), nothing beside OUT and
-    SIGINT unblocked, so the next Writer(OUT) works."""
+    free, nothing beside OUT and SIGINT unblocked, so the next Writer(OUT) works, even
+    while the exception (whose traceback holds the writer half made) is still kept; but
+    for a Ctrl-C at the return itself, once the writer is made (here, where a trace
+    function runs at every bytecode, it is raised in the returning frame; without one,
+    in the caller, which then holds the writer), which lets go once the exception does."""
     how, _ = INTERRUPTS[interrupt_kind]
+    at_the_return = []
     for k in itertools.count():
         out = tmp_path / f"out-{k}"
         w = None
+        kept = None
         with Interrupt(k, **how) as interrupt:
             try:
                 w = npz2mmap.Writer(out)
-            except KeyboardInterrupt:
-                pass
+            except KeyboardInterrupt as exc:
+                kept = exc  # as sys.last_value, or a caller's log, keeps it
         where = f"{interrupt_kind} at event {k}, {interrupt.where}"
         assert not sigint_blocked(), where
         if w is not None:
@@ -1450,10 +1456,17 @@ def test_a_ctrl_c_anywhere_in_creating_a_writer_leaves_out_free(tmp_path, interr
                 break
             w.abort()  # the Ctrl-C came as the writer was made: the caller has it
         left = [e for e in os.listdir(tmp_path) if e.startswith(f".{out.name}.")]
-        if left:  # a writer half made holds the lock until it is collected
+        if left:
+            at_the_return.append(interrupt.where)
+            del kept  # the exception, and the writer half made its traceback holds
             gc.collect()
             left = [e for e in os.listdir(tmp_path) if e.startswith(f".{out.name}.")]
         assert left == [], where
         assert lock_is_free(out), where
         npz2mmap.Writer(out).abort()
     assert k > 100
+    init = inspect.unwrap(npz2mmap.Writer.__init__)
+    lines, first = inspect.getsourcelines(init)
+    last_statement = first + next(k for k, line in enumerate(lines) if "self._closed = False" in line)
+    tail = (f"appender.py:__init__:{last_statement} ", "parallel.py:with_mask_restored:")
+    assert len(at_the_return) <= 3 and all(w.startswith(tail) for w in at_the_return), at_the_return

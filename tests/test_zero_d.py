@@ -87,7 +87,12 @@ def data_loader(workers: int, collate_fn: Callable[[Any], Any] | None = None) ->
 def mmap_loader(workers: int, prefetch: int = 0) -> Callable[[MmapDataset], Any]:
     def run(ds: MmapDataset) -> Any:
         with MmapLoader(
-            ds, 1, batch_sampler=[BATCH], num_workers=workers, prefetch=prefetch, multiprocessing_context="fork"
+            ds,
+            1,
+            batch_sampler=[BATCH],
+            num_workers=workers,
+            prefetch=prefetch,
+            multiprocessing_context="fork",
         ) as loader:
             batch = next(iter(loader))
             return {k: v.clone() if isinstance(v, torch.Tensor) else exact_copy(v) for k, v in batch.items()}
@@ -165,9 +170,12 @@ def check_batch(batch: dict[str, Any], ds: MmapDataset, sources: dict[str, list[
                 default_collate([ds[i][name] for i in BATCH])
 
 
-def check_paths(paths: dict[str, Callable[[MmapDataset], Any]], root: Path, dtypes: list[np.dtype], data: Any) -> None:
+def check_paths(
+    paths: dict[str, Callable[[MmapDataset], Any]], root: Path, dtypes: list[np.dtype], data: Any
+) -> None:
     sources = {
-        f"f{k}": [data.draw(hnp.arrays(dtype, ())) for _ in range(NUM_SAMPLES)] for k, dtype in enumerate(dtypes)
+        f"f{k}": [data.draw(hnp.arrays(dtype, ())) for _ in range(NUM_SAMPLES)]
+        for k, dtype in enumerate(dtypes)
     }
     write_dataset(root, sources)
     ds = MmapDataset(root)
@@ -193,10 +201,14 @@ def test_a_0d_field_from_workers_is_the_same_as_in_process(tmp_path, dtypes, dat
     check_paths(IN_WORKERS, tmp_path / f"d{len(list(tmp_path.iterdir()))}.mmap", dtypes, data)
 
 
-EVERY_KIND = [np.dtype(d) for d in ("<i8", "<u8", "<f2", "<c16", "?", "<U3", "S2", "<M8[D]", "<m8[s]")] + [RECORD]
+EVERY_KIND = [np.dtype(d) for d in ("<i8", "<u8", "<f2", "<c16", "?", "<U3", "S2", "<M8[D]", "<m8[s]")] + [
+    RECORD
+]
 
 
-@pytest.mark.parametrize("path", {**IN_PROCESS, **IN_WORKERS}.values(), ids={**IN_PROCESS, **IN_WORKERS}.keys())
+@pytest.mark.parametrize(
+    "path", {**IN_PROCESS, **IN_WORKERS}.values(), ids={**IN_PROCESS, **IN_WORKERS}.keys()
+)
 def test_every_kind_of_0d_field_batches_as_one_array_of_its_samples(tmp_path, path) -> None:
     sources = {
         f"{k}_{dtype.kind}": [np.array(i + 1).astype(dtype) for i in range(NUM_SAMPLES)]
@@ -258,7 +270,9 @@ def test_collate_of_a_plain_list_of_samples_equals_collate_of_the_gathered_batch
     tmp_path, dtypes, data
 ) -> None:
     root = tmp_path / f"d{len(list(tmp_path.iterdir()))}.mmap"
-    sources = {f"f{k}": [data.draw(hnp.arrays(d, ())) for _ in range(NUM_SAMPLES)] for k, d in enumerate(dtypes)}
+    sources = {
+        f"f{k}": [data.draw(hnp.arrays(d, ())) for _ in range(NUM_SAMPLES)] for k, d in enumerate(dtypes)
+    }
     write_dataset(root, sources)
     for fields in (None, "f0"):
         ds = MmapDataset(root, fields=fields)
@@ -283,3 +297,53 @@ def test_collate_of_big_endian_arrays_keeps_their_values(dtype, shape) -> None:
     expected = np.stack([s["f"] for s in samples])  # numpy's values, in native order
     assert out.shape == expected.shape
     assert np.asarray(out).astype(expected.dtype).tobytes() == expected.tobytes()
+
+
+def numpy_value_lists() -> st.SearchStrategy[list[Any]]:
+    """Lists of numpy values a user's own list of samples may hold: one kind, in dtypes numpy
+    promotes to one (strings of other widths, datetimes of other units, either byte order), as
+    0-d arrays, arrays of one shape, or scalars (records, datetimes)."""
+    kinds = st.sampled_from(
+        [
+            ["<U1", "<U4", ">U2"],
+            ["<M8[D]", "<M8[h]", ">M8[s]"],
+            ["<m8[ms]", ">m8[us]"],
+            [">i4", "<i4"],
+            [">f8", "<f8"],
+            ["<S2", "|S5"],
+        ]
+    )
+
+    @st.composite
+    def lists(draw: st.DrawFn) -> list[Any]:
+        dtypes = [np.dtype(d) for d in draw(kinds)]
+        shape = draw(st.sampled_from([(), (2,)]))
+        size = draw(st.integers(1, 4))
+        values = [draw(hnp.arrays(draw(st.sampled_from(dtypes)), shape)) for _ in range(size)]
+        as_scalars = shape == () and dtypes[0].kind in "Mm" and draw(st.booleans())
+        return [v[()] for v in values] if as_scalars else values
+
+    return lists()
+
+
+@settings(max_examples=80, deadline=None)
+@given(values=numpy_value_lists())
+def test_collate_of_numpy_values_of_promotable_dtypes_is_numpys_stack(values) -> None:
+    """A plain list (not a dataset's batch) of numpy values torch has no tensor for as they are:
+    numpy's own stack of them, a tensor where torch has the (native) dtype."""
+    expected = np.stack([np.asarray(v) for v in values])
+    with np.errstate(all="ignore"):
+        for got in (collate(values), collate([{"f": v} for v in values])["f"]):
+            native = expected.dtype.newbyteorder("=")
+            if expected.dtype.kind in "if":
+                assert isinstance(got, torch.Tensor)
+                assert np.array_equal(got.numpy(), expected.astype(native), equal_nan=True)
+            else:
+                assert type(got) is np.ndarray and got.dtype == expected.dtype
+                assert got.tobytes() == expected.tobytes()
+
+
+def test_collate_of_record_scalars_stacks_them() -> None:
+    records = np.array([(1, 2.5), (3, -1.0)], dtype=[("a", "<i4"), ("b", "<f4")])
+    got = collate(list(records))
+    assert type(got) is np.ndarray and got.dtype == records.dtype and got.tobytes() == records.tobytes()
