@@ -257,6 +257,8 @@ def check_part(part: object) -> tuple[int, int]:
     if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in part):
         raise TypeError(f"part must be a pair (i, n) of integers, not {_brief(part)}")
     i, n = int(part[0]), int(part[1])
+    if n < 1:
+        raise ValueError(f"part {i}/{n} does not exist: n, the number of parts, must be at least 1")
     if not 0 <= i < n:
         raise ValueError(f"part {i}/{n} does not exist: i must be from 0 to {n - 1}")
     if n > MAX_PARTS:
@@ -525,6 +527,9 @@ class Scan:
                 usable.extend(kept)
                 found.values.extend(batch.locations)  # only once the plan has taken the files
             progress.advance(len(paths), 0)
+        if not usable and skipped and part is None:
+            count, first = f"{len(skipped):,}", skipped[0][1]
+            raise SourceError(f"no usable input: --skip-bad left out all {count}; the first: {first}")
         return builder.finish(usable, allow_empty=part is not None)
 
     def scan_batch(self, paths: list[str]) -> ScannedBatch:

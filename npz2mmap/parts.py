@@ -130,6 +130,12 @@ def read_manifest(directory: str) -> list[str]:
     for part in parts:
         _check_path(part, path)
     listed = [os.path.normpath(os.path.join(directory, p)) for p in parts]
+    nested = next((part for part in listed if is_manifest_dir(part)), None)
+    if nested is not None:
+        raise FormatError(
+            f"{path}: lists {nested}, itself a directory of parts (it holds {MANIFEST_NAME}); "
+            "list its parts instead (npz2mmap merge takes both directories and writes one list)"
+        )
     repeated = _first_repeated(listed)
     if repeated is not None:
         raise FormatError(f"{path}: lists part {repeated} twice; each part may appear only once")

@@ -452,7 +452,7 @@ def drop_files(plan: Plan, files: Iterable[int], allow_empty: bool = False) -> P
 
 def _nothing_usable(align: int, mode: str, allow_empty: bool) -> Plan:
     if not allow_empty:
-        raise SourceError("no usable .npz files: every input was skipped")
+        raise SourceError("no usable input: --skip-bad left out every one")
     return empty_plan(align, mode)
 
 

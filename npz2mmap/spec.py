@@ -520,10 +520,11 @@ def _bounded_int(text: str) -> int:
 
 
 def decode_json(raw: bytes, where: str) -> Any:
-    """The JSON value of ``raw``; FormatError if it is not UTF-8 JSON, nests too deeply
-    or holds an integer of more than MAX_INT_DIGITS digits."""
+    """The JSON value of ``raw``; FormatError if it is not UTF-8 JSON, nests too deeply,
+    holds an integer of more than MAX_INT_DIGITS digits or an object with a key twice
+    (which json would read as its last value, where another reader may take the first)."""
     try:
-        return json.loads(raw.decode("utf-8"), parse_int=_bounded_int)
+        return json.loads(raw.decode("utf-8"), parse_int=_bounded_int, object_pairs_hook=_unique_keys)
     except _TooManyDigits as exc:
         raise FormatError(
             f"{where}: holds an integer of {exc.args[0]} digits; no number npz2mmap reads has more "
@@ -533,6 +534,17 @@ def decode_json(raw: bytes, where: str) -> Any:
         raise FormatError(f"{where}: not valid JSON ({exc})") from None
     except RecursionError:
         raise FormatError(f"{where}: JSON nested too deeply") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document = dict(pairs)
+    if len(document) < len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"key {brief(key)} appears twice in one object")
+            seen.add(key)
+    return document
 
 
 def parse_index(document: Any, where: str) -> Index:

@@ -299,9 +299,14 @@ def test_skipped_files_are_listed_in_input_order_whichever_pass_found_them(
 
 
 def test_skip_bad_with_nothing_usable_is_an_error(tmp_path) -> None:
+    """The message says why, by the first file left out, whatever kind of file the inputs are."""
     hostile.zero_byte(tmp_path / "a.npz")
-    with pytest.raises(SourceError, match="no usable .npz files: every input was skipped"):
-        convert([tmp_path / "a.npz"], tmp_path / "out", skip_bad=True)
+    (tmp_path / "b.npy").write_bytes(b"\x93NUMPY")
+    with pytest.raises(SourceError) as refused:
+        convert([tmp_path / "a.npz", tmp_path / "b.npy"], tmp_path / "out", skip_bad=True)
+    assert str(refused.value).startswith(
+        f"no usable input: --skip-bad left out all 2; the first: {tmp_path / 'a.npz'}: "
+    )
     assert not (tmp_path / "out").exists()
 
 

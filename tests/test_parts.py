@@ -158,6 +158,39 @@ def test_a_manifest_listing_a_part_twice_is_refused_naming_the_manifest(tmp_path
     assert not (tmp_path / "m").exists()
 
 
+def test_a_manifest_listing_a_directory_of_parts_is_refused_with_the_way_out(tmp_path, sources) -> None:
+    for i in range(2):
+        convert_part_at([sources], tmp_path / "inner" / f"p{i}", (i, 2), workers=1)
+    assert (
+        run("merge", tmp_path / "inner" / "p0", tmp_path / "inner" / "p1", "-o", tmp_path / "inner").exit_code
+        == 0
+    )
+    (tmp_path / "outer").mkdir()
+    manifest = tmp_path / "outer" / "manifest.json"
+    manifest.write_text(json.dumps({"format": "npz2mmap-parts", "version": 1, "parts": ["../inner"]}))
+    message = (
+        f"{manifest}: lists {tmp_path / 'inner'}, itself a directory of parts (it holds manifest.json); "
+        "list its parts instead (npz2mmap merge takes both directories and writes one list)"
+    )
+    with pytest.raises(FormatError, match=f"^{re.escape(message)}$"):
+        MmapDataset(tmp_path / "outer")
+    assert run("merge", tmp_path / "inner", "-o", tmp_path / "joined").exit_code == 0  # the way out
+    assert len(MmapDataset(tmp_path / "joined")) == len(MmapDataset(tmp_path / "inner"))
+
+
+def test_a_manifest_with_a_key_twice_is_refused(tmp_path, sources) -> None:
+    """json keeps the last of two equal keys, another reader may keep the first: neither is taken."""
+    for i in range(2):
+        convert_part_at([sources], tmp_path / "ds" / f"p{i}", (i, 2), workers=1)
+    manifest = tmp_path / "ds" / "manifest.json"
+    manifest.write_text('{"format": "npz2mmap-parts", "version": 1, "parts": ["p0"], "parts": ["p0", "p1"]}')
+    result = run("inspect", tmp_path / "ds")
+    assert (result.exit_code, result.output) == (
+        1,
+        f"Error: {manifest}: not valid JSON (key 'parts' appears twice in one object)\n",
+    )
+
+
 def test_part_selection_and_its_errors(tmp_path, sources, monkeypatch) -> None:
     files = [f"f{i}" for i in range(10)]
     assert [select_part(files, (i, 4)) for i in range(4)] == [files[0:2], files[2:5], files[5:7], files[7:10]]

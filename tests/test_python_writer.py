@@ -1245,6 +1245,7 @@ def test_a_forked_child_does_not_keep_the_lock_of_a_writer_killed_with_9(tmp_pat
         ((True, 2), TypeError, r"^part must be a pair \(i, n\) of integers, not \(True, 2\)$"),
         ((0, 1, 2), TypeError, r"^part must be a pair \(i, n\) of integers, not \(0, 1, 2\)$"),
         ((3, 3), ValueError, r"^part 3/3 does not exist: i must be from 0 to 2$"),
+        ((0, 0), ValueError, r"^part 0/0 does not exist: n, the number of parts, must be at least 1$"),
         (
             (2**70, 2**71),
             ValueError,
