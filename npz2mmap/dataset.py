@@ -12,6 +12,7 @@ import functools
 import math
 import os
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Sequence as SequenceABC
 from typing import Any, overload
@@ -23,9 +24,30 @@ from torch.utils.data import Dataset, default_collate, get_worker_info
 from torch.utils.data._utils.collate import collate as torch_collate
 from torch.utils.data._utils.collate import collate_numpy_array_fn, default_collate_fn_map
 
+from .errors import LargerThanMemoryWarning
+from .memory import fits_in_memory, larger_than_memory, memory_limit
 from .parts import Parts, PartsReader
 from .ragged import RaggedRows
 from .reader import ADVICE, as_raw, copy_bytes
+
+READS = ("auto", "exact", "mapped")
+_warned_larger_than_memory: set[tuple[str, ...]] = set()
+
+
+def choose_exact_reads(reads: str, parts: Parts, where: str) -> bool:
+    """Whether to read samples exactly (see MmapDataset); warns once per dataset when it does not fit."""
+    if reads not in READS:
+        raise ValueError(f"reads must be one of {', '.join(map(repr, READS))}, not {reads!r}")
+    nbytes = sum(index.blob_nbytes for index in parts.indexes)
+    limit = memory_limit()
+    if fits_in_memory(nbytes, limit):
+        return reads == "exact"
+    key = tuple(parts.paths)
+    if key not in _warned_larger_than_memory:
+        _warned_larger_than_memory.add(key)
+        assert limit is not None
+        warnings.warn(larger_than_memory(where, nbytes, limit), LargerThanMemoryWarning, stacklevel=3)
+    return reads != "mapped"
 
 
 class MmapDataset(Dataset[Any]):
@@ -38,8 +60,17 @@ class MmapDataset(Dataset[Any]):
     reaches the file or a later read; with ``tensors=True`` they come as torch
     tensors sharing that copy (dtypes torch lacks stay numpy). Only the
     selected ``fields`` are ever read. ``advice`` ('random', 'sequential', ...)
-    is passed to madvise for each process's mapping. Raises FormatError if the
-    dataset is invalid, KeyError for unknown fields.
+    is passed to madvise for each process's mapping.
+
+    ``reads`` says how samples come from the disk when they are not cached:
+    ``"mapped"``, by the kernel's page faults and read-around (right while the
+    data fits in memory: what it reads around is read once and stays);
+    ``"exact"``, each batch's exact byte ranges asked for at once, with no
+    read-around (right when it does not fit: nothing is read for nothing, and
+    the disk has many reads in flight); ``"auto"`` (the default), ``"exact"``
+    when the dataset's blobs do not fit in the memory this process may use
+    (npz2mmap.memory), with a LargerThanMemoryWarning naming both sizes, once.
+    Raises FormatError if the dataset is invalid, KeyError for unknown fields.
     """
 
     def __init__(
@@ -49,6 +80,7 @@ class MmapDataset(Dataset[Any]):
         transform: Callable[[Any], Any] | None = None,
         advice: str | None = None,
         tensors: bool = False,
+        reads: str = "auto",
     ) -> None:
         self.path = os.fspath(path) if isinstance(path, (str, os.PathLike)) else [os.fspath(p) for p in path]
         self.parts = Parts(self.path)
@@ -64,6 +96,8 @@ class MmapDataset(Dataset[Any]):
         if advice is not None and advice not in ADVICE:
             raise ValueError(f"advice must be one of {', '.join(ADVICE)}, got {advice!r}")
         self.advice = advice
+        # Decided once, here, in the process that made the dataset: its workers read alike.
+        self.exact_reads = choose_exact_reads(reads, self.parts, str(self.path))
         self._opened: tuple[int, PartsReader] | None = None  # (pid, its mappings): replaced at once
         self._locks: dict[int, threading.Lock] = {}
 
@@ -83,7 +117,8 @@ class MmapDataset(Dataset[Any]):
             with self._opening_lock(pid):
                 opened = self._opened
                 if opened is None or opened[0] != pid:
-                    opened = self._opened = (pid, PartsReader(self.parts, self.advice))
+                    advice = self.advice or ("random" if self.exact_reads and "random" in ADVICE else None)
+                    opened = self._opened = (pid, PartsReader(self.parts, advice))
         return opened[1]
 
     def _opening_lock(self, pid: int) -> threading.Lock:
@@ -113,12 +148,14 @@ class MmapDataset(Dataset[Any]):
         accepts, and that ``npz2mmap.collate`` turns into tensors with no
         further copy. With a transform, samples are read one by one instead.
         """
-        if self.transform is not None:
-            single = self.fields[0] if self.single else None
-            samples = [mark_transformed(self[i], self.ragged_fields, single) for i in indices]
-            return SampleList(samples, self.ragged_fields, single)
         reader = self.reader
         idx = reader.sample_indices(indices)
+        if self.exact_reads:
+            reader.will_need(self.fields, idx)
+        if self.transform is not None:
+            single = self.fields[0] if self.single else None
+            samples = [mark_transformed(self[i], self.ragged_fields, single) for i in idx.tolist()]
+            return SampleList(samples, self.ragged_fields, single)
         in_worker = get_worker_info() is not None
         fields: dict[str, Any] = {}
         shared: dict[str, torch.Tensor] = {}

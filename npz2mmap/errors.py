@@ -39,3 +39,7 @@ class UnknownKeyError(SourceError):
 
 class RaggedFieldWarning(UserWarning):
     """A field is stored ragged only because a few samples differ from a shape nearly all share."""
+
+
+class LargerThanMemoryWarning(UserWarning):
+    """A dataset's blobs do not fit in the memory this process may use: the page cache cannot keep them."""

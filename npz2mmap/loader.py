@@ -11,11 +11,13 @@ that the trainer reads without a copy (ring.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import numbers
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -25,6 +27,7 @@ import torch
 from numpy.typing import NDArray
 
 from .dataset import MmapDataset, as_tensors, collate, torch_dtype
+from .errors import FormatError
 from .padding import PaddedCollate
 from .parts import PartsReader
 from .reader import normalise_indices
@@ -73,6 +76,12 @@ class MmapLoader:
     ``timeout`` seconds (0: no limit) raises WorkerError and stops the
     workers. See ring.py.
     ``state_dict`` / ``load_state_dict`` resume a pass mid-way, with or without workers.
+
+    When the dataset reads exactly (``MmapDataset(reads=)``: by default when it
+    does not fit in memory), the reads of the ``read_ahead`` batches after the
+    one being handed to a worker or gathered are issued ahead, every sample's
+    exact byte ranges at once, so the disk works while batches are consumed;
+    they take up to ``read_ahead`` batches of page cache (0: none ahead).
     """
 
     def __init__(
@@ -93,9 +102,10 @@ class MmapLoader:
         multiprocessing_context: BaseContext | str | None = None,
         slot_nbytes: int | None = None,
         timeout: float = 0,
+        read_ahead: int = 4,
     ) -> None:
-        if batch_size < 1 or prefetch < 0 or num_workers < 0:
-            raise ValueError("batch_size must be at least 1, prefetch and num_workers at least 0")
+        if batch_size < 1 or prefetch < 0 or num_workers < 0 or read_ahead < 0:
+            raise ValueError("batch_size must be at least 1, prefetch, num_workers and read_ahead at least 0")
         if slot_nbytes is not None and slot_nbytes < 1:
             raise ValueError(f"slot_nbytes must be at least 1, got {slot_nbytes}")
         check_timeout(timeout)
@@ -116,6 +126,7 @@ class MmapLoader:
         self.multiprocessing_context = multiprocessing_context
         self.slot_nbytes = slot_nbytes
         self.timeout = timeout
+        self.read_ahead = read_ahead
         self._workers: RingWorkers | None = None
         self._position = _Position()
 
@@ -175,7 +186,9 @@ class MmapLoader:
         position = self._position
         skip = position.start(self.epoch)
         # Batches already yielded before a resume are skipped as indices, never loaded.
-        indices = itertools.islice(self.index_batches(), skip, None)
+        indices: Iterator[NDArray[np.int64]] = itertools.islice(self.index_batches(), skip, None)
+        if self.dataset.exact_reads and self.read_ahead:
+            indices = reads_issued_ahead(indices, self.dataset, self.read_ahead)
         if self.num_workers > 0:
             batches = self._from_workers(indices)
         elif self.prefetch == 0:
@@ -305,6 +318,31 @@ class MmapLoader:
         Raises ValueError for a state this loader did not write, or another seed.
         """
         self._position.load(self, state)
+
+
+def reads_issued_ahead(
+    batches: Iterator[NDArray[np.int64]], dataset: MmapDataset, ahead: int
+) -> Iterator[NDArray[np.int64]]:
+    """``batches`` as they come, each one's exact reads issued ``ahead`` batches before its turn.
+
+    A batch the reader refuses (a bad table) is not read ahead: loading it raises in its
+    turn, as an error of the order itself does, after the batches before it.
+    """
+    reader = dataset.reader
+    window: deque[NDArray[np.int64]] = deque()
+    failed: Exception | None = None  # raised once the batches before it are out
+    try:
+        for batch in batches:
+            with contextlib.suppress(FormatError, IndexError):
+                reader.will_need(dataset.fields, batch)
+            window.append(batch)
+            if len(window) > ahead:
+                yield window.popleft()
+    except Exception as exc:
+        failed = exc
+    yield from window
+    if failed is not None:
+        raise failed
 
 
 def make_batch(

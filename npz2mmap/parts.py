@@ -335,6 +335,18 @@ class PartsReader:
                 reader.advise(advice)
         self._single = self.readers[0] if len(self.readers) == 1 else None
 
+    def will_need(self, names: Sequence[str], indices: NDArray[np.int64]) -> int:
+        """Issue the reads of exactly these samples (normalised) of fields ``names``, in every part
+        they lie in (see DatasetReader.will_need); the number of requests made."""
+        if self._single is not None:
+            return self._single.will_need(names, indices)
+        part_of = np.searchsorted(self.parts.starts, indices, side="right") - 1
+        requests = 0
+        for part in np.unique(part_of):
+            local = indices[part_of == part] - self.parts.starts[part]
+            requests += self.readers[int(part)].will_need(names, local)
+        return requests
+
     def __len__(self) -> int:
         return self.parts.num_samples
 

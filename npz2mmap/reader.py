@@ -148,6 +148,35 @@ class DatasetReader:
         """Normalise many indices at once; IndexError naming the first out of range."""
         return normalise_indices(indices, self.index.num_samples)
 
+    def byte_ranges(
+        self, name: str, indices: NDArray[np.int64]
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """Where samples ``indices`` (normalised) of a field lie in the blob file: offsets and
+        sizes in bytes, from the tables (checked as ``locate`` checks them)."""
+        view = self._field(name)
+        starts, shapes = view.locate(indices)
+        if view.column is not None:
+            nbytes = np.full(len(indices), self.index.field(name).stride, dtype=np.int64)
+        else:
+            nbytes = view.offsets[indices + 1].astype(np.int64, copy=False) - starts
+        return starts + (BLOB_HEADER_NBYTES + view.field.data.offset), nbytes
+
+    def will_need(self, names: Sequence[str], indices: NDArray[np.int64]) -> int:
+        """Ask the kernel to read exactly these samples' bytes of fields ``names`` into the page
+        cache now, in the background, all at once (so the disk has many reads in flight); the
+        number of requests made. Nothing where the platform has no madvise (then each sample is
+        read as it is copied)."""
+        if not len(indices) or not hasattr(self._mmap, "madvise") or "willneed" not in ADVICE:
+            return 0
+        pieces = [self.byte_ranges(name, indices) for name in names]
+        starts = np.concatenate([p[0] for p in pieces])
+        ends = starts + np.concatenate([p[1] for p in pieces])
+        requests = 0
+        for start, end in page_runs(starts, ends):
+            self._mmap.madvise(ADVICE["willneed"], start, end - start)
+            requests += 1
+        return requests
+
     def gather(
         self, name: str, indices: Sequence[int] | NDArray[np.integer], out: np.ndarray | None = None
     ) -> np.ndarray | list[np.ndarray]:
@@ -199,6 +228,23 @@ class DatasetReader:
         if not 0 <= first <= first + count <= len(self):
             raise IndexError(f"samples {first}..{first + count - 1} are out of range for {len(self)} samples")
         return self._field(name).consecutive(first, count)
+
+
+def page_runs(starts: NDArray[np.int64], ends: NDArray[np.int64]) -> list[tuple[int, int]]:
+    """The byte ranges [start, end) widened to whole pages, sorted, those that touch joined."""
+    keep = ends > starts
+    if not keep.any():
+        return []
+    page = mmap.PAGESIZE
+    first = (starts[keep] // page) * page
+    last = -(-ends[keep] // page) * page
+    order = np.argsort(first, kind="stable")
+    first, last = first[order], np.maximum.accumulate(last[order])
+    new_run = np.ones(len(first), dtype=bool)
+    new_run[1:] = first[1:] > last[:-1]
+    run_starts = first[new_run]
+    run_ends = last[np.flatnonzero(new_run)[1:] - 1].tolist() + [int(last[-1])]
+    return list(zip(run_starts.tolist(), run_ends, strict=True))
 
 
 def as_raw(array: np.ndarray) -> np.ndarray:

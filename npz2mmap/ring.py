@@ -266,7 +266,9 @@ class BatchViews:
 
     def array(self, leaf: ViewLeaf) -> np.ndarray:
         buffer = self.ring.region_bytes(self.slot, leaf.region)
-        array = np.ndarray(leaf.shape, leaf.dtype, buffer=buffer, offset=leaf.offset, strides=leaf.strides)
+        array: np.ndarray = np.ndarray(
+            leaf.shape, leaf.dtype, buffer=buffer, offset=leaf.offset, strides=leaf.strides
+        )
         array.flags.writeable = leaf.writeable
         return array
 
