@@ -25,6 +25,7 @@ from .converter import cast_dtype, resolve_part
 from .converter import convert as convert_files
 from .errors import Npz2mmapError, RaggedFieldWarning, UnknownKeyError
 from .inputs import npy_with_sample_dirs
+from .memory import fits_in_memory, larger_than_memory, memory_limit
 from .merge import merge as merge_parts
 from .npzfile import CLI_HEADER_OPTION, MAX_HEADER_SIZE_LIMIT, MAX_NPY_HEADER_CHARS, HeaderLimit
 from .progress import PROGRESS_MODES, showing_progress
@@ -420,10 +421,19 @@ def inspect(dataset: str, as_json: bool, sample: int | None, stats: bool) -> Non
         click.echo(render_json(info) if as_json else render_sample(info))
         return
     summary = describe_dataset(dataset)
+    warn_if_larger_than_memory(dataset, summary["blob_nbytes"])
     if stats:
         with showing_progress("none" if as_json else "auto", echo_err) as progress:
             summary["stats"] = field_statistics(dataset, progress)
     click.echo(render_json(summary) if as_json else render_summary(summary))
+
+
+def warn_if_larger_than_memory(dataset: str, blob_nbytes: int) -> None:
+    """A ``Warning:`` line on stderr when the blobs cannot stay in the memory this process may use."""
+    limit = memory_limit()
+    if not fits_in_memory(blob_nbytes, limit):
+        assert limit is not None
+        echo_err(one_line(f"Warning: {larger_than_memory(dataset, blob_nbytes, limit)}"))
 
 
 @cli.command()
@@ -496,6 +506,7 @@ def warm(dataset: str, progress_mode: str, quiet: bool) -> None:
     try:
         with showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress:
             result = warm_dataset(dataset, progress=progress)
+        warn_if_larger_than_memory(dataset, result.blob_nbytes)
     except OSError as exc:
         raise click.ClickException(f"{dataset}: cannot read the blob ({exc.strerror or exc})") from None
     where = (

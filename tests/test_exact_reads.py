@@ -330,3 +330,21 @@ def test_a_sampler_error_comes_in_its_turn_whatever_is_read_ahead(converted) -> 
     assert got == [[0, 1, 2, 3], [4, 5, 6, 7]]
     with pytest.raises(IndexError):
         list(MmapLoader(ds, 4, sampler=[0, 1, 2, 3, 10**6], read_ahead=4))
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["inspect", "--json"], ["warm", "-q"]])
+def test_inspect_and_warm_say_when_the_dataset_does_not_fit(monkeypatch, converted, command) -> None:
+    from click.testing import CliRunner
+
+    from npz2mmap import commands
+    from npz2mmap.cli import cli
+
+    monkeypatch.setattr(commands, "memory_limit", lambda: MemoryLimit(4096, "the cgroup's memory.max (test)"))
+    result = CliRunner().invoke(cli, [command[0], str(converted), *command[1:]])
+    assert result.exit_code == 0
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"Warning: {converted}: its ") and "(the cgroup's memory.max (test))" in line
+    if "--json" in command:
+        json.loads(result.stdout)  # stdout stays JSON
+    monkeypatch.setattr(commands, "memory_limit", lambda: MemoryLimit(1 << 40, "test"))
+    assert CliRunner().invoke(cli, [command[0], str(converted), *command[1:]]).stderr == ""
