@@ -66,11 +66,11 @@ def merge(
     check_part_set(list(zip(given, labels, strict=True)), _naming(given))
     _check_disjoint_sources(opened, _naming(given))
     out = os.fspath(out_dir)
+    ragged = ragged_across_parts(opened)
     if copy:
         _merge_by_copy(opened, out, overwrite, progress or SilentProgress())
     else:
         _write_manifest(given, out, overwrite)
-    ragged = ragged_across_parts(opened)
     for line in ragged:
         warnings.warn(line, RaggedFieldWarning, stacklevel=2)
     return MergeResult(out, len(given), opened.num_samples, copy, ragged)
@@ -88,7 +88,9 @@ def ragged_across_parts(parts: Parts) -> tuple[str, ...]:
         if info.shape is not None or not shapes or any(shape is None for _, shape in shapes):
             continue
         first, shape = shapes[0]
-        other, other_shape = next(item for item in shapes if item[1] != shape)
+        other, other_shape = next((item for item in shapes if item[1] != shape), (None, None))
+        if other is None:  # one shape wherever there are samples: no part differs
+            continue
         lines.append(
             f"field {name} is ragged only because the parts differ in shape: {first} has {shape}, "
             f"{other} has {other_shape}; convert the parts again with one shape if it should be fixed"

@@ -319,6 +319,18 @@ def _agreeing_fields(paths: list[str], indexes: list[Index]) -> dict[str, FieldI
                 )
             if f.shape != seen.shape:
                 fields[f.name] = FieldInfo(f.name, f.dtype, f.ndim, None)
+    return _fixed_where_samples_agree(fields, indexes)
+
+
+def _fixed_where_samples_agree(fields: dict[str, FieldInfo], indexes: list[Index]) -> dict[str, FieldInfo]:
+    """Fields whose parts with samples all store one shape are fixed: a part of no samples (an
+    empty shard of ``--rows``, which has no shape to give) does not make them ragged, as it does
+    not in one conversion of all the sources."""
+    holding = [index for index in indexes if index.num_samples]
+    for name, info in fields.items():
+        shapes = {index.field(name).shape for index in holding}
+        if info.shape is None and len(shapes) == 1 and None not in shapes:
+            fields[name] = FieldInfo(name, info.dtype, info.ndim, shapes.pop())
     return fields
 
 

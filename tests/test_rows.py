@@ -166,3 +166,26 @@ def test_verify_sources_reports_a_shard_of_zero_rows_that_gained_rows(tmp_path) 
     write_npz(path, x=np.zeros((2, 2), np.float32))
     report = verify(tmp_path / "out", sources=True)
     assert report.problems == [f"{path}: field 'x': the source holds 2 rows, not the 0 sources.jsonl names"]
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_part_of_only_an_empty_shard_merges_as_one_conversion_reads(tmp_path, copy) -> None:
+    """A part whose one file has no rows has no shape to give its fields: merged (listed or
+    copied), the field is fixed as in one conversion of all the files, and every sample reads alike."""
+    src = tmp_path / "src"
+    write_npz(src / "f0.npz", x=np.arange(6, dtype=np.float32).reshape(2, 3))
+    write_npz(src / "f1.npz", x=np.zeros((0, 3), dtype=np.float32))
+    write_npz(src / "f2.npz", x=np.arange(6, 12, dtype=np.float32).reshape(2, 3))
+    single = MmapDataset(convert([src], tmp_path / "single", rows=True, workers=1).out_dir)
+    parts = [convert([src], tmp_path / "p", rows=True, part=(i, 3), workers=1).out_dir for i in range(3)]
+    result = merge(parts, tmp_path / "m", copy=copy)
+    assert result.ragged_across_parts == ()
+    merged = MmapDataset(tmp_path / "m")
+    assert merged.parts.field("x").shape == single.parts.field("x").shape == (3,)
+    assert len(merged) == len(single) == 4
+    for i in range(4):
+        assert merged[i]["x"].tobytes() == single[i]["x"].tobytes()
+    assert (
+        merged.__getitems__([3, 0, 2]).field("x").tobytes()
+        == single.__getitems__([3, 0, 2]).field("x").tobytes()
+    )
