@@ -462,10 +462,12 @@ class _Position:
             raise ValueError(f"loader state has seed {seed}, this loader has seed {loader.seed}")
         if batches_yielded < 0:
             raise ValueError(f"loader state: batches_yielded {batches_yielded} is negative")
-        loader.epoch = epoch  # samplers keep their own: in their state, or from the caller's set_epoch
+        loader.epoch = epoch
         for key, sampler in _samplers(loader):
             if key in state and hasattr(sampler, "load_state_dict"):
-                sampler.load_state_dict(state[key])
+                sampler.load_state_dict(state[key])  # its own epoch and position
+            elif hasattr(sampler, "set_epoch"):  # DistributedSampler: its order is the epoch's
+                sampler.set_epoch(epoch)
         self.resume_at, self.loaded = batches_yielded, dict(state)
 
 

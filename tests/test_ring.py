@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import write_samples
+from torch.utils.data import DistributedSampler
 
 from npz2mmap import BlockShuffleSampler, LengthGroupedSampler, MmapDataset, MmapLoader, PaddedCollate, ring
 from npz2mmap.converter import convert
@@ -1282,3 +1283,28 @@ def test_keyboard_interrupt_or_system_exit_in_a_transform_is_a_worker_error(
                 pids = worker_pids(loader)
         assert worker_pids(loader) == pids and all(p.is_alive() for p in loader._workers.pool.processes)  # type: ignore[union-attr]
     assert "Traceback" not in capfd.readouterr().err  # no worker printed one
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("rank", [0, 2])
+def test_resume_with_a_distributed_sampler_continues_the_saved_epoch(dataset_dir, num_workers, rank) -> None:
+    """DistributedSampler keeps no state of its own, only set_epoch: the loader's state gives it
+    the saved epoch again, so the resumed batches are that epoch's, not epoch 0's."""
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+
+    def make() -> MmapLoader:
+        sampler = DistributedSampler(ds, num_replicas=3, rank=rank, shuffle=True, seed=4)  # type: ignore[arg-type]
+        return MmapLoader(ds, 3, sampler=sampler, num_workers=num_workers, multiprocessing_context="fork")
+
+    with make() as whole:
+        whole.set_epoch(3)
+        uninterrupted = [b.tolist() for b in whole]
+    with make() as first:
+        first.set_epoch(3)
+        for k, _ in enumerate(first):
+            if k == 1:
+                state = first.state_dict()
+                break
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        assert [b.tolist() for b in resumed] == uninterrupted[2:]
