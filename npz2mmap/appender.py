@@ -138,6 +138,8 @@ class Writer:
             self._crc32s: list[array[int]] = []  # per field, one CRC-32 per sample
             self._owed: _Marks | None = None  # where an interrupted append must go back to, until it has
             self._closed = False
+            self._published = False  # by close, once the dataset is at OUT
+            self._close_began = False  # a close that began but did not publish wrote nothing
         except BaseException as exc:  # a Ctrl-C included: nothing is left for the garbage collector
             self._finalizer()
             if fsutil.is_io_error(exc):
@@ -267,7 +269,9 @@ class Writer:
         Raises SourceError when no sample was appended (except for a part,
         which may be empty), OutputError when the dataset cannot be written.
         Warns RaggedFieldWarning for each field in ``nearly_fixed``.
-        Closing a closed writer only finishes a removal a Ctrl-C cut short.
+        Closing a closed writer only finishes a removal a Ctrl-C cut short, and
+        raises OutputError when that writer's close raised (a Ctrl-C included)
+        without writing the dataset, so that a retry is never taken for success.
         """
         self._close(warn_stacklevel=3 + SIGNAL_MASK_FRAMES)  # the caller's line, past the mask's wrapper
 
@@ -276,7 +280,13 @@ class Writer:
         self._check_owner()
         if self._closed:
             self._discard()
+            if self._close_began and not self._published:
+                raise OutputError(
+                    f"{self.out_dir}: not written: the earlier close() raised, and its samples were "
+                    "discarded; append them to a new Writer"
+                )
             return
+        self._close_began = True
         try:
             try:
                 self._settle()
@@ -318,8 +328,10 @@ class Writer:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc_type is None:
+        if exc_type is None and not self._closed:
             self._close(warn_stacklevel=3)  # the with statement's line
+        elif exc_type is None:
+            self._discard_surely()  # closed inside the block: what it said stands
         else:
             self.abort()
 
@@ -373,6 +385,7 @@ class Writer:
             writer.finish_dataset(staging, plan, crc32s, (), self.part)
             with interrupts_blocked():  # OUT is never left between the old dataset and the new
                 publish.publish(staging, self.out_dir, self._overwrite)
+                self._published = True
         except OSError as exc:
             if not fsutil.is_io_error(exc):
                 raise

@@ -1468,6 +1468,35 @@ def test_a_ctrl_c_anywhere_in_creating_a_writer_leaves_out_free(tmp_path, interr
     assert k > 100
     init = inspect.unwrap(npz2mmap.Writer.__init__)
     lines, first = inspect.getsourcelines(init)
-    last_statement = first + next(k for k, line in enumerate(lines) if "self._closed = False" in line)
+    last_statement = first + next(k for k, line in enumerate(lines) if "except BaseException" in line) - 1
     tail = (f"appender.py:__init__:{last_statement} ", "parallel.py:with_mask_restored:")
     assert len(at_the_return) <= 3 and all(w.startswith(tail) for w in at_the_return), at_the_return
+
+
+def test_closing_again_after_a_close_that_raised_says_nothing_was_written(tmp_path, monkeypatch) -> None:
+    """A retried close() must not pass for a written dataset: the first one discarded the samples."""
+    w = npz2mmap.Writer(tmp_path / "out")
+    w.append({"x": np.arange(3)})
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(appender.writer, "finish_dataset", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        w.close()
+    monkeypatch.undo()
+    with pytest.raises(OutputError) as refused:
+        w.close()
+    assert str(refused.value) == (
+        f"{tmp_path / 'out'}: not written: the earlier close() raised, and its samples were discarded; "
+        "append them to a new Writer"
+    )
+    assert os.listdir(tmp_path) == [] and lock_is_free(tmp_path / "out")
+    done = npz2mmap.Writer(tmp_path / "done")
+    done.append({"x": np.arange(3)})
+    done.close()
+    done.close()  # closing a written dataset again is nothing
+    aborted = npz2mmap.Writer(tmp_path / "aborted")
+    aborted.abort()
+    aborted.close()  # nor after an abort, which asked for nothing to be written
+    assert sorted(os.listdir(tmp_path)) == ["done"]
