@@ -1016,8 +1016,10 @@ def pin_ring(ring: Ring) -> Callable[[], None]:
 
 
 def seed_base() -> int:
-    """A fresh seed for one start of the workers (as DataLoader draws one per iterator)."""
-    return int.from_bytes(os.urandom(4), "little")
+    """A seed for one start of the workers, drawn from torch's default generator as DataLoader
+    draws its base seed: ``torch.manual_seed`` before the loader starts makes the workers'
+    augmentations repeat, and each start draws a new one."""
+    return int(torch.empty((), dtype=torch.int64).random_().item())
 
 
 class RingWorkers:

@@ -1308,3 +1308,25 @@ def test_resume_with_a_distributed_sampler_continues_the_saved_epoch(dataset_dir
     with make() as resumed:
         resumed.load_state_dict(state)
         assert [b.tolist() for b in resumed] == uninterrupted[2:]
+
+
+def noisy(sample: dict[str, Any]) -> dict[str, Any]:
+    """A random augmentation drawing from torch's and numpy's global generators."""
+    return {"label": sample["label"], "noise": np.float64(torch.rand(()).item() + np.random.random())}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_worker_augmentations_repeat_after_torch_manual_seed(dataset_dir, num_workers) -> None:
+    """As with DataLoader, the workers' seeds come from torch's default generator: the same
+    torch.manual_seed gives the same augmentations, another gives others, and no two workers draw alike."""
+    ds = MmapDataset(dataset_dir / "dataset", fields=["label"], transform=noisy)
+
+    def run(seed: int) -> list[float]:
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        with MmapLoader(ds, 4, num_workers=num_workers, multiprocessing_context="fork") as loader:
+            return [float(v) for batch in loader for v in batch["noise"]]
+
+    first, again, other = run(0), run(0), run(1)
+    assert first == again and first != other
+    assert len(set(first)) == len(first)
