@@ -372,7 +372,7 @@ def collate_numpy_torch_lacks(values: Sequence[Any]) -> Any:
 
     Arrays (or record and datetime scalars) of a dtype torch lacks are stacked, every
     byte copied, or by numpy's promotion where dtypes differ (strings of other widths,
-    datetimes of other units); a byte order torch does not read is made native, and
+    datetimes of other units); a byte order not the machine's is made native, and
     the result is a tensor where torch has its dtype. Shapes that differ are numpy's
     ValueError.
     """
@@ -385,10 +385,8 @@ def collate_numpy_torch_lacks(values: Sequence[Any]) -> Any:
         stacked = stack_bytes(arrays) if all(a.shape == arrays[0].shape for a in arrays) else np.stack(arrays)
     else:
         stacked = np.stack(arrays)
-    if torch_dtype(stacked.dtype) is None and not stacked.dtype.isnative:
-        native = stacked.dtype.newbyteorder("=")
-        if torch_dtype(native) is not None:
-            stacked = stacked.astype(native)
+    if not stacked.dtype.isnative:  # as a dataset's own batches are: native, whatever the kind
+        stacked = stacked.astype(stacked.dtype.newbyteorder("="))
     return as_tensors(stacked)
 
 

@@ -287,16 +287,47 @@ def raw_unit(dtype: np.dtype) -> np.dtype:
 
 
 def pad_element(dtype: np.dtype, pad_value: float, name: str = "data") -> Any:
-    """``pad_value`` as one element of ``dtype``, in raw_unit: cast as np.full casts, zero bytes elsewhere.
+    """``pad_value`` as one element of ``dtype``, in raw_unit.
 
-    ValueError naming the field ``name`` when the value cannot be one (-1 for uint8).
+    The default 0 pads what is not a number with its empty value: zero bytes
+    ('' for strings, b'' for bytes, a record of zero bytes), NaT for datetimes
+    and timedeltas. Any other value must be one of ``dtype`` exactly, as cast
+    by numpy (a float field takes its nearest float): ValueError naming the
+    field ``name`` otherwise (-1 or 0.5 for uint8, 0.5 for bool, 5 for a string).
     """
     element = np.zeros(1, dtype=dtype)
+    if _is_default_zero(pad_value) and dtype.kind not in "biufc":
+        if dtype.kind in "Mm":
+            element[0] = dtype.type("NaT")
+        return element.view(raw_unit(dtype))[0]
     try:
-        np.copyto(element, pad_value, casting="unsafe")  # what np.full does, so the same values fail
+        with np.errstate(invalid="ignore", over="ignore"):  # a value that does not fit is refused below
+            np.copyto(element, pad_value, casting="unsafe")
     except (OverflowError, ValueError, TypeError) as exc:
         raise ValueError(f"field {name!r}: pad_value {pad_value!r} is not a {dtype} ({exc})") from None
+    if not _pads_as_given(element[0], pad_value, dtype):
+        raise ValueError(
+            f"field {name!r}: pad_value {pad_value!r} is not a {dtype}: it would pad with {element[0]!r}"
+        )
     return element.view(raw_unit(dtype))[0]
+
+
+def _is_default_zero(value: Any) -> bool:
+    return type(value) is int and value == 0
+
+
+def _pads_as_given(stored: Any, value: Any, dtype: np.dtype) -> bool:
+    """Whether the element cast from ``value`` is that value (floats: up to rounding, NaN as NaN)."""
+    if dtype.kind in "fc":
+        given = complex(value) if isinstance(value, (int, float, complex, np.number)) else None
+        if given is None:
+            return False
+        parts = [(complex(stored).real, given.real), (complex(stored).imag, given.imag)]
+        return all(math.isnan(a) == math.isnan(b) and math.isinf(a) == math.isinf(b) for a, b in parts)
+    try:
+        return bool(stored == value)
+    except (TypeError, ValueError):
+        return False
 
 
 def check_padded_size(name: str, shape: tuple[int, ...], itemsize: int) -> None:

@@ -48,8 +48,10 @@ def ragged_fields(draw: st.DrawFn) -> list[np.ndarray]:
 
 
 def pad_value_for(dtype: np.dtype) -> st.SearchStrategy[Any]:
-    if dtype.kind in "biufc":
-        return st.sampled_from([0, 1, 7]) if dtype.kind in "bu" else st.sampled_from([0, -1, 7])
+    if dtype.kind == "b":
+        return st.sampled_from([0, 1, True])
+    if dtype.kind in "iufc":
+        return st.sampled_from([0, 1, 7]) if dtype.kind == "u" else st.sampled_from([0, -1, 7, 7.0])
     return st.just(0)
 
 
@@ -58,8 +60,11 @@ def expected_padded(sources: list[Path], name: str, indices: list[int], pad_valu
     arrays = [load_raw(sources[i], name) for i in indices]
     dtype = arrays[0].dtype.newbyteorder("<")
     largest = np.max([a.shape for a in arrays], axis=0)
-    pad_element = np.zeros(1, dtype)
-    pad_element[0] = pad_value
+    pad_element = np.zeros(1, dtype)  # the default 0 of what is no number: zero bytes, or NaT
+    if dtype.kind in "biufc" or pad_value != 0:
+        pad_element[0] = pad_value
+    elif dtype.kind in "Mm":
+        pad_element[0] = dtype.type("NaT")
     out = np.empty((len(arrays), *largest, dtype.itemsize), dtype=np.uint8)
     out[...] = pad_element.view(np.uint8)
     for row, array in zip(out, arrays, strict=True):
@@ -344,3 +349,45 @@ def test_locating_a_batch_refuses_exactly_what_reading_each_sample_refuses(forge
         starts, shapes = reader.locate(name, idx)
         assert starts.tolist() == view.offsets[idx].tolist()
         assert shapes.tolist() == view.shapes[idx].tolist()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "pad_value", "pads_with"),
+    [
+        ("u1", 0.5, "np.uint8(0)"),
+        ("u1", float("nan"), None),
+        ("?", 0.5, "np.True_"),
+        ("?", 7, "np.True_"),
+        ("i4", 2.5, "np.int32(2)"),
+        ("f2", 1e10, "np.float16(inf)"),
+        ("<U3", 5, "np.str_('5')"),
+        ("<M8[s]", 5, None),
+    ],
+)
+def test_a_pad_value_the_field_cannot_hold_exactly_is_refused(dtype, pad_value, pads_with) -> None:
+    """numpy would cast it (0.5 to 0 in uint8, 0.5 to True): padding with what the user did not give."""
+    arrays = [np.zeros(n, dtype=dtype) for n in (1, 3)]
+    with pytest.raises(
+        ValueError, match=f"^field 'x': pad_value {re.escape(repr(pad_value))} is not a "
+    ) as refused:
+        PaddedCollate(pad_value=pad_value, ragged=["x"])([{"x": a} for a in arrays])
+    if pads_with is not None:
+        assert str(refused.value).endswith(f": it would pad with {pads_with}")
+
+
+def test_the_default_pad_of_what_is_no_number_is_its_empty_value() -> None:
+    """'' for strings, b'' for bytes, zero bytes for records, NaT for datetimes, not the text '0'."""
+    record = np.dtype([("a", "<i2"), ("b", "S2")])
+    fields = {
+        "u": [np.array(["w"], "<U6"), np.array(["x", "y", "z"], "<U6")],
+        "s": [np.array([b"w"], "S2"), np.array([b"x", b"y"], "S2")],
+        "r": [np.array([(3, b"w")], record), np.array([(1, b"a"), (2, b"b")], record)],
+        "t": [np.array(["2020-01-01"], "M8[s]"), np.array(["2020-01-01", "2020-01-02"], "M8[s]")],
+        "d": [np.array([1], "m8[ms]"), np.array([1, 2], "m8[ms]")],
+    }
+    samples = [{name: pair[k] for name, pair in fields.items()} for k in range(2)]
+    batch = PaddedCollate(ragged=list(fields))(samples)
+    assert batch["u"][0].tolist() == ["w", "", ""]
+    assert batch["s"][0].tolist() == [b"w", b""]
+    assert batch["r"][0][1].tobytes() == bytes(record.itemsize)
+    assert np.isnat(batch["t"][0][1]) and np.isnat(batch["d"][0][1])
