@@ -28,7 +28,7 @@ import numpy as np
 
 from . import fsutil
 from .errors import DatasetInputError, SourceError
-from .spec import IDENTITY_MAGIC, NPY_MAGIC, brief, checked_nbytes, representable_nbytes
+from .spec import IDENTITY_MAGIC, NPY_MAGIC, brief, checked_nbytes, representable_nbytes, storage_dtype
 from .zipdir import FileView, ZipEntry
 
 NPY_SUFFIX = ".npy"
@@ -271,16 +271,37 @@ def read_member_header(
                 f"{entry.file_size - header.header_nbytes}"
             )
         if header.nbytes >= len(IDENTITY_MAGIC):  # mostly read already, with the header
-            refuse_blob_data(start.read(len(IDENTITY_MAGIC)), where)
+            refuse_blob_data(start.read(blob_check_nbytes(header.dtype)), header.dtype, where)
     except zlib.error as exc:
         raise SourceError(f"{where}: {exc}") from exc
     return header, location
 
 
-def refuse_blob_data(data_start: bytes, where: str) -> None:
-    """DatasetInputError when an array's data starts with the identity every npz2mmap blob
-    starts with: a dataset's blob, copied, linked, zipped or saved again in another dtype."""
-    if data_start == IDENTITY_MAGIC:
+# Past this itemsize only the bytes as found are compared with the identity (a record this
+# large saved in another byte order is no plausible way to hide a blob).
+MAX_SWAPPED_CHECK_NBYTES = 4096
+
+
+def blob_check_nbytes(dtype: np.dtype) -> int:
+    """How many bytes of an array's data refuse_blob_data needs: whole elements up to the identity's size."""
+    if dtype.itemsize == 0 or dtype.itemsize > MAX_SWAPPED_CHECK_NBYTES:
+        return len(IDENTITY_MAGIC)
+    return max(len(IDENTITY_MAGIC), -(-len(IDENTITY_MAGIC) // dtype.itemsize) * dtype.itemsize)
+
+
+def refuse_blob_data(data_start: bytes, dtype: np.dtype, where: str) -> None:
+    """DatasetInputError when an array's data is stored starting with the identity every npz2mmap
+    blob starts with: a dataset's blob, copied, linked, zipped or saved again in another dtype or
+    byte order (compared as it would be stored, little-endian)."""
+    stored = data_start
+    little = storage_dtype(dtype)
+    if (
+        little != dtype
+        and len(data_start) == blob_check_nbytes(dtype)
+        and len(data_start) % dtype.itemsize == 0
+    ):
+        stored = np.frombuffer(data_start, dtype).astype(little).tobytes()
+    if stored[: len(IDENTITY_MAGIC)] == IDENTITY_MAGIC or data_start[: len(IDENTITY_MAGIC)] == IDENTITY_MAGIC:
         raise DatasetInputError(
             f"{where}: holds the blob of an npz2mmap dataset (its data starts with the blob identity), "
             "not a source; convert its sources again by naming the paths listed in its dataset's "

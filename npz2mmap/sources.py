@@ -31,6 +31,7 @@ from .npzfile import (
     HeaderLimit,
     MemberHeader,
     MemberLocation,
+    blob_check_nbytes,
     check_no_overlap,
     data_after_header,
     located_bytes,
@@ -258,9 +259,10 @@ class _NpyFile:
         """DatasetInputError for an npz2mmap blob under any name or dtype: its bytes say so."""
         if header.nbytes < len(IDENTITY_MAGIC):
             return
+        nbytes = min(blob_check_nbytes(header.dtype), header.nbytes)
         with source_errors(self.path):
-            start = fsutil.read_at(self.fp.fileno(), len(IDENTITY_MAGIC), header.header_nbytes)
-        refuse_blob_data(start, self.path)
+            start = fsutil.read_at(self.fp.fileno(), nbytes, header.header_nbytes)
+        refuse_blob_data(start, header.dtype, self.path)
 
     def data_chunks(self, header: MemberHeader) -> Iterator[bytes]:
         with source_errors(self.path):

@@ -593,7 +593,17 @@ def test_a_field_named_data_is_a_source_not_a_blob(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     "how",
-    ["copy", "symlink", "renamed in its dataset", "saved as uint32", "zipped", "zipped deflated", "savez"],
+    [
+        "copy",
+        "symlink",
+        "renamed in its dataset",
+        "saved as uint32",
+        "saved as big-endian uint16",
+        "saved as big-endian records",
+        "zipped",
+        "zipped deflated",
+        "savez",
+    ],
 )
 @pytest.mark.parametrize("options", [[], ["--skip-bad"], ["--workers", "2"]])
 def test_a_blob_under_another_name_is_refused_by_its_bytes(tmp_path, how, options) -> None:
@@ -602,10 +612,17 @@ def test_a_blob_under_another_name_is_refused_by_its_bytes(tmp_path, how, option
     inputs = tmp_path / "inputs"
     inputs.mkdir()
     where = None
-    if how == "saved as uint32":
-        blob = inputs / "as_u4.npy"
+    if how.startswith("saved as"):
+        blob = inputs / "again.npy"
         raw = np.load(dataset / "data.npy")
-        np.save(blob, raw[: len(raw) // 4 * 4].view("<u4"))
+        dtype = {
+            "saved as uint32": np.dtype("<u4"),
+            "saved as big-endian uint16": np.dtype(">u2"),
+            "saved as big-endian records": np.dtype([("a", ">u4"), ("b", ">u8"), ("c", "u1")]),
+        }[how]
+        # stored little-endian, these are the blob's bytes: the array as numpy reads it, saved again
+        values = raw[: len(raw) // dtype.itemsize * dtype.itemsize].view(dtype.newbyteorder("<"))
+        np.save(blob, values.astype(dtype))
     elif how.startswith("zipped"):
         blob = inputs / "blob.npz"
         method = zipfile.ZIP_DEFLATED if how == "zipped deflated" else zipfile.ZIP_STORED
