@@ -568,8 +568,8 @@ class Scan:
         """A source's member headers and locations, or with --skip-bad the reason it is unusable."""
         try:
             return scan_source(path, self.keys, self.header_limit)
-        except DatasetInputError:
-            raise  # a mistake in the inputs, not a bad file: --skip-bad does not leave it out
+        except (DatasetInputError, MismatchError):
+            raise  # a mistake in the inputs, or files that disagree, not a bad file: never skipped
         except SourceError as exc:
             if not self.skip_bad:
                 raise

@@ -88,6 +88,9 @@ class MmapDataset(Dataset[Any]):
         names = [fields] if isinstance(fields, str) else list(fields or self.parts.field_names)
         for name in names:
             self.parts.field(name)
+        repeated = next((name for k, name in enumerate(names) if name in names[:k]), None)
+        if repeated is not None:
+            raise ValueError(f"fields names {repeated!r} twice; name each field once")
         self.fields: tuple[str, ...] = tuple(names)
         # The selected fields whose shape differs between samples (in any part); batches carry it.
         self.ragged_fields = frozenset(name for name in names if self.parts.field(name).shape is None)

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import BinaryIO, Protocol
 
 from . import fsutil
-from .errors import SourceError
+from .errors import MismatchError, SourceError
 from .npzfile import (
     CHUNK_NBYTES,
     IN_SAMPLE_DIR,
@@ -153,8 +153,8 @@ def scan_source(
         available = source.keys()
         headers = {}
         for key in available if keys is None else keys:
-            if key not in available:
-                raise SourceError(f"{path}: no key {key!r} (has: {', '.join(available) or 'none'})")
+            if key not in available:  # a disagreement on keys, which --skip-bad does not leave out
+                raise MismatchError(f"{path}: no key {key!r} (has: {', '.join(available) or 'none'})")
             headers[key] = source.header(key)
         return headers, {key: source.location(key) for key in headers}
 

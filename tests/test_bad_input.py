@@ -13,7 +13,7 @@ import hostile
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import write_samples
+from conftest import write_npz, write_samples
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -362,3 +362,15 @@ def test_pipes_and_broken_links_named_npz_in_a_directory_are_named(tmp_path, goo
     os.symlink(tmp_path / "gone", good_sources / "link.npz")
     with pytest.raises(SourceError, match=r"link\.npz: a broken link, not a regular file"):
         convert([good_sources], tmp_path / "out", workers=1)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_skip_bad_does_not_leave_out_files_lacking_a_selected_key(tmp_path, workers) -> None:
+    """A file without a --keys key disagrees with the others on keys: an error, as without --keys."""
+    for k in range(6):
+        arrays = {"x": np.arange(3), **({"z": np.int64(k)} if k % 2 == 0 else {})}
+        write_npz(tmp_path / "src" / f"f{k}.npz", **arrays)
+    with pytest.raises(SourceError) as refused:
+        convert([tmp_path / "src"], tmp_path / "out", keys=["x", "z"], skip_bad=True, workers=workers)
+    assert str(refused.value) == f"{tmp_path / 'src' / 'f1.npz'}: no key 'z' (has: x)"
+    assert not (tmp_path / "out").exists()

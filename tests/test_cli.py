@@ -381,7 +381,7 @@ def test_debug_after_the_command_shows_the_traceback(tmp_path, sources) -> None:
     result = run_script("convert", sources, "-o", tmp_path / "out", "--keys", "nope", "--debug")
     assert result.returncode == 1
     assert "Traceback" in result.stderr
-    assert result.stderr.splitlines()[-1].startswith("npz2mmap.errors.SourceError: ")
+    assert result.stderr.splitlines()[-1].startswith("npz2mmap.errors.MismatchError: ")
     assert not (tmp_path / "out").exists()
     for command in ("convert", "inspect", "verify", "merge", "warm"):
         assert "--debug" in run(command, "--help").output

@@ -348,3 +348,8 @@ def test_inspect_and_warm_say_when_the_dataset_does_not_fit(monkeypatch, convert
         json.loads(result.stdout)  # stdout stays JSON
     monkeypatch.setattr(commands, "memory_limit", lambda: MemoryLimit(1 << 40, "test"))
     assert CliRunner().invoke(cli, [command[0], str(converted), *command[1:]]).stderr == ""
+
+
+def test_a_field_named_twice_is_refused(converted) -> None:
+    with pytest.raises(ValueError, match="^fields names 'tokens' twice; name each field once$"):
+        MmapDataset(converted, fields=["tokens", "label", "tokens"])
