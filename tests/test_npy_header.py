@@ -81,9 +81,12 @@ def numpy_verdict(header: bytes, directory: Path) -> tuple[str, np.ndarray | Non
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return "accepts", np.load(path, allow_pickle=False)
+            array = np.load(path, allow_pickle=False)
     except Exception:  # np.load raises many types; any of them is a refusal
         return "refuses", None
+    if probe is not None and min(probe[0], default=0) < 0:
+        return "refuses", None  # numpy 2.1 reads shape (-1,) as "whatever follows": no array it declares
+    return "accepts", array
 
 
 def our_verdict(header: bytes, data_nbytes: int, directory: Path) -> MemberHeader | SourceError:
