@@ -374,16 +374,17 @@ def collate_numpy_torch_lacks(values: Sequence[Any]) -> Any:
     """Numpy values torch has no tensor for as they are, collated by numpy; None for any other.
 
     Arrays (or record and datetime scalars) of a dtype torch lacks are stacked, every
-    byte copied, or by numpy's promotion where dtypes differ (strings of other widths,
-    datetimes of other units); a byte order not the machine's is made native, and
+    byte copied; arrays of other dtypes, by numpy's promotion (strings of other widths,
+    datetimes of other units, float32 with int64 as float64, where torch's would take
+    float32); a byte order not the machine's is made native, and
     the result is a tensor where torch has its dtype. Shapes that differ are numpy's
     ValueError.
     """
     if not _is_numpy_value(values[0]) or not all(_is_numpy_value(v) for v in values):
         return None
     arrays = [np.asarray(v) for v in values]
-    if all(torch_dtype(a.dtype) is not None for a in arrays):
-        return None
+    if all(a.dtype == arrays[0].dtype for a in arrays) and torch_dtype(arrays[0].dtype) is not None:
+        return None  # torch's own collate, as for a dataset's samples
     if all(a.dtype == arrays[0].dtype for a in arrays):
         stacked = stack_bytes(arrays) if all(a.shape == arrays[0].shape for a in arrays) else np.stack(arrays)
     else:

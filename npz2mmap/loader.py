@@ -104,6 +104,8 @@ class MmapLoader:
         timeout: float = 0,
         read_ahead: int = 4,
     ) -> None:
+        if not isinstance(read_ahead, int) or isinstance(read_ahead, bool):
+            raise TypeError(f"read_ahead must be an int (batches), not {type(read_ahead).__name__}")
         if batch_size < 1 or prefetch < 0 or num_workers < 0 or read_ahead < 0:
             raise ValueError("batch_size must be at least 1, prefetch, num_workers and read_ahead at least 0")
         if slot_nbytes is not None and slot_nbytes < 1:

@@ -117,9 +117,10 @@ def _physical_memory() -> MemoryLimit | None:
 def larger_than_memory(where: str, nbytes: int, limit: MemoryLimit) -> str:
     """The one line that says a dataset does not fit, both sizes, and what to do."""
     return (
-        f"{where}: its {human_bytes(nbytes)} do not fit in the {human_bytes(limit.nbytes)} this process "
-        f"may use ({limit.source}), so the page cache cannot keep it and every epoch reads it from the "
-        "disk; samples are read exactly, each batch's at once, and MmapLoader issues the next batches' "
+        f"{where}: its {human_bytes(nbytes)} are more than {FIT_FRACTION:.0%} of the "
+        f"{human_bytes(limit.nbytes)} this process may use ({limit.source}), too much for the page "
+        "cache to keep beside the processes' own memory, so every epoch reads it from the disk; "
+        "samples are read exactly, each batch's at once, and MmapLoader issues the next batches' "
         "reads ahead; to shuffle at the disk's sequential speed, give it "
         "sampler=BlockShuffleSampler(len(ds)), or raise the limit"
     )

@@ -127,6 +127,22 @@ class PaddedCollate:
         return out
 
 
+def _common_dtype(arrays: list[np.ndarray], name: str) -> np.dtype:
+    """The dtype a padded batch of these arrays takes: theirs, or numpy's promotion of theirs (native)."""
+    if not arrays:
+        return np.dtype(np.float32)
+    dtype = arrays[0].dtype
+    if any(a.dtype != dtype for a in arrays):
+        try:
+            dtype = np.result_type(*arrays)
+        except TypeError as exc:  # numpy's DTypePromotionError is a TypeError
+            kinds = sorted({str(a.dtype) for a in arrays})
+            raise ValueError(
+                f"field {name!r} mixes dtypes {', '.join(kinds)}, which numpy cannot promote to one ({exc})"
+            ) from None
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
+
+
 def _by_field(samples: Sequence[Any]) -> dict[str, list[np.ndarray]]:
     if samples and isinstance(samples[0], dict):
         return {key: [np.asarray(s[key]) for s in samples] for key in samples[0]}
@@ -144,15 +160,24 @@ def _stack(name: str, arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def pad(arrays: list[np.ndarray], pad_value: float = 0, name: str = "data") -> tuple[np.ndarray, np.ndarray]:
-    """Stack arrays of one dtype and ndim into (len, *largest shape); return it and their shapes.
+    """Stack arrays of one ndim into (len, *largest shape); return it and their shapes.
 
-    Raises ValueError when that padded batch is larger than numpy can make
+    Arrays of other dtypes (a user's own samples) are stacked in numpy's
+    promotion of them, as np.stack would (strings of other widths, datetimes
+    of other units, int8 with uint8), never cast to the first one's. Raises
+    ValueError naming the field for dtypes numpy cannot promote, for samples
+    of other ndim, and when the padded batch is larger than numpy can make
     (samples of shapes (2**60, 0) and (0, 2**60) pad to 2**120 elements).
     """
+    if len({a.ndim for a in arrays}) > 1:
+        ndims = sorted({a.ndim for a in arrays})
+        raise ValueError(
+            f"field {name!r} has samples of {ndims[0]} and {ndims[-1]} dimensions; padding needs one"
+        )
+    dtype = _common_dtype(arrays, name)
     shapes = np.array([a.shape for a in arrays], dtype=np.int64).reshape(len(arrays), -1)
     largest = tuple(int(d) for d in shapes.max(axis=0)) if len(arrays) else ()
-    check_padded_size(name, (len(arrays), *largest), arrays[0].dtype.itemsize if arrays else 4)
-    dtype = arrays[0].dtype if arrays else np.dtype(np.float32)
+    check_padded_size(name, (len(arrays), *largest), dtype.itemsize)
     out = np.empty((len(arrays), *largest), dtype=dtype)
     out.view(raw_unit(dtype))[...] = pad_element(dtype, pad_value, name)
     for row, array in zip(out, arrays, strict=True):

@@ -8,6 +8,7 @@ sample's bytes once, straight from the mapping into the result.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -301,7 +302,10 @@ def pad_element(dtype: np.dtype, pad_value: float, name: str = "data") -> Any:
             element[0] = dtype.type("NaT")
         return element.view(raw_unit(dtype))[0]
     try:
-        with np.errstate(invalid="ignore", over="ignore"):  # a value that does not fit is refused below
+        with np.errstate(invalid="ignore", over="ignore"), warnings.catch_warnings():
+            warnings.simplefilter(
+                "ignore"
+            )  # ComplexWarning and the like: a value that does not fit is refused below
             np.copyto(element, pad_value, casting="unsafe")
     except (OverflowError, ValueError, TypeError) as exc:
         raise ValueError(f"field {name!r}: pad_value {pad_value!r} is not a {dtype} ({exc})") from None
@@ -322,6 +326,8 @@ def _pads_as_given(stored: Any, value: Any, dtype: np.dtype) -> bool:
         given = complex(value) if isinstance(value, (int, float, complex, np.number)) else None
         if given is None:
             return False
+        if dtype.kind == "f" and given.imag != 0:
+            return False  # a float field cannot hold an imaginary part
         parts = [(complex(stored).real, given.real), (complex(stored).imag, given.imag)]
         return all(math.isnan(a) == math.isnan(b) and math.isinf(a) == math.isinf(b) for a, b in parts)
     try:

@@ -40,7 +40,10 @@ MEMINFO = "MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n"
 @pytest.mark.parametrize(
     ("files", "expected"),
     [
-        ({"proc/self/cgroup": "0::/job/step\n", "proc/meminfo": MEMINFO}, (20000000 * 1024, "MemAvailable in /proc/meminfo")),
+        (
+            {"proc/self/cgroup": "0::/job/step\n", "proc/meminfo": MEMINFO},
+            (20000000 * 1024, "MemAvailable in /proc/meminfo"),
+        ),
         (
             {
                 "proc/self/cgroup": "0::/job/step\n",
@@ -287,7 +290,7 @@ def test_a_dataset_larger_than_memory_warns_once_naming_both_sizes(monkeypatch, 
     assert len(caught) == 1
     message = str(caught[0].message)
     assert message.startswith(f"{converted}: its ")
-    assert "do not fit in the 4.1 kB this process may use (the cgroup's memory.max (test))" in message
+    assert "are more than 80% of the 4.1 kB this process may use (the cgroup's memory.max (test))" in message
     assert "sampler=BlockShuffleSampler(len(ds))" in message
     assert caught[0].filename == __file__  # the user's line
     assert auto.exact_reads and again.exact_reads and not mapped.exact_reads
@@ -353,3 +356,9 @@ def test_inspect_and_warm_say_when_the_dataset_does_not_fit(monkeypatch, convert
 def test_a_field_named_twice_is_refused(converted) -> None:
     with pytest.raises(ValueError, match="^fields names 'tokens' twice; name each field once$"):
         MmapDataset(converted, fields=["tokens", "label", "tokens"])
+
+
+@pytest.mark.parametrize("read_ahead", [1.5, True, "4"])
+def test_read_ahead_is_a_number_of_batches(converted, read_ahead) -> None:
+    with pytest.raises(TypeError, match="^read_ahead must be an int"):
+        MmapLoader(MmapDataset(converted, fields="label"), 4, read_ahead=read_ahead)

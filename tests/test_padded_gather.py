@@ -362,6 +362,7 @@ def test_locating_a_batch_refuses_exactly_what_reading_each_sample_refuses(forge
         ("f2", 1e10, "np.float16(inf)"),
         ("<U3", 5, "np.str_('5')"),
         ("<M8[s]", 5, None),
+        ("f4", 1j, None),
     ],
 )
 def test_a_pad_value_the_field_cannot_hold_exactly_is_refused(dtype, pad_value, pads_with) -> None:
@@ -391,3 +392,41 @@ def test_the_default_pad_of_what_is_no_number_is_its_empty_value() -> None:
     assert batch["s"][0].tolist() == [b"w", b""]
     assert batch["r"][0][1].tobytes() == bytes(record.itemsize)
     assert np.isnat(batch["t"][0][1]) and np.isnat(batch["d"][0][1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtypes=st.sampled_from(
+        [
+            ("<U1", "<U3"),
+            ("<M8[D]", "<M8[s]"),
+            ("i1", "u1"),
+            ("i8", "f4"),
+            ("f2", "f8"),
+            (">i4", "<i2"),
+            ("S1", "S4"),
+        ]
+    ),
+    data=st.data(),
+)
+def test_a_users_samples_of_other_dtypes_pad_in_numpys_promotion(dtypes, data) -> None:
+    """Own samples (not a dataset's) may mix dtypes: the padded batch holds every value as
+    numpy's promotion of them does, never cast to the first sample's dtype."""
+    arrays = [
+        data.draw(hnp.arrays(np.dtype(data.draw(st.sampled_from(dtypes))), st.integers(1, 4)))
+        for _ in range(data.draw(st.integers(1, 4)))
+    ]
+    batch = PaddedCollate(ragged=["t"])([{"t": a} for a in arrays])
+    got = batch["t"].numpy() if isinstance(batch["t"], torch.Tensor) else batch["t"]
+    common = np.result_type(*arrays)
+    assert got.dtype == common.newbyteorder("=")
+    for row, array in zip(got, arrays, strict=True):
+        assert row[: len(array)].tobytes() == array.astype(got.dtype).tobytes()
+    assert batch["t_lengths"].tolist() == [len(a) for a in arrays]
+
+
+def test_samples_of_dtypes_numpy_cannot_promote_or_of_other_ndim_are_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"^field 't' mixes dtypes datetime64\[s\], int64, which numpy cannot"):
+        PaddedCollate(ragged=["t"])([{"t": np.array(["2020-01-01"], "M8[s]")}, {"t": np.arange(2)}])
+    with pytest.raises(ValueError, match="^field 't' has samples of 1 and 2 dimensions; padding needs one$"):
+        PaddedCollate(ragged=["t"])([{"t": np.arange(2)}, {"t": np.zeros((2, 2))}])

@@ -311,6 +311,10 @@ def numpy_value_lists() -> st.SearchStrategy[list[Any]]:
             [">i4", "<i4"],
             [">f8", "<f8"],
             ["<S2", "|S5"],
+            ["<f4", "<i8"],  # numpy: float64, where torch's promotion takes float32
+            ["<i4", "<f4"],
+            ["<i1", "<u1"],
+            ["<f2", "<f8"],
         ]
     )
 
@@ -335,8 +339,8 @@ def test_collate_of_numpy_values_of_promotable_dtypes_is_numpys_stack(values) ->
     with np.errstate(all="ignore"):
         for got in (collate(values), collate([{"f": v} for v in values])["f"]):
             native = expected.dtype.newbyteorder("=")
-            if expected.dtype.kind in "if":
-                assert isinstance(got, torch.Tensor)
+            if expected.dtype.kind in "iuf":
+                assert isinstance(got, torch.Tensor) and got.numpy().dtype == native
                 assert np.array_equal(got.numpy(), expected.astype(native), equal_nan=True)
             else:
                 assert type(got) is np.ndarray and got.dtype == native
