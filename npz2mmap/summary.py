@@ -90,7 +90,7 @@ def _rounded(value: float) -> float:
     return float(f"{float(value):.6g}")
 
 
-STATS_CHUNK_NBYTES = 64 << 20
+STATS_CHUNK_NBYTES = 8 << 20  # a chunk takes a few work arrays of 8-byte numbers: ~30 MB at most
 NUMERIC_KINDS = INTEGER_KINDS + FLOAT_KINDS
 
 
