@@ -20,7 +20,7 @@ import struct
 import tokenize
 import warnings
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn, Protocol
 
@@ -271,7 +271,12 @@ def read_member_header(
                 f"{entry.file_size - header.header_nbytes}"
             )
         if header.nbytes >= len(IDENTITY_MAGIC):  # mostly read already, with the header
-            refuse_blob_data(start.read(blob_check_nbytes(header.dtype)), header.dtype, where)
+            if is_transposed(header) and not location.flags & DEFLATED:
+                data_at = location.offset + header.header_nbytes
+                read = lambda offset, nbytes: bytes(view.read(data_at + offset, nbytes))  # noqa: E731
+                refuse_blob_data(first_stored_bytes(header, read), header.dtype.newbyteorder("<"), where)
+            else:  # a deflated Fortran-order member would need inflating to its far elements: not looked at
+                refuse_blob_data(start.read(blob_check_nbytes(header.dtype)), header.dtype, where)
     except zlib.error as exc:
         raise SourceError(f"{where}: {exc}") from exc
     return header, location
@@ -287,6 +292,23 @@ def blob_check_nbytes(dtype: np.dtype) -> int:
     if dtype.itemsize == 0 or dtype.itemsize > MAX_SWAPPED_CHECK_NBYTES:
         return len(IDENTITY_MAGIC)
     return max(len(IDENTITY_MAGIC), -(-len(IDENTITY_MAGIC) // dtype.itemsize) * dtype.itemsize)
+
+
+def is_transposed(header: MemberHeader) -> bool:
+    """Whether the array's bytes lie in another order than they are stored in (Fortran order)."""
+    return header.fortran_order and sum(d > 1 for d in header.shape) > 1
+
+
+def first_stored_bytes(header: MemberHeader, read_at: Callable[[int, int], bytes]) -> bytes:
+    """The bytes the array's first elements take once stored (C order, little-endian), read
+    element by element from their places in its Fortran-order data: enough to hold the identity."""
+    dtype, shape = header.dtype, header.shape
+    count = min(math.prod(shape), blob_check_nbytes(dtype) // max(dtype.itemsize, 1))
+    places = np.ravel_multi_index(np.unravel_index(np.arange(count), shape), shape, order="F")
+    raw = b"".join(read_at(int(place) * dtype.itemsize, dtype.itemsize) for place in places)
+    if len(raw) != count * dtype.itemsize:
+        return b""
+    return np.frombuffer(raw, dtype).astype(storage_dtype(dtype)).tobytes()
 
 
 def refuse_blob_data(data_start: bytes, dtype: np.dtype, where: str) -> None:

@@ -34,6 +34,8 @@ from .npzfile import (
     blob_check_nbytes,
     check_no_overlap,
     data_after_header,
+    first_stored_bytes,
+    is_transposed,
     located_bytes,
     members,
     open_regular_file,
@@ -42,7 +44,7 @@ from .npzfile import (
     refuse_blob_data,
     source_errors,
 )
-from .spec import IDENTITY_MAGIC
+from .spec import IDENTITY_MAGIC, storage_dtype
 from .zipdir import FileView, ZipEntry, directory_entries
 
 NPY_FILE_KEY = "arr_0"
@@ -259,10 +261,18 @@ class _NpyFile:
         """DatasetInputError for an npz2mmap blob under any name or dtype: its bytes say so."""
         if header.nbytes < len(IDENTITY_MAGIC):
             return
-        nbytes = min(blob_check_nbytes(header.dtype), header.nbytes)
+        fd = self.fp.fileno()
         with source_errors(self.path):
-            start = fsutil.read_at(self.fp.fileno(), nbytes, header.header_nbytes)
-        refuse_blob_data(start, header.dtype, self.path)
+            if is_transposed(header):
+
+                def read(offset: int, nbytes: int) -> bytes:
+                    return fsutil.read_at(fd, nbytes, header.header_nbytes + offset)
+
+                start, dtype = first_stored_bytes(header, read), storage_dtype(header.dtype)
+            else:
+                nbytes = min(blob_check_nbytes(header.dtype), header.nbytes)
+                start, dtype = fsutil.read_at(fd, nbytes, header.header_nbytes), header.dtype
+        refuse_blob_data(start, dtype, self.path)
 
     def data_chunks(self, header: MemberHeader) -> Iterator[bytes]:
         with source_errors(self.path):

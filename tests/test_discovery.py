@@ -600,6 +600,8 @@ def test_a_field_named_data_is_a_source_not_a_blob(tmp_path) -> None:
         "saved as uint32",
         "saved as big-endian uint16",
         "saved as big-endian records",
+        "saved in Fortran order",
+        "savez in Fortran order",
         "zipped",
         "zipped deflated",
         "savez",
@@ -623,6 +625,16 @@ def test_a_blob_under_another_name_is_refused_by_its_bytes(tmp_path, how, option
         # stored little-endian, these are the blob's bytes: the array as numpy reads it, saved again
         values = raw[: len(raw) // dtype.itemsize * dtype.itemsize].view(dtype.newbyteorder("<"))
         np.save(blob, values.astype(dtype))
+    elif how.endswith("in Fortran order"):
+        raw = np.load(dataset / "data.npy")
+        transposed = np.asfortranarray(raw[: len(raw) // 64 * 64].reshape(-1, 64))
+        if how.startswith("savez"):
+            blob = inputs / "blob.npz"
+            np.savez(blob, payload=transposed)
+            where = f"{blob}[payload]"
+        else:
+            blob = inputs / "again.npy"
+            np.save(blob, transposed)
     elif how.startswith("zipped"):
         blob = inputs / "blob.npz"
         method = zipfile.ZIP_DEFLATED if how == "zipped deflated" else zipfile.ZIP_STORED
