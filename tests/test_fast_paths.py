@@ -408,15 +408,22 @@ def test_uncached_files_are_read_ahead_in_order_each_once_and_cached_ones_are_no
 
     monkeypatch.setattr(fsutil, "posix_fadvise", advise)
     names = [str(p) for p in paths]
-    _evict(paths)
-    if any(_resident_nbytes(path) for path in paths):
-        pytest.skip("this file system keeps the files' pages cached (tmpfs?)")
-    for path in fsutil.read_ahead(names, ahead_files=3):
-        events.append(("read", path))
     expected: list[tuple[str, str]] = []
     for k, name in enumerate(names):
         expected += [("advise", n) for n in names[k + 2 if k else 0 : k + 3]]
         expected.append(("read", name))
+    # The probe's read that never waits still starts the kernel's own read of the page it
+    # misses; a disk quick enough to finish it before the probe looks makes the file cached
+    # (then nothing is advised, rightly). That race is retried, never the order asserted.
+    for _ in range(5):
+        _evict(paths)
+        if any(_resident_nbytes(path) for path in paths):
+            pytest.skip("this file system keeps the files' pages cached (tmpfs?)")
+        events.clear()
+        for path in fsutil.read_ahead(names, ahead_files=3):
+            events.append(("read", path))
+        if any(kind == "advise" for kind, _ in events):
+            break
     assert events == expected
 
     for path in paths:
