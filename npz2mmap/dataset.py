@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 import threading
 import warnings
@@ -219,6 +220,19 @@ class GatheredBatch(SequenceABC[Any]):
         self.length = length
         self.ragged = ragged
         self._shared = dict(shared or {})  # fixed fields gathered into shared memory, by name
+        # Each dict sample handed out, with the values it was handed out with: a collate_fn may
+        # edit it (s["y"] = s["y"] + 1, s["extra"] = ...) before collating.
+        self._handed: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+
+    @property
+    def samples_edited(self) -> bool:
+        """Whether a sample dict handed out was given other keys or values since: collating then
+        goes by the samples, not by the fields (collate, PaddedCollate). Edits inside the arrays
+        are the fields' own (the samples are views of them)."""
+        return any(
+            sample.keys() != given.keys() or any(sample[key] is not value for key, value in given.items())
+            for sample, given in self._handed.values()
+        )
 
     @property
     def arrays(self) -> dict[str, np.ndarray | list[np.ndarray]]:
@@ -270,7 +284,15 @@ class GatheredBatch(SequenceABC[Any]):
             return [self[k] for k in range(*j.indices(self.length))]
         if self.single is not None:
             return self._sample(self.single, j)
-        return {name: self._sample(name, j) for name in self._fields}
+        j = operator.index(j)
+        j = j + self.length if j < 0 else j
+        if not 0 <= j < self.length:
+            raise IndexError(f"sample {j} is out of range for a batch of {self.length}")
+        handed = self._handed.get(j)
+        if handed is None:
+            sample = {name: self._sample(name, j) for name in self._fields}
+            handed = self._handed[j] = (sample, dict(sample))
+        return handed[0]
 
     def _sample(self, name: str, j: int) -> np.ndarray:
         """One sample's array, 0-d for a 0-d field as ``ds[i]`` gives it (never a numpy scalar).
@@ -452,6 +474,8 @@ def collate(batch: Any) -> Any:
     (``[ds[i], ...]``, a ConcatDataset's). Anything else goes to torch's
     default collate.
     """
+    if isinstance(batch, GatheredBatch) and batch.samples_edited:  # by the samples as edited
+        batch = SampleList(list(batch), batch.ragged, batch.single)
     if isinstance(batch, SampleList):
         return _collate_listing_ragged(batch)
     if not isinstance(batch, GatheredBatch):

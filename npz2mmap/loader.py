@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 from numpy.typing import NDArray
+from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
 from .dataset import MmapDataset, as_tensors, collate, torch_dtype
 from .errors import FormatError
@@ -464,6 +465,8 @@ class _Position:
             raise ValueError(f"loader state has seed {seed}, this loader has seed {loader.seed}")
         if batches_yielded < 0:
             raise ValueError(f"loader state: batches_yielded {batches_yielded} is negative")
+        if batches_yielded:
+            _refuse_unrepeatable_samplers(loader)
         loader.epoch = epoch
         for key, sampler in _samplers(loader):
             if key in state and hasattr(sampler, "load_state_dict"):
@@ -471,6 +474,23 @@ class _Position:
             elif hasattr(sampler, "set_epoch"):  # DistributedSampler: its order is the epoch's
                 sampler.set_epoch(epoch)
         self.resume_at, self.loaded = batches_yielded, dict(state)
+
+
+# torch's samplers that draw a new order each pass and keep no state: a resume cannot continue one.
+_RANDOM_SAMPLERS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+
+
+def _refuse_unrepeatable_samplers(loader: MmapLoader) -> None:
+    """ValueError for a mid-pass resume over a sampler whose order cannot be drawn again."""
+    for _, sampler in _samplers(loader):
+        inner = getattr(sampler, "sampler", sampler)  # a BatchSampler's
+        for candidate in (sampler, inner):
+            if isinstance(candidate, _RANDOM_SAMPLERS) and not hasattr(candidate, "state_dict"):
+                raise ValueError(
+                    f"{type(candidate).__name__} draws a new order each pass and keeps no state, so a resume "
+                    "mid-pass cannot continue its order: use shuffle=True (with seed=), BlockShuffleSampler, "
+                    "or a sampler with state_dict() (torchdata's StatefulDataLoader has such samplers)"
+                )
 
 
 def _samplers(loader: MmapLoader) -> list[tuple[str, Any]]:

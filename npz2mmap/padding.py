@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -72,8 +72,10 @@ class PaddedCollate:
         check_padded_keys(field_names, () if self.nested else ragged, self.mask)
 
     def __call__(self, batch: Any) -> dict[str, Any]:
-        ragged = self.ragged if self.ragged is not None else getattr(batch, "ragged", frozenset())
-        if not isinstance(batch, GatheredBatch):
+        ragged = frozenset(self.ragged or ()) | getattr(batch, "ragged", frozenset())
+        if isinstance(batch, GatheredBatch) and batch.samples_edited:  # by the samples as edited
+            batch = GatheredBatch(_by_field(list(batch)), None, len(batch))
+        elif not isinstance(batch, GatheredBatch):
             batch = GatheredBatch(_by_field(batch), None, len(batch))
         self.check_keys(batch.field_names, ragged)
         out: dict[str, Any] = {}
@@ -144,8 +146,19 @@ def _common_dtype(arrays: list[np.ndarray], name: str) -> np.dtype:
 
 
 def _by_field(samples: Sequence[Any]) -> dict[str, list[np.ndarray]]:
-    if samples and isinstance(samples[0], dict):
+    """Samples as lists of arrays by field: dicts by key, arrays (or tensors) as one field.
+
+    A tuple or list sample ((input, label), as many datasets give) would become one
+    array of mixed values: TypeError, which says what PaddedCollate takes.
+    """
+    if samples and isinstance(samples[0], Mapping):
         return {key: [np.asarray(s[key]) for s in samples] for key in samples[0]}
+    if samples and isinstance(samples[0], (tuple, list)):
+        raise TypeError(
+            "PaddedCollate takes samples that are dicts of arrays (or arrays), not "
+            f"{type(samples[0]).__name__}s: return a dict such as {{'input': x, 'label': y}} "
+            "from the dataset or its transform"
+        )
     return {getattr(samples, "single", None) or "data": [np.asarray(s) for s in samples]}
 
 

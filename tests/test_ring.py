@@ -22,6 +22,7 @@ import torch
 from conftest import write_samples
 from torch.utils.data import DistributedSampler
 
+import npz2mmap
 from npz2mmap import BlockShuffleSampler, LengthGroupedSampler, MmapDataset, MmapLoader, PaddedCollate, ring
 from npz2mmap.converter import convert
 from npz2mmap.errors import WorkerError
@@ -1330,3 +1331,68 @@ def test_worker_augmentations_repeat_after_torch_manual_seed(dataset_dir, num_wo
     first, again, other = run(0), run(0), run(1)
     assert first == again and first != other
     assert len(set(first)) == len(first)
+
+
+def editing_collate(batch: Any) -> Any:
+    """A collate_fn that edits each sample dict first, as users remap labels or add keys."""
+    for sample in batch:
+        sample["label"] = sample["label"] + 1000
+        sample["extra"] = np.int64(7)
+    return torch.utils.data.default_collate(batch)
+
+
+@pytest.mark.parametrize("loader_kind", ["DataLoader", "MmapLoader"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_collate_fn_that_edits_the_sample_dicts_keeps_its_edits(
+    dataset_dir, loader_kind, num_workers
+) -> None:
+    """A batch's samples are handed out once each: edits to them reach the collated batch."""
+    ds = MmapDataset(dataset_dir / "dataset", fields=["label", "tokens"])
+    if loader_kind == "DataLoader":
+        context = {"multiprocessing_context": "fork"} if num_workers else {}
+        loader: Any = torch.utils.data.DataLoader(
+            ds, batch_size=4, num_workers=num_workers, collate_fn=editing_collate, **context
+        )
+    else:
+        loader = MmapLoader(
+            ds, 4, num_workers=num_workers, collate_fn=editing_collate, multiprocessing_context="fork"
+        )
+    batch = next(iter(loader))
+    assert batch["label"].tolist() == [1000, 1001, 1002, 1003] and batch["extra"].tolist() == [7] * 4
+    gathered = ds.__getitems__([0, 1])
+    gathered[1]["label"] = np.int64(-5)
+    assert gathered[1] is gathered[-1] and npz2mmap.collate(gathered)["label"].tolist() == [0, -5]
+    gathered = ds.__getitems__([0, 1])
+    gathered[0]["label"] = np.int64(-4)
+    assert PaddedCollate()(gathered)["label"].tolist() == [-4, 1]
+    if isinstance(loader, MmapLoader):
+        loader.close()
+
+
+def test_padded_collate_refuses_tuple_samples_it_would_fuse() -> None:
+    samples = [(np.zeros(2, np.float32), np.array([2**53 + 1, 0], np.int64)) for _ in range(2)]
+    with pytest.raises(TypeError, match="^PaddedCollate takes samples that are dicts of arrays"):
+        PaddedCollate()(samples)
+
+
+def test_padded_collate_ragged_adds_to_the_datasets_own(dataset_dir) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields=["label", "tokens"])
+    batch = PaddedCollate(ragged=["other"])(ds.__getitems__([0, 1]))
+    assert "tokens_lengths" in batch
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_resume_over_torchs_random_sampler_is_refused(dataset_dir, num_workers) -> None:
+    """RandomSampler draws a new order each pass and keeps no state: no resume can continue it."""
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+    options = {"num_workers": num_workers, "multiprocessing_context": "fork"}
+    with MmapLoader(ds, 4, sampler=torch.utils.data.RandomSampler(ds), **options) as first:  # type: ignore[arg-type]
+        for k, _ in enumerate(first):
+            if k == 2:
+                state = first.state_dict()
+                break
+    with MmapLoader(ds, 4, sampler=torch.utils.data.RandomSampler(ds), **options) as resumed:  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="^RandomSampler draws a new order each pass and keeps no state"):
+            resumed.load_state_dict(state)
+        resumed.load_state_dict({**state, "batches_yielded": 0})  # a pass boundary needs no order
+        assert sorted(v for b in resumed for v in b.tolist()) == list(range(len(ds)))
