@@ -59,7 +59,9 @@ class MmapLoader:
     (``set_epoch`` fixes it, as with DistributedSampler); ``sampler`` (any
     iterable of indices, e.g. a DistributedSampler or BlockShuffleSampler)
     replaces both, and ``batch_sampler`` (e.g. LengthGroupedSampler) replaces
-    the batching too. ``collate_fn`` (e.g. PaddedCollate) turns each gathered
+    the batching too (``batch_size`` is then unused; ``shuffle``, ``sampler`` or
+    ``drop_last`` with it, or ``shuffle`` with ``sampler``, is a ValueError, as
+    DataLoader has it). ``collate_fn`` (e.g. PaddedCollate) turns each gathered
     batch into the output instead, and ``batch_transform`` then maps each batch.
 
     With ``num_workers=0``, ``prefetch`` batches are prepared ahead by a background
@@ -113,6 +115,7 @@ class MmapLoader:
             raise ValueError(f"slot_nbytes must be at least 1, got {slot_nbytes}")
         check_timeout(timeout)
         check_collate_keys(dataset, collate_fn)
+        check_order_options(shuffle, sampler, batch_sampler, drop_last)
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -187,7 +190,7 @@ class MmapLoader:
                 "MmapLoader with workers runs one pass at a time: finish or close the other iterator first"
             )
         position = self._position
-        skip = position.start(self.epoch)
+        skip = position.start(self)
         # Batches already yielded before a resume are skipped as indices, never loaded.
         indices: Iterator[NDArray[np.int64]] = itertools.islice(self.index_batches(), skip, None)
         if self.dataset.exact_reads and self.read_ahead:
@@ -318,7 +321,9 @@ class MmapLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a state_dict: the next pass skips the batches already yielded, loading none.
 
-        Raises ValueError for a state this loader did not write, or another seed.
+        Raises ValueError for a state this loader did not write, another seed, batch
+        size, dataset length, shuffle or drop_last (its batches would be other samples),
+        and mid-pass over torch's RandomSampler, whose order cannot be drawn again.
         """
         self._position.load(self, state)
 
@@ -379,6 +384,19 @@ def _gather(reader: PartsReader, name: str, indices: np.ndarray, pin_memory: boo
     return tensor
 
 
+def check_order_options(shuffle: bool, sampler: Any, batch_sampler: Any, drop_last: bool) -> None:
+    """ValueError for options that would be ignored, as DataLoader refuses them: ``sampler``
+    replaces ``shuffle``; ``batch_sampler`` replaces ``sampler``, ``shuffle`` and ``drop_last``."""
+    if batch_sampler is not None and (sampler is not None or shuffle or drop_last):
+        raise ValueError(
+            "batch_sampler makes the batches: it cannot be used with sampler, shuffle or drop_last"
+        )
+    if sampler is not None and shuffle:
+        raise ValueError(
+            "sampler gives the order: it cannot be used with shuffle=True (shuffle in the sampler)"
+        )
+
+
 def check_collate_keys(dataset: MmapDataset, collate_fn: Callable[[Any], Any] | None) -> None:
     """ValueError now, before any batch, if a PaddedCollate would put two things under one key.
 
@@ -402,10 +420,15 @@ class _Position:
         # Per sampler, after a finished pass: its state then, and as that pass began.
         self.ended_sampler_states: dict[str, tuple[Any, Any]] = {}
 
-    def start(self, epoch: int) -> int:
-        """Begin a pass; return how many batches it skips (those a loaded state had yielded)."""
-        skip, self.resume_at, self.loaded = self.resume_at, 0, None
-        self.pass_epoch, self.batches_yielded, self.sampler_states = epoch, skip, {}
+    def start(self, loader: MmapLoader) -> int:
+        """Begin a pass; return how many batches it skips (those a loaded state had yielded).
+
+        A sampler given another epoch since the state was loaded (``sampler.set_epoch``, as
+        ``loader.set_epoch`` does) drops the resume: its pass is a whole new epoch.
+        """
+        skip = self.resume_at if self.loaded is None or not _samplers_moved(loader, self.loaded) else 0
+        self.resume_at, self.loaded = 0, None
+        self.pass_epoch, self.batches_yielded, self.sampler_states = loader.epoch, skip, {}
         return skip
 
     def finish(self, loader: MmapLoader) -> None:
@@ -418,10 +441,12 @@ class _Position:
         }
 
     def note_sampler_states(self, loader: MmapLoader) -> None:
-        """The samplers' states as this pass begins (they have just been iterated from the start)."""
+        """The samplers' states as this pass begins (they have just been iterated from the start);
+        of a sampler with no state of its own but an epoch (DistributedSampler), that epoch."""
         for key, sampler in _samplers(loader):
-            if hasattr(sampler, "state_dict"):
-                self.sampler_states[key] = sampler.state_dict()
+            state = _sampler_state(sampler)
+            if state is not None:
+                self.sampler_states[key] = state
 
     def state(self, loader: MmapLoader) -> dict[str, Any]:
         if self.loaded is not None:
@@ -431,12 +456,14 @@ class _Position:
                 "epoch": loader.epoch,
                 "seed": loader.seed,
                 "batches_yielded": 0,
+                **_settings(loader),
                 **self._next_pass_sampler_states(loader),
             }
         return {
             "epoch": self.pass_epoch,
             "seed": loader.seed,
             "batches_yielded": self.batches_yielded,
+            **_settings(loader),
             **self.sampler_states,
         }
 
@@ -453,6 +480,8 @@ class _Position:
                 now = sampler.state_dict()
                 at_end, at_start = self.ended_sampler_states.get(key, (None, None))
                 states[key] = at_start if at_start is not None and now == at_end else now
+            elif (state := _sampler_state(sampler)) is not None:
+                states[key] = state
         return states
 
     def load(self, loader: MmapLoader, state: dict[str, Any]) -> None:
@@ -467,13 +496,57 @@ class _Position:
             raise ValueError(f"loader state: batches_yielded {batches_yielded} is negative")
         if batches_yielded:
             _refuse_unrepeatable_samplers(loader)
+        _check_same_settings(loader, state)
         loader.epoch = epoch
         for key, sampler in _samplers(loader):
             if key in state and hasattr(sampler, "load_state_dict"):
                 sampler.load_state_dict(state[key])  # its own epoch and position
             elif hasattr(sampler, "set_epoch"):  # DistributedSampler: its order is the epoch's
-                sampler.set_epoch(epoch)
+                saved = state.get(key)
+                sampler_epoch = saved.get("epoch") if isinstance(saved, dict) else None
+                sampler.set_epoch(sampler_epoch if type(sampler_epoch) is int else epoch)
         self.resume_at, self.loaded = batches_yielded, dict(state)
+
+
+def _sampler_state(sampler: Any) -> dict[str, Any] | None:
+    """A sampler's state to save: its own, or for one with only an epoch, ``{"epoch": e}``."""
+    if hasattr(sampler, "state_dict"):
+        return sampler.state_dict()
+    epoch = getattr(sampler, "epoch", None)
+    return {"epoch": epoch} if hasattr(sampler, "set_epoch") and type(epoch) is int else None
+
+
+def _samplers_moved(loader: MmapLoader, loaded: dict[str, Any]) -> bool:
+    """Whether a sampler's epoch differs from the one the loaded state gave it."""
+    for key, sampler in _samplers(loader):
+        saved, now = loaded.get(key), _sampler_state(sampler)
+        if isinstance(saved, dict) and isinstance(now, dict) and saved.get("epoch") != now.get("epoch"):
+            return True
+    return False
+
+
+# What a state's batches mean: a state loaded into a loader of other settings would skip other samples.
+_SETTINGS = ("batch_size", "num_samples", "shuffle", "drop_last")
+
+
+def _settings(loader: MmapLoader) -> dict[str, Any]:
+    return {
+        "batch_size": loader.batch_size,
+        "num_samples": len(loader.dataset),
+        "shuffle": loader.shuffle,
+        "drop_last": loader.drop_last,
+    }
+
+
+def _check_same_settings(loader: MmapLoader, state: dict[str, Any]) -> None:
+    """ValueError when the state was saved by a loader of other settings (a state without them,
+    from an earlier version, is taken as it is)."""
+    for key, value in _settings(loader).items():
+        if key in state and state[key] != value:
+            raise ValueError(
+                f"loader state has {key} {state[key]!r}, this loader has {value!r}: its batches would be "
+                "other samples; resume with the loader the state was saved from"
+            )
 
 
 # torch's samplers that draw a new order each pass and keep no state: a resume cannot continue one.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -38,8 +39,13 @@ class _Resumable:
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, int]:
-        """Where the current pass stands: its epoch, seed and items yielded so far."""
-        return {"epoch": self.epoch, "seed": self.seed, "yielded": self._yielded}
+        """Where the current pass stands: its epoch, seed and items yielded so far, with the
+        settings that make its order (a state loaded into a sampler of others is refused)."""
+        return {"epoch": self.epoch, "seed": self.seed, "yielded": self._yielded, **self._order_settings()}
+
+    def _order_settings(self) -> dict[str, int]:
+        """What besides seed and epoch makes the order; the subclass's."""
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next pass continue the saved epoch after its yielded items.
@@ -52,6 +58,14 @@ class _Resumable:
         epoch, seed, yielded = (_state_int(state, key) for key in ("epoch", "seed", "yielded"))
         if seed != self.seed:
             raise ValueError(f"sampler state has seed {seed}, this sampler has seed {self.seed}")
+        for key, value in self._order_settings().items():
+            if (
+                key in state and state[key] != value
+            ):  # a state without them, from an earlier version, is taken
+                raise ValueError(
+                    f"sampler state has {key} {state[key]!r}, this sampler has {value!r}: its order would be "
+                    "another; resume with the sampler the state was saved from"
+                )
         if not 0 <= yielded <= len(self):
             raise ValueError(f"sampler state: yielded {yielded} is outside 0..{len(self)}")
         self.epoch = epoch
@@ -86,6 +100,9 @@ class BlockShuffleSampler(_Resumable, Sampler[int]):
         super().__init__(seed)
         self.num_samples = num_samples
         self.block_size = block_size
+
+    def _order_settings(self) -> dict[str, int]:
+        return {"num_samples": self.num_samples, "block_size": self.block_size}
 
     def __len__(self) -> int:
         return self.num_samples
@@ -157,6 +174,17 @@ class LengthGroupedSampler(_Resumable, Sampler[list[int]]):
     def __len__(self) -> int:
         share = self._share_size()
         return share // self.batch_size if self.drop_last else -(-share // self.batch_size)
+
+    def _order_settings(self) -> dict[str, int]:
+        lengths_crc32 = zlib.crc32(np.ascontiguousarray(self.lengths, dtype="<i8").tobytes())
+        return {
+            "batch_size": self.batch_size,
+            "pool": self.pool,
+            "drop_last": int(self.drop_last),
+            "num_replicas": self.num_replicas,
+            "rank": self.rank,
+            "lengths_crc32": lengths_crc32,
+        }
 
     def __iter__(self) -> Iterator[list[int]]:
         return self._counted(self._batches())

@@ -373,7 +373,15 @@ def test_resume_from_state_dict_equals_the_tail_of_an_uninterrupted_run(
             if k == 3:
                 state = first.state_dict()
                 break
-    assert state == {"epoch": 1, "seed": 1, "batches_yielded": 4}
+    assert state == {
+        "epoch": 1,
+        "seed": 1,
+        "batches_yielded": 4,
+        "batch_size": 4,
+        "num_samples": 37,
+        "shuffle": True,
+        "drop_last": False,
+    }
     with MmapLoader(ds, 4, shuffle=True, seed=1, **options) as resumed:
         resumed.load_state_dict(state)
         assert resumed.state_dict() == state
@@ -403,7 +411,11 @@ def test_resume_skips_batches_without_loading_them_and_restores_sampler_state(da
         "epoch": 1,
         "seed": 0,
         "batches_yielded": 6,
-        "sampler": {"epoch": 1, "seed": 3, "yielded": 0},
+        "batch_size": 4,
+        "num_samples": 37,
+        "shuffle": False,
+        "drop_last": False,
+        "sampler": {"epoch": 1, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8},
     }
     resumed = MmapLoader(ds, 4, sampler=sampler(), prefetch=0, batch_transform=counting)
     resumed.load_state_dict(state)
@@ -757,7 +769,13 @@ def test_state_dict_between_passes_carries_the_sampler_state(dataset_dir) -> Non
         return MmapLoader(ds, 4, sampler=sampler, prefetch=0)
 
     first = loader_of(BlockShuffleSampler(len(ds), 8, seed=3))
-    assert first.state_dict()["sampler"] == {"epoch": 0, "seed": 3, "yielded": 0}
+    assert first.state_dict()["sampler"] == {
+        "epoch": 0,
+        "seed": 3,
+        "yielded": 0,
+        "num_samples": 37,
+        "block_size": 8,
+    }
     first.set_epoch(2)
     list(first)
     state = first.state_dict()
@@ -765,7 +783,11 @@ def test_state_dict_between_passes_carries_the_sampler_state(dataset_dir) -> Non
         "epoch": 2,
         "seed": 0,
         "batches_yielded": 0,
-        "sampler": {"epoch": 2, "seed": 3, "yielded": 0},
+        "batch_size": 4,
+        "num_samples": 37,
+        "shuffle": False,
+        "drop_last": False,
+        "sampler": {"epoch": 2, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8},
     }
     next_pass = [b.tolist() for b in first]  # no set_epoch: the same epoch again
     resumed = loader_of(BlockShuffleSampler(len(ds), 8, seed=3))
@@ -774,7 +796,7 @@ def test_state_dict_between_passes_carries_the_sampler_state(dataset_dir) -> Non
     assert next_pass != [b.tolist() for b in loader_of(BlockShuffleSampler(len(ds), 8, seed=3))]
     first.set_epoch(3)  # after a pass, before the next: that epoch, from its start
     state = first.state_dict()
-    assert state["sampler"] == {"epoch": 3, "seed": 3, "yielded": 0}
+    assert state["sampler"] == {"epoch": 3, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8}
     resumed = loader_of(BlockShuffleSampler(len(ds), 8, seed=3))
     resumed.load_state_dict(state)
     resumed.set_epoch(3)
@@ -1396,3 +1418,77 @@ def test_a_resume_over_torchs_random_sampler_is_refused(dataset_dir, num_workers
             resumed.load_state_dict(state)
         resumed.load_state_dict({**state, "batches_yielded": 0})  # a pass boundary needs no order
         assert sorted(v for b in resumed for v in b.tolist()) == list(range(len(ds)))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_distributed_sampler_given_its_epoch_directly_resumes_that_epoch(dataset_dir, num_workers) -> None:
+    """The README's DDP loop calls sampler.set_epoch, not the loader's: the state keeps the sampler's epoch."""
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+
+    def make() -> MmapLoader:
+        sampler = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=4)  # type: ignore[arg-type]
+        return MmapLoader(ds, 3, sampler=sampler, num_workers=num_workers, multiprocessing_context="fork")
+
+    with make() as whole:
+        whole.sampler.set_epoch(5)  # type: ignore[union-attr]
+        uninterrupted = [b.tolist() for b in whole]
+    with make() as first:
+        first.sampler.set_epoch(5)  # type: ignore[union-attr]
+        for k, _ in enumerate(first):
+            if k == 1:
+                state = first.state_dict()
+                break
+    assert state["sampler"] == {"epoch": 5}
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        assert [b.tolist() for b in resumed] == uninterrupted[2:]
+    with make() as moved:  # the sampler given another epoch after the load: a whole new epoch
+        moved.load_state_dict(state)
+        moved.sampler.set_epoch(6)  # type: ignore[union-attr]
+        epoch_6 = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=4)  # type: ignore[arg-type]
+        epoch_6.set_epoch(6)
+        assert [v for b in moved for v in b.tolist()] == list(epoch_6)
+
+
+@pytest.mark.parametrize(
+    ("other", "message"),
+    [
+        ({"batch_size": 5}, "loader state has batch_size 4, this loader has 5"),
+        ({"shuffle": False}, "loader state has shuffle True, this loader has False"),
+        ({"drop_last": True}, "loader state has drop_last False, this loader has True"),
+    ],
+)
+def test_a_state_from_a_loader_of_other_settings_is_refused(dataset_dir, other, message) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+    first = MmapLoader(ds, 4, shuffle=True, seed=1)
+    next(iter(first))
+    state = first.state_dict()
+    options: dict[str, Any] = {"shuffle": True, "seed": 1, **other}
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}: its batches would be other samples"):
+        MmapLoader(ds, options.pop("batch_size", 4), **options).load_state_dict(state)
+
+
+def test_a_sampler_state_from_a_sampler_of_other_settings_is_refused() -> None:
+    state = BlockShuffleSampler(37, 8, seed=1).state_dict()
+    with pytest.raises(ValueError, match="^sampler state has block_size 8, this sampler has 6"):
+        BlockShuffleSampler(37, 6, seed=1).load_state_dict(state)
+    grouped = LengthGroupedSampler(np.arange(1, 38), 5, seed=1).state_dict()
+    with pytest.raises(ValueError, match="^sampler state has batch_size 5, this sampler has 8"):
+        LengthGroupedSampler(np.arange(1, 38), 8, seed=1).load_state_dict(grouped)
+    with pytest.raises(ValueError, match="^sampler state has lengths_crc32 "):
+        LengthGroupedSampler(np.arange(2, 39), 5, seed=1).load_state_dict(grouped)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"batch_sampler": [[0, 1]], "drop_last": True},
+        {"batch_sampler": [[0, 1]], "shuffle": True},
+        {"batch_sampler": [[0, 1]], "sampler": [0, 1]},
+        {"sampler": [0, 1], "shuffle": True},
+    ],
+)
+def test_order_options_that_would_be_ignored_are_refused(dataset_dir, options) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+    with pytest.raises(ValueError, match="cannot be used with"):
+        MmapLoader(ds, 4, **options)
