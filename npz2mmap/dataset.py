@@ -86,7 +86,12 @@ class MmapDataset(Dataset[Any]):
         self.path = os.fspath(path) if isinstance(path, (str, os.PathLike)) else [os.fspath(p) for p in path]
         self.parts = Parts(self.path)
         self.single = isinstance(fields, str)
-        names = [fields] if isinstance(fields, str) else list(fields or self.parts.field_names)
+        if isinstance(fields, str):
+            names = [fields]
+        else:
+            names = list(self.parts.field_names if fields is None else fields)
+            if fields is not None and not names:
+                raise ValueError("fields is empty: name at least one field, or leave it None for every field")
         for name in names:
             self.parts.field(name)
         repeated = next((name for k, name in enumerate(names) if name in names[:k]), None)

@@ -208,6 +208,11 @@ def _compare_file(
     made with --cast) exactly as convert stores them, must equal the stored
     bytes, record padding included. Memory stays bounded whatever the size.
     """
+    if "\0" in path or not _encodable(path):  # a Writer's source= label, no file name
+        yield from _for_every_sample(
+            rows, f"{path!r} is not a file name (a Writer's label?): no source to compare"
+        )
+        return
     try:
         with open_source(path, limit=limit) as source:
             keys = source.keys()
@@ -219,6 +224,14 @@ def _compare_file(
                 yield from _compare_member(reader, source, name, path, first, rows)
     except (SourceError, FormatError) as exc:
         yield from _for_every_sample(rows, str(exc))
+
+
+def _encodable(path: str) -> bool:
+    try:
+        os.fsencode(path)
+    except UnicodeError:
+        return False
+    return True
 
 
 def _for_every_sample(rows: list[int | None], problem: str) -> Iterator[tuple[int, str]]:

@@ -362,3 +362,23 @@ def test_a_field_named_twice_is_refused(converted) -> None:
 def test_read_ahead_is_a_number_of_batches(converted, read_ahead) -> None:
     with pytest.raises(TypeError, match="^read_ahead must be an int"):
         MmapLoader(MmapDataset(converted, fields="label"), 4, read_ahead=read_ahead)
+
+
+def test_an_empty_field_list_is_refused_not_taken_for_every_field(converted) -> None:
+    with pytest.raises(ValueError, match="^fields is empty: name at least one field"):
+        MmapDataset(converted, fields=[])
+    assert MmapDataset(converted, fields=iter(["label"])).fields == ("label",)
+
+
+@pytest.mark.parametrize("label", ["a\0b", "\ud800"])
+def test_verify_sources_reports_a_label_that_is_no_file_name_in_one_line(tmp_path, label) -> None:
+    from click.testing import CliRunner
+
+    from npz2mmap.cli import cli
+
+    with npz2mmap.Writer(tmp_path / "w") as w:
+        w.append({"x": np.arange(3)}, source=label)
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path / "w"), "--sources"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.stderr.splitlines()[-1] == f"Error: {tmp_path / 'w'}: 1 problem found"
+    assert "is not a file name (a Writer's label?): no source to compare" in result.stderr
