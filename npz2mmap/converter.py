@@ -47,9 +47,12 @@ class ConvertResult:
     nearly_fixed: tuple[NearlyFixed, ...] = ()  # ragged fields only a few files keep from being fixed
 
 
+PathOrPaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+
 @keeps_signal_mask
 def convert(
-    inputs: Sequence[str | os.PathLike[str]],
+    inputs: PathOrPaths,
     out_dir: str | os.PathLike[str],
     *,
     keys: Sequence[str] | None = None,
@@ -67,6 +70,8 @@ def convert(
 ) -> ConvertResult:
     """Convert NPZ and .npy files (one sample each) into a dataset directory at ``out_dir``.
 
+    ``inputs`` is one path or a list of paths: files, directories (searched
+    recursively) and ``@LIST`` files naming one input a line, as on the CLI.
     A ``.npy`` file is one sample with one field, ``arr_0``; with
     ``sample_dirs``, each directory that directly holds ``.npy`` files is one
     sample instead, each ``NAME.npy`` in it the field NAME.
@@ -101,7 +106,9 @@ def convert(
     part, out = resolve_part(part, out_dir)
     display = progress_display(progress)
     check_align(align)
+    inputs = parse_inputs(inputs)
     fixed_keys = parse_fixed(fixed)
+    chosen_keys = parse_keys(keys)
     limit = header_limit(max_header_size)
     publish.check_output(out, overwrite)
     all_sources = discover_sources(inputs, sample_dirs, skip_bad)
@@ -116,7 +123,7 @@ def convert(
         space = free_nbytes(out)
         found = writer.MemberLocations()
         scan = Scan(
-            tuple(keys) if keys else None,
+            chosen_keys,
             skip_bad,
             parse_casts(casts),
             rows,
@@ -419,6 +426,27 @@ def check_align(align: int) -> None:
     """ValueError unless ``align`` is a power of two from MIN_ALIGN to MAX_ALIGN."""
     if not MIN_ALIGN <= align <= MAX_ALIGN or align & (align - 1):
         raise ValueError(f"align must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, got {align}")
+
+
+def parse_inputs(inputs: PathOrPaths) -> list[str | os.PathLike[str]]:
+    """``inputs`` as a list: one path is a list of one, never the characters of its name."""
+    if isinstance(inputs, (str, os.PathLike)):
+        return [inputs]
+    if isinstance(inputs, (bytes, bytearray)) or not all(isinstance(i, (str, os.PathLike)) for i in inputs):
+        raise TypeError(
+            f"inputs must be a path or a list of paths (str or os.PathLike), not {_brief(inputs)}"
+        )
+    return list(inputs)
+
+
+def parse_keys(keys: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``keys`` as a tuple (None or empty: every key); TypeError for one string, which would
+    name its characters."""
+    if keys is None:
+        return None
+    if isinstance(keys, str) or not all(isinstance(key, str) for key in keys):
+        raise TypeError(f"keys must be a list of keys, not {_brief(keys)}")
+    return tuple(keys) or None
 
 
 def parse_fixed(fixed: Collection[str]) -> tuple[str, ...]:

@@ -23,7 +23,11 @@ import torch
 from numpy.typing import NDArray
 from torch.utils.data import Dataset, default_collate, get_worker_info
 from torch.utils.data._utils.collate import collate as torch_collate
-from torch.utils.data._utils.collate import collate_numpy_array_fn, default_collate_fn_map
+from torch.utils.data._utils.collate import (
+    collate_numpy_array_fn,
+    collate_numpy_scalar_fn,
+    default_collate_fn_map,
+)
 
 from .errors import LargerThanMemoryWarning
 from .memory import fits_in_memory, larger_than_memory, memory_limit
@@ -225,17 +229,22 @@ class GatheredBatch(SequenceABC[Any]):
         self.length = length
         self.ragged = ragged
         self._shared = dict(shared or {})  # fixed fields gathered into shared memory, by name
-        # Each dict sample handed out, with the values it was handed out with: a collate_fn may
-        # edit it (s["y"] = s["y"] + 1, s["extra"] = ...) before collating.
-        self._handed: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        # Each dict sample handed out, with the values (and their layouts) it was handed out with:
+        # a collate_fn may edit it (s["y"] = s["y"] + 1, s["extra"] = ..., s["x"].shape = ...)
+        # before collating.
+        self._handed: dict[int, tuple[dict[str, Any], dict[str, tuple[Any, Any]]]] = {}
 
     @property
     def samples_edited(self) -> bool:
-        """Whether a sample dict handed out was given other keys or values since: collating then
-        goes by the samples, not by the fields (collate, PaddedCollate). Edits inside the arrays
-        are the fields' own (the samples are views of them)."""
+        """Whether a sample dict handed out was given other keys, values or array layouts
+        (``.shape``, ``.dtype`` set in place) since: collating then goes by the samples, not by
+        the fields (collate, PaddedCollate). Edits of the arrays' elements are the fields' own
+        (the samples are views of them)."""
         return any(
-            sample.keys() != given.keys() or any(sample[key] is not value for key, value in given.items())
+            sample.keys() != given.keys()
+            or any(
+                sample[key] is not value or _layout(value) != layout for key, (value, layout) in given.items()
+            )
             for sample, given in self._handed.values()
         )
 
@@ -296,7 +305,8 @@ class GatheredBatch(SequenceABC[Any]):
         handed = self._handed.get(j)
         if handed is None:
             sample = {name: self._sample(name, j) for name in self._fields}
-            handed = self._handed[j] = (sample, dict(sample))
+            layouts = {key: (value, _layout(value)) for key, value in sample.items()}
+            handed = self._handed[j] = (sample, layouts)
         return handed[0]
 
     def _sample(self, name: str, j: int) -> np.ndarray:
@@ -310,6 +320,12 @@ class GatheredBatch(SequenceABC[Any]):
         if name in self.ragged:
             return array.view(RaggedSample)
         return array.view(NumpyOnlySample) if torch_dtype(array.dtype) is None else array
+
+
+def _layout(value: Any) -> Any:
+    """What of a handed-out value can change in place without changing its bytes: an array's
+    shape, strides and dtype (None for anything else)."""
+    return (value.shape, value.strides, value.dtype) if isinstance(value, np.ndarray) else None
 
 
 class RaggedSample(np.ndarray):
@@ -389,28 +405,36 @@ def _collate_transformed_samples(batch: Sequence[TransformedSample], *, collate_
     return out
 
 
-# numpy scalars torch's default collate refuses; str_ and bytes_ it keeps, as a list
-NUMPY_SCALARS_TORCH_LACKS = (np.void, np.datetime64, np.timedelta64)
+# numpy scalars collated as numpy stacks them (torch's default collate refuses record,
+# datetime, uint64 and longdouble scalars, and promotes mixed ones its own way); str_ and
+# bytes_ it keeps, as a list of strings
+NUMPY_SCALARS = (np.number, np.bool_, np.void, np.datetime64, np.timedelta64)
 
 
 def _is_numpy_value(value: Any) -> bool:
-    return type(value) is np.ndarray or isinstance(value, NUMPY_SCALARS_TORCH_LACKS)
+    return type(value) is np.ndarray or isinstance(value, NUMPY_SCALARS)
 
 
 def collate_numpy_torch_lacks(values: Sequence[Any]) -> Any:
-    """Numpy values torch has no tensor for as they are, collated by numpy; None for any other.
+    """Numpy values torch would collate otherwise than numpy stacks them, stacked by numpy;
+    None for any other.
 
-    Arrays (or record and datetime scalars) of a dtype torch lacks are stacked, every
-    byte copied; arrays of other dtypes, by numpy's promotion (strings of other widths,
+    Arrays of a dtype torch lacks, and numpy scalars, are stacked, every byte
+    copied; arrays of other dtypes, by numpy's promotion (strings of other widths,
     datetimes of other units, float32 with int64 as float64, where torch's would take
     float32); a byte order not the machine's is made native, and
     the result is a tensor where torch has its dtype. Shapes that differ are numpy's
-    ValueError.
+    ValueError. Arrays of one dtype torch has are left to torch (None), whose
+    collate gathers them straight into shared memory inside DataLoader workers.
     """
     if not _is_numpy_value(values[0]) or not all(_is_numpy_value(v) for v in values):
         return None
     arrays = [np.asarray(v) for v in values]
-    if all(a.dtype == arrays[0].dtype for a in arrays) and torch_dtype(arrays[0].dtype) is not None:
+    if (
+        all(type(v) is np.ndarray for v in values)
+        and all(a.dtype == arrays[0].dtype for a in arrays)
+        and torch_dtype(arrays[0].dtype) is not None
+    ):
         return None  # torch's own collate, as for a dataset's samples
     if all(a.dtype == arrays[0].dtype for a in arrays):
         stacked = stack_bytes(arrays) if all(a.shape == arrays[0].shape for a in arrays) else np.stack(arrays)
@@ -484,10 +508,14 @@ def collate(batch: Any) -> Any:
     if isinstance(batch, SampleList):
         return _collate_listing_ragged(batch)
     if not isinstance(batch, GatheredBatch):
+        check_same_keys(batch)
+        # numpy's scalar types first: torch looks a value's type up in this order
         plain: dict[type | tuple[type, ...], Callable[..., Any]] = {
-            kind: _collate_arrays for kind in (np.ndarray, *NUMPY_SCALARS_TORCH_LACKS)
+            **{kind: _collate_arrays for kind in NUMPY_SCALARS},
+            **default_collate_fn_map,
+            np.ndarray: _collate_arrays,
         }
-        return torch_collate(batch, collate_fn_map={**default_collate_fn_map, **plain})
+        return torch_collate(batch, collate_fn_map=plain)
     tensors = {
         name: as_tensors(batch.field(name)) if name in batch.ragged else batch.tensor(name)
         for name in batch.field_names
@@ -501,6 +529,7 @@ def _collate_listing_ragged(samples: SampleList) -> Any:
         return [_as_tensor(sample) for sample in samples]
     if not samples or not isinstance(samples[0], dict):
         return _collate_values(list(samples))
+    check_same_keys(samples)
     return {
         name: [_as_tensor(sample[name]) for sample in samples]
         if name in samples.ragged
@@ -509,10 +538,28 @@ def _collate_listing_ragged(samples: SampleList) -> Any:
     }
 
 
+def check_same_keys(samples: Sequence[Any]) -> None:
+    """Raise ValueError if dict samples of one batch differ in keys: a batch's keys would
+    otherwise be the first sample's, the others' own keys dropped without a word."""
+    if not samples or not isinstance(samples[0], Mapping):
+        return
+    first = set(samples[0])
+    for j, sample in enumerate(samples):
+        if isinstance(sample, Mapping) and set(sample) != first:
+            raise ValueError(
+                f"sample {j} of a batch has keys {sorted(map(str, sample))} where sample 0 has "
+                f"{sorted(map(str, first))}: give every sample the same keys (edit them in the "
+                "dataset's transform, or in a collate_fn of your own)"
+            )
+
+
 def _collate_arrays(arrays: Sequence[np.ndarray], *, collate_fn_map: Any = None) -> Any:
     """Arrays of plain samples (``ds[i]``) stacked as a GatheredBatch's: numpy where torch lacks the dtype."""
     stacked = collate_numpy_torch_lacks(arrays)
-    return stacked if stacked is not None else collate_numpy_array_fn(arrays, collate_fn_map=collate_fn_map)
+    if stacked is not None:
+        return stacked
+    torch_own = collate_numpy_array_fn if isinstance(arrays[0], np.ndarray) else collate_numpy_scalar_fn
+    return torch_own(arrays, collate_fn_map=collate_fn_map)
 
 
 def _collate_values(values: list[Any]) -> Any:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from .dataset import GatheredBatch, as_tensors, shared_tensor
+from .dataset import GatheredBatch, as_tensors, check_same_keys, shared_tensor, stack_bytes
 from .ragged import (
     RaggedRows,
     check_padded_keys,
@@ -152,6 +152,7 @@ def _by_field(samples: Sequence[Any]) -> dict[str, list[np.ndarray]]:
     array of mixed values: TypeError, which says what PaddedCollate takes.
     """
     if samples and isinstance(samples[0], Mapping):
+        check_same_keys(samples)
         return {key: [np.asarray(s[key]) for s in samples] for key in samples[0]}
     if samples and isinstance(samples[0], (tuple, list)):
         raise TypeError(
@@ -169,6 +170,8 @@ def _stack(name: str, arrays: list[np.ndarray]) -> np.ndarray:
             f"field {name!r} has shapes {shapes[0]} and {shapes[-1]} in one batch; "
             f"pass PaddedCollate(ragged=[{name!r}, ...]) to pad it"
         )
+    if all(a.dtype == arrays[0].dtype for a in arrays):
+        return stack_bytes(arrays)  # np.stack would drop a record dtype's padding (numpy's promotion)
     return np.stack(arrays)
 
 

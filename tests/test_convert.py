@@ -433,3 +433,18 @@ def test_an_alarm_handlers_timeout_anywhere_comes_out_as_itself_never_as_a_bad_f
         if not interrupt.fired:
             break
     assert k > 20
+
+
+def test_one_path_is_one_input_never_the_characters_of_its_name(tmp_path, monkeypatch) -> None:
+    """convert("src", ...) converts src, as MmapDataset("data.mmap") opens one path: iterating the
+    string would walk "s", "r", "c" (and "/" for an absolute path: the whole file system)."""
+    write_npz(tmp_path / "src" / "a.npz", x=np.arange(3))
+    monkeypatch.chdir(tmp_path)
+    for given in ("src", tmp_path / "src", str(tmp_path / "src")):
+        result = convert(given, tmp_path / "out", overwrite=True)
+        assert read_sources(Path(result.out_dir)) == [str(tmp_path / "src" / "a.npz")]
+    with pytest.raises(TypeError, match="^inputs must be a path or a list of paths"):
+        convert(b"src", tmp_path / "other")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="^keys must be a list of keys, not 'x'"):
+        convert(["src"], tmp_path / "other", keys="x")
+    assert not (tmp_path / "other").exists()

@@ -1,0 +1,150 @@
+"""A collate_fn's edits of a gathered batch's sample dicts, against numpy's own stacking.
+
+Whatever a collate_fn does to the sample dicts a batch hands out (new values,
+numpy scalars of other dtypes, new or deleted keys, a view's ``.shape`` or
+``.dtype`` set in place), ``collate`` and ``PaddedCollate`` collate the samples
+as edited: each field is what ``np.stack`` makes of the edited values, in its
+dtype (record padding kept), or an error; a key some samples lack is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_npz
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import npz2mmap
+from npz2mmap import MmapDataset, PaddedCollate
+
+PADDED_RECORD = np.dtype({"names": ["a", "b"], "formats": ["u1", "<f8"], "offsets": [0, 8], "itemsize": 16})
+SCALAR_DTYPES = ["int8", "uint8", "int64", "uint64", "float16", "float32", "float64", "bool", "longdouble"]
+BATCH = 3
+
+
+@pytest.fixture(scope="module")
+def edit_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("edits")
+    for i in range(BATCH):
+        record = np.zeros(2, PADDED_RECORD)
+        record["a"], record["b"] = i, i / 3
+        write_npz(
+            root / "src" / f"{i}.npz", x=np.arange(6, dtype=np.int32) * (i + 1), r=record, y=np.int64(i)
+        )
+    npz2mmap.convert([root / "src"], root / "dataset")
+    return root / "dataset"
+
+
+def apply_edit(sample: dict[str, Any], edit: tuple[Any, ...]) -> None:
+    kind = edit[0]
+    if kind == "reshape":
+        sample["x"].shape = (2, 3)
+    elif kind == "view":
+        sample["x"].dtype = np.dtype(np.uint32)
+    elif kind == "scalar":
+        sample["y"] = np.dtype(edit[1]).type(edit[2])
+    elif kind == "add":
+        sample["extra"] = np.int64(edit[1])
+    elif kind == "drop":
+        sample.pop("y", None)
+    elif kind == "replace":
+        sample["r"] = sample["r"].copy()
+
+
+edits = st.one_of(
+    st.tuples(st.just("reshape")),
+    st.tuples(st.just("view")),
+    st.tuples(st.just("scalar"), st.sampled_from(SCALAR_DTYPES), st.integers(0, 100)),
+    st.tuples(st.just("add"), st.integers(-5, 5)),
+    st.tuples(st.just("drop")),
+    st.tuples(st.just("replace")),
+)
+
+
+def numpy_stacked(values: list[Any]) -> np.ndarray:
+    """The oracle: numpy's stack of the values, in their common dtype (theirs when they agree)."""
+    arrays = [np.asarray(v) for v in values]
+    if all(a.dtype == arrays[0].dtype for a in arrays):
+        return np.stack(arrays, dtype=arrays[0].dtype)
+    return np.stack(arrays)
+
+
+def as_numpy(value: Any) -> np.ndarray:
+    return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+
+
+@pytest.mark.parametrize("collate_name", ["collate", "PaddedCollate"])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=st.lists(st.tuples(st.integers(0, BATCH - 1), edits), max_size=6))
+def test_collating_edited_samples_is_numpys_stack_of_them(edit_dataset, collate_name, plan) -> None:
+    ds = MmapDataset(edit_dataset)
+    collate_fn = npz2mmap.collate if collate_name == "collate" else PaddedCollate()
+    batch = ds.__getitems__(list(range(BATCH)))
+    for j, edit in plan:
+        apply_edit(batch[j], edit)
+    samples = [dict(batch[j]) for j in range(BATCH)]
+    keys = [sorted(s) for s in samples]
+    if any(k != keys[0] for k in keys):
+        with pytest.raises(ValueError, match=r"^sample \d of a batch has keys .* where sample 0 has"):
+            collate_fn(batch)
+        return
+    expected: dict[str, np.ndarray | None] = {}
+    for key in keys[0]:
+        try:
+            expected[key] = numpy_stacked([s[key] for s in samples])
+        except ValueError:  # shapes numpy cannot stack
+            expected[key] = None
+    if any(v is None for v in expected.values()):
+        with pytest.raises((ValueError, RuntimeError)):
+            collate_fn(batch)
+        return
+    out = collate_fn(batch)
+    assert sorted(out) == keys[0]
+    for key, want in expected.items():
+        got = as_numpy(out[key])
+        assert want is not None
+        assert got.dtype == want.dtype.newbyteorder("="), (key, got.dtype, want.dtype)
+        assert got.shape == want.shape, key
+        if want.dtype.names or want.dtype == np.longdouble:  # by value: padding bytes are left unset
+            assert (got == want).all(), key
+        else:
+            assert got.tobytes() == want.astype(got.dtype).tobytes(), key
+
+
+def test_a_shape_set_in_place_reaches_the_batch(edit_dataset) -> None:
+    ds = MmapDataset(edit_dataset)
+    for collate_fn in (npz2mmap.collate, PaddedCollate()):
+        batch = ds.__getitems__([0, 1])
+        for sample in batch:
+            sample["x"].shape = (3, 2)
+        assert tuple(collate_fn(batch)["x"].shape) == (2, 3, 2)
+
+
+def test_padded_collate_keeps_record_padding_of_edited_samples(edit_dataset) -> None:
+    ds = MmapDataset(edit_dataset)
+    batch = ds.__getitems__([0, 1])
+    batch[0]["y"] = np.int64(9)
+    assert PaddedCollate()(batch)["r"].dtype == PADDED_RECORD
+
+
+def test_mixed_numpy_scalars_collate_in_numpys_promotion() -> None:
+    """float32 with int64 is float64 in numpy, float32 (losing 2**40 + 1) in torch's promotion."""
+    out = npz2mmap.collate([{"y": np.float32(0.5)}, {"y": np.int64(2**40 + 1)}])
+    assert out["y"].dtype == torch.float64 and out["y"].tolist() == [0.5, 2**40 + 1]
+    assert npz2mmap.collate([np.uint64(2**64 - 1)] * 2).tolist() == [2**64 - 1] * 2
+    exact = npz2mmap.collate([np.longdouble(1) / 3] * 2)
+    assert exact.dtype == np.longdouble and exact[0] == np.longdouble(1) / 3
+
+
+@pytest.mark.parametrize("collate_fn", [npz2mmap.collate, PaddedCollate()], ids=["collate", "PaddedCollate"])
+def test_samples_of_other_keys_are_refused_not_cut_to_the_first_ones(collate_fn) -> None:
+    samples = [{"x": np.zeros(2)}, {"x": np.ones(2), "extra": np.int64(1)}]
+    with pytest.raises(
+        ValueError, match=r"^sample 1 of a batch has keys \['extra', 'x'\] where sample 0 has \['x'\]"
+    ):
+        collate_fn(samples)
