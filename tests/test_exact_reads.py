@@ -252,7 +252,9 @@ def test_will_need_asks_for_exactly_the_pages_of_the_samples(tmp_path, samples) 
     one = npz2mmap.DatasetReader(tmp_path / "ds")
     recorder = RecordingMap()
     one._mmap = recorder  # type: ignore[assignment]
-    for names, indices in [(FIELDS, [0, 7, 3, 40]), (["tokens"], [5]), (["input", "label"], list(range(20)))]:
+    cases = [(FIELDS, [0, 7, 3, 40]), (["tokens"], [5]), (["input", "label"], list(range(20)))]
+    cases.append((["tokens"], list(range(NUM_SAMPLES))))  # one run of more than WILL_NEED_CHUNK
+    for names, indices in cases:
         recorder.requests.clear()
         made = one.will_need(names, np.array(indices, dtype=np.int64))
         assert made == len(recorder.requests)
@@ -263,7 +265,14 @@ def test_will_need_asks_for_exactly_the_pages_of_the_samples(tmp_path, samples) 
             asked.update(range(start // mmap.PAGESIZE, (start + length) // mmap.PAGESIZE))
         assert asked == oracle_pages(tmp_path / "ds", names, indices)
         starts = [start for _, start, _ in recorder.requests]
-        assert starts == sorted(starts)  # runs joined: no two requests touch
+        assert starts == sorted(starts)
+        assert all(
+            length <= reader.WILL_NEED_CHUNK for _, _, length in recorder.requests
+        )  # Linux reads no more
+        for (_, start, length), (_, after, _) in zip(recorder.requests, recorder.requests[1:], strict=False):
+            assert start + length < after or length == reader.WILL_NEED_CHUNK  # runs joined, then cut
+        if names == ["tokens"] and len(indices) == NUM_SAMPLES:
+            assert max(length for _, _, length in recorder.requests) == reader.WILL_NEED_CHUNK
 
 
 def test_without_madvise_exact_reads_ask_nothing_and_deliver_the_same(
