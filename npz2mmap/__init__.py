@@ -19,6 +19,7 @@ __all__ = [
     "MmapLoader",
     "Npz2mmapError",
     "PaddedCollate",
+    "ShuffleSampler",
     "Writer",
     "collate",
     "convert",
@@ -33,6 +34,7 @@ _LAZY = {
     "MmapLoader": "loader",
     "Npz2mmapError": "errors",
     "PaddedCollate": "padding",
+    "ShuffleSampler": "samplers",
     "Writer": "appender",
     "collate": "dataset",
     "convert": "converter",
@@ -46,7 +48,7 @@ if TYPE_CHECKING:
     from .loader import MmapLoader
     from .padding import PaddedCollate
     from .reader import DatasetReader
-    from .samplers import BlockShuffleSampler, LengthGroupedSampler
+    from .samplers import BlockShuffleSampler, LengthGroupedSampler, ShuffleSampler
 
 
 def __getattr__(name: str) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from collections.abc import Iterable, Iterator
@@ -85,39 +86,191 @@ class _Resumable:
 
 
 class BlockShuffleSampler(_Resumable, Sampler[int]):
-    """Shuffle blocks of neighbouring samples, then the samples within each block.
+    """Shuffle blocks of neighbouring samples, then the samples within each window of blocks.
 
-    Every epoch visits every sample once in a new order, but reads stay inside
-    one block of ``block_size`` neighbours at a time, so on a dataset larger
-    than RAM the disk sees block-sized sequential reads instead of scattered
-    ones (the idea of FFCV's quasi-random order). Call ``set_epoch`` each epoch.
+    Every epoch visits every sample once in a new order: the blocks of
+    ``block_size`` neighbours are shuffled, taken ``interleave`` at a time, and
+    the samples of those blocks shuffled together, so each batch draws from up
+    to ``interleave`` distant places while reads stay inside a window of
+    ``interleave * block_size`` samples (the idea of FFCV's quasi-random order
+    and LitData's chunk interleaving). Call ``set_epoch`` each epoch.
     Resumable mid-epoch through ``state_dict`` / ``load_state_dict``.
+
+    Given the ``dataset`` (an ``MmapDataset``) that reads exactly (it does not
+    fit in memory, or ``reads="exact"``), the sampler itself asks for each
+    window's blocks whole, one sequential read per block and field, as it
+    starts yielding the window before: whichever process iterates it (the
+    ``DataLoader``'s main process, ``MmapLoader``), the disk reads at its
+    sequential speed, and up to two windows are in the page cache at once.
+
+    Under DDP (``num_replicas``, ``rank``: default from ``torch.distributed``
+    once initialised), each rank takes its own contiguous share of the
+    epoch's shuffled blocks, so ranks read apart; as with
+    ``DistributedSampler``, the first samples of the epoch's order are
+    repeated to fill the last share (``drop_last``: the last ones left out).
     """
 
-    def __init__(self, num_samples: int, block_size: int = 1024, seed: int = 0) -> None:
-        if num_samples < 0 or block_size < 1:
-            raise ValueError("num_samples must be >= 0 and block_size >= 1")
+    def __init__(
+        self,
+        num_samples: int,
+        block_size: int = 1024,
+        seed: int = 0,
+        *,
+        interleave: int = 1,
+        dataset: Any = None,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        if num_samples < 0 or block_size < 1 or interleave < 1:
+            raise ValueError("num_samples must be >= 0, block_size and interleave >= 1")
         super().__init__(seed)
         self.num_samples = num_samples
         self.block_size = block_size
+        self.interleave = interleave
+        self.dataset = dataset
+        self.drop_last = drop_last
+        self.num_replicas, self.rank = _replicas_and_rank(num_replicas, rank)
 
     def _order_settings(self) -> dict[str, int]:
-        return {"num_samples": self.num_samples, "block_size": self.block_size}
+        settings = {"num_samples": self.num_samples, "block_size": self.block_size}
+        if self.interleave != 1 or self.num_replicas != 1:  # one block at a time, one rank: states as before
+            settings.update(interleave=self.interleave, num_replicas=self.num_replicas, rank=self.rank)
+            settings.update(drop_last=int(self.drop_last))
+        return settings
 
     def __len__(self) -> int:
-        return self.num_samples
+        return self._share_size()
+
+    def _share_size(self) -> int:
+        n, replicas = self.num_samples, self.num_replicas
+        return n // replicas if self.drop_last else -(-n // replicas)
 
     def __iter__(self) -> Iterator[int]:
         return self._counted(self._order())
 
     def _order(self) -> Iterator[int]:
         rng = np.random.default_rng((self.seed, self.epoch))
-        num_blocks = -(-self.num_samples // self.block_size)
-        for block in rng.permutation(num_blocks):
-            start = int(block) * self.block_size
-            members = np.arange(start, min(start + self.block_size, self.num_samples))
+        windows = self.windows(rng)
+        for k, window in enumerate(windows):
+            if k == 0:
+                self._read(window)
+            if k + 1 < len(windows):
+                self._read(windows[k + 1])
+            members = np.concatenate([np.arange(start, stop) for start, stop in window])
             rng.shuffle(members)
             yield from members.tolist()
+
+    def windows(self, rng: np.random.Generator) -> list[list[tuple[int, int]]]:
+        """This rank's windows of the epoch, in order: each a list of runs [start, stop) of
+        neighbouring samples (whole blocks, or pieces of them at the share's edges)."""
+        num_blocks = -(-self.num_samples // self.block_size)
+        blocks = [
+            (int(b) * self.block_size, min((int(b) + 1) * self.block_size, self.num_samples))
+            for b in rng.permutation(num_blocks)
+        ]
+        if self.num_replicas > 1 or self.drop_last:
+            blocks = _share_of(blocks, self._share_size(), self.num_replicas, self.rank)
+        return [blocks[i : i + self.interleave] for i in range(0, len(blocks), self.interleave)]
+
+    def _read(self, window: list[tuple[int, int]]) -> None:
+        """Ask the dataset to read a window's runs whole, if it reads exactly (see the class)."""
+        dataset = self.dataset
+        if dataset is None or not getattr(dataset, "exact_reads", False):
+            return
+        indices = np.concatenate([np.arange(start, stop, dtype=np.int64) for start, stop in window])
+        with contextlib.suppress(Exception):  # a read ahead is a hint: loading the samples reports errors
+            dataset.reader.will_need(dataset.fields, indices)
+
+
+def _share_of(blocks: list[tuple[int, int]], share: int, replicas: int, rank: int) -> list[tuple[int, int]]:
+    """One rank's runs: the epoch's runs laid end to end, repeated from the start to fill
+    ``replicas`` shares (or cut to them), cut at the rank's share."""
+    runs: list[tuple[int, int]] = []
+    wanted, start_at = share * replicas, share * rank
+    position = 0
+    while position < start_at + share and blocks:
+        for start, stop in blocks:
+            lo, hi = max(position, start_at), min(position + stop - start, start_at + share, wanted)
+            if lo < hi:
+                runs.append((start + lo - position, start + hi - position))
+            position += stop - start
+            if position >= start_at + share:
+                break
+    return runs
+
+
+class ShuffleSampler(_Resumable, Sampler[int]):
+    """A full shuffle, as ``DataLoader(shuffle=True)`` or ``DistributedSampler`` draws it,
+    that asks for its samples' exact reads ``read_ahead`` samples before it yields them.
+
+    Given an ``MmapDataset`` that reads exactly (it does not fit in memory, or
+    ``reads="exact"``), the process iterating the sampler (a ``DataLoader``'s
+    main process, or ``MmapLoader``) keeps ``read_ahead`` samples' reads in
+    flight, where workers alone could ask for no more than their own batches:
+    up to ``read_ahead`` samples of page cache. For any other dataset (or a
+    length) it is a plain seeded shuffle. Every epoch (``set_epoch``) is a new
+    order of the seed; resumable mid-epoch through ``state_dict`` /
+    ``load_state_dict``. Under DDP (``num_replicas``, ``rank``: default from
+    ``torch.distributed`` once initialised), ranks share the epoch's order as
+    in ``DistributedSampler``: the first samples repeated to fill the last
+    share, or the last ones left out with ``drop_last``.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        seed: int = 0,
+        read_ahead: int = 512,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        if not isinstance(read_ahead, int) or isinstance(read_ahead, bool) or read_ahead < 0:
+            raise ValueError(f"read_ahead must be an int >= 0 (samples), not {read_ahead!r}")
+        super().__init__(seed)
+        self.dataset = dataset
+        self.num_samples = dataset if isinstance(dataset, int) else len(dataset)
+        self.read_ahead = read_ahead
+        self.drop_last = drop_last
+        self.num_replicas, self.rank = _replicas_and_rank(num_replicas, rank)
+
+    def _order_settings(self) -> dict[str, int]:
+        return {
+            "num_samples": self.num_samples,
+            "num_replicas": self.num_replicas,
+            "rank": self.rank,
+            "drop_last": int(self.drop_last),
+        }
+
+    def __len__(self) -> int:
+        n, replicas = self.num_samples, self.num_replicas
+        return n // replicas if self.drop_last else -(-n // replicas)
+
+    def __iter__(self) -> Iterator[int]:
+        rng = np.random.default_rng((self.seed, self.epoch))
+        shuffled = rng.permutation(self.num_samples)
+        order = np.resize(shuffled, len(self) * self.num_replicas)[self.rank :: self.num_replicas]
+        return self._counted(self._reading_ahead(order, self._resume_at))
+
+    def _reading_ahead(self, order: np.ndarray, skip: int) -> Iterator[int]:
+        """The order, each sample's reads asked for ``read_ahead`` samples before it (from ``skip``)."""
+        dataset, ahead = self.dataset, self.read_ahead
+        if not ahead or not getattr(dataset, "exact_reads", False):
+            yield from order.tolist()
+            return
+        issued = skip
+        for position, index in enumerate(order.tolist()):
+            if position >= skip and issued < min(position + ahead, len(order)):
+                stop = min(max(position + ahead, issued + READ_CHUNK), len(order))
+                with contextlib.suppress(Exception):  # a hint: loading the samples reports errors
+                    dataset.reader.will_need(dataset.fields, order[issued:stop].astype(np.int64))
+                issued = stop
+            yield index
+
+
+READ_CHUNK = 64  # samples whose reads a ShuffleSampler asks for at a time
 
 
 class LengthGroupedSampler(_Resumable, Sampler[list[int]]):

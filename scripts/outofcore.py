@@ -47,6 +47,9 @@ MAX_SAMPLES = 6400  # per loader; or MAX_SECONDS, whichever comes first
 MAX_SECONDS = 15.0
 FLOOR_SAMPLES = 12_000
 DROP_CACHES = "/proc/sys/vm/drop_caches"
+INTERLEAVED_BLOCK, INTERLEAVED_BLOCKS = 256, 8  # windows of 2,048 samples, 100 MB of this data
+INTERLEAVED_MMAP = "MmapLoader(sampler=BlockShuffleSampler(n, 256, interleave=8, dataset=ds)), 2 workers"
+INTERLEAVED_DATA = "DataLoader(MmapDataset, sampler=BlockShuffleSampler(..., dataset=ds)), 2 workers"
 
 
 # --- cgroups -----------------------------------------------------------------------
@@ -408,6 +411,39 @@ def _block_loader(dataset: Path) -> Iterator[Any]:
     yield from loader
 
 
+def interleaved_sampler(ds: Any) -> Any:
+    """The larger-than-memory shuffle as the README sizes it: two windows well inside the cache."""
+    from npz2mmap import BlockShuffleSampler
+
+    return BlockShuffleSampler(len(ds), INTERLEAVED_BLOCK, interleave=INTERLEAVED_BLOCKS, dataset=ds)
+
+
+def _interleaved_loader(dataset: Path, data_loader: bool) -> Iterator[Any]:
+    from torch.utils.data import DataLoader
+
+    from npz2mmap import MmapDataset, MmapLoader
+
+    ds = MmapDataset(dataset, fields=_fields())
+    if data_loader:
+        sampler = interleaved_sampler(ds)
+        yield from DataLoader(ds, BATCH, sampler=sampler, num_workers=2, persistent_workers=True)
+        return
+    loader = MmapLoader(ds, BATCH, sampler=interleaved_sampler(ds), num_workers=2)
+    try:
+        yield from loader
+    finally:
+        loader.close()
+
+
+def _shuffle_sampler_loader(dataset: Path) -> Iterator[Any]:
+    from torch.utils.data import DataLoader
+
+    from npz2mmap import MmapDataset, ShuffleSampler
+
+    ds = MmapDataset(dataset, fields=_fields())
+    yield from DataLoader(ds, BATCH, sampler=ShuffleSampler(ds), num_workers=2, persistent_workers=True)
+
+
 def _npz_loader(npz: Path) -> Iterator[Any]:
     from bench import NaiveDataset, npz_paths, worker_loader
 
@@ -536,6 +572,11 @@ def loaders(dataset: Path, npz: Path, formats: Path) -> dict[str, Callable[[], I
             dataset, "random", "mapped", shuffle=True, num_workers=2
         ),
         "MmapLoader(sampler=BlockShuffleSampler(n))": lambda: _block_loader(dataset),
+        "DataLoader(MmapDataset, sampler=ShuffleSampler(ds)), 2 workers": lambda: _shuffle_sampler_loader(
+            dataset
+        ),
+        INTERLEAVED_MMAP: lambda: _interleaved_loader(dataset, data_loader=False),
+        INTERLEAVED_DATA: lambda: _interleaved_loader(dataset, data_loader=True),
         "np.load of the NPZ per item, 2 workers": lambda: _npz_loader(npz),
     }
     if (formats / "litdata.done").exists():
@@ -822,8 +863,46 @@ def outofcore_lines(rows: list[OutOfCore], info: dict[str, Any]) -> list[str]:
     return lines
 
 
+def mixing(order: np.ndarray, region: int = 1024) -> tuple[float, float]:
+    """How well an epoch's order mixes: the mean number of distinct regions of ``region``
+    neighbouring samples per batch (a full shuffle of 20,000 draws 64 batch members from
+    about 20 regions), and the rank correlation between a sample's position and its index."""
+    batches = [order[k : k + BATCH] for k in range(0, len(order), BATCH)]
+    distinct = float(np.mean([len(np.unique(b // region)) for b in batches]))
+    ranks = np.empty(len(order))
+    ranks[order] = np.arange(len(order))
+    correlation = float(np.corrcoef(np.arange(len(order)), ranks)[0, 1]) if len(order) > 1 else 0.0
+    return distinct, correlation
+
+
+def mixing_lines(num_samples: int = 20_000) -> list[str]:
+    """The mixing of each shuffle of the section, over one epoch of the workload."""
+    from npz2mmap import BlockShuffleSampler, ShuffleSampler
+
+    samplers = {
+        "full shuffle (`shuffle=True`, `ShuffleSampler`)": ShuffleSampler(num_samples),
+        "`BlockShuffleSampler(n)` (blocks of 1,024, one at a time)": BlockShuffleSampler(num_samples),
+        f"`BlockShuffleSampler(n, {INTERLEAVED_BLOCK}, interleave={INTERLEAVED_BLOCKS})`": (
+            BlockShuffleSampler(num_samples, INTERLEAVED_BLOCK, interleave=INTERLEAVED_BLOCKS)
+        ),
+    }
+    lines = [
+        "",
+        f"Mixing over one epoch of {num_samples:,} samples, batches of {BATCH}: distinct regions of 1,024 "
+        "neighbouring samples per batch (more is better mixed), and the correlation between a sample's "
+        "position in the epoch and its index (0 for a full shuffle):",
+        "",
+        "| shuffle | regions per batch | position/index correlation |",
+        "| --- | ---: | ---: |",
+    ]
+    for name, sampler in samplers.items():
+        distinct, correlation = mixing(np.array(list(sampler)))
+        lines.append(f"| {name} | {distinct:.1f} | {correlation:+.3f} |")
+    return lines
+
+
 def write(rows: list[OutOfCore], info: dict[str, Any], out: Path) -> str:
-    text = "\n".join(outofcore_lines(rows, info)) + "\n"
+    text = "\n".join(outofcore_lines(rows, info) + (mixing_lines() if rows else [])) + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "outofcore.md").write_text(text)
     (out / "outofcore.json").write_text(

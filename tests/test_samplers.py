@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
-from npz2mmap import BlockShuffleSampler, LengthGroupedSampler
+from npz2mmap import BlockShuffleSampler, LengthGroupedSampler, ShuffleSampler
 
 NUM_SAMPLES = 37
 LENGTHS = np.random.default_rng(7).integers(1, 500, size=NUM_SAMPLES)
@@ -28,17 +28,22 @@ def length_sampler(**kwargs: int) -> LengthGroupedSampler:
     return LengthGroupedSampler(LENGTHS, batch_size=4, pool_batches=2, seed=3, **kwargs)
 
 
-def loader_over(sampler: BlockShuffleSampler | LengthGroupedSampler) -> DataLoader:
+def loader_over(sampler: BlockShuffleSampler | LengthGroupedSampler | ShuffleSampler) -> DataLoader:
     dataset = list(range(NUM_SAMPLES))
     if isinstance(sampler, LengthGroupedSampler):
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=list)
     return DataLoader(dataset, batch_size=4, sampler=sampler, collate_fn=list)
 
 
-SAMPLERS: dict[str, Callable[[], BlockShuffleSampler | LengthGroupedSampler]] = {
+SAMPLERS: dict[str, Callable[[], BlockShuffleSampler | LengthGroupedSampler | ShuffleSampler]] = {
     "block_shuffle": block_sampler,
     "length_grouped": length_sampler,
     "length_grouped_rank_1_of_3": lambda: length_sampler(num_replicas=3, rank=1),
+    "block_interleaved_rank_1_of_3": lambda: BlockShuffleSampler(
+        NUM_SAMPLES, 5, seed=3, interleave=3, num_replicas=3, rank=1
+    ),
+    "shuffle": lambda: ShuffleSampler(NUM_SAMPLES, seed=3),
+    "shuffle_rank_2_of_3": lambda: ShuffleSampler(NUM_SAMPLES, seed=3, num_replicas=3, rank=2),
 }
 
 
