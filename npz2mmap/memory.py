@@ -121,6 +121,8 @@ def larger_than_memory(where: str, nbytes: int, limit: MemoryLimit) -> str:
         f"{human_bytes(limit.nbytes)} this process may use ({limit.source}), too much for the page "
         "cache to keep beside the processes' own memory, so every epoch reads it from the disk; "
         "samples are read exactly, each batch's at once, and MmapLoader issues the next batches' "
-        "reads ahead; to shuffle at the disk's sequential speed, give it "
-        "sampler=BlockShuffleSampler(len(ds)), or raise the limit"
+        "reads ahead; with a DataLoader, sampler=ShuffleSampler(ds) keeps the next samples' reads "
+        "in flight; to shuffle at the disk's sequential speed, "
+        "sampler=BlockShuffleSampler(len(ds), 256, interleave=8, dataset=ds) (two windows of "
+        "8 blocks of 256 samples in the page cache); or raise the limit"
     )
