@@ -271,7 +271,8 @@ def as_raw(array: np.ndarray) -> np.ndarray:
 
 def copy_bytes(array: np.ndarray) -> np.ndarray:
     """A fresh, writable copy of ``array`` with every byte of it, record padding included."""
-    return np.array(as_raw(array)).view(array.dtype)
+    raw = as_raw(array)
+    return array.copy() if raw is array else np.array(raw).view(array.dtype)
 
 
 class _FieldView:
@@ -401,6 +402,8 @@ def normalise_index(i: SupportsIndex, n: int) -> int:
     anything else raises TypeError, and an index out of range IndexError,
     however large (compared as Python ints, so nothing overflows).
     """
+    if type(i) is int and 0 <= i < n:  # the common case, first: one ds[i] normalises once per field
+        return i
     if isinstance(i, (bool, np.bool_)) or str(getattr(i, "dtype", "")) in ("bool", "torch.bool"):
         raise TypeError(_not_an_integer(i))
     try:
