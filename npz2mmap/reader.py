@@ -7,9 +7,11 @@ the per-sample tables are views of the mapping, never parsed.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import operator
 import os
+import weakref
 import zlib
 from collections.abc import Sequence
 from typing import SupportsIndex
@@ -59,7 +61,8 @@ class DatasetReader:
         self.path = os.fspath(path)
         self.index = index if index is not None else load_index(self.path)
         self.blob_path = os.path.join(self.path, BLOB_NAME)
-        self._mmap = _map_blob(self.blob_path, self.index, check_identity)
+        self._mmap, self._blob_id = _map_blob(self.blob_path, self.index, check_identity)
+        self._hint_fd: int | None = None  # opened on the first hint (see _hints_fd)
         self.payload: NDArray[np.uint8] = np.frombuffer(
             self._mmap, dtype=np.uint8, count=self.index.payload_nbytes, offset=BLOB_HEADER_NBYTES
         )
@@ -166,7 +169,10 @@ class DatasetReader:
         cache now, in the background, all at once (so the disk has many reads in flight); the
         number of requests made. Nothing where the platform has no madvise (then each sample is
         read as it is copied)."""
-        if not len(indices) or not hasattr(self._mmap, "madvise") or "willneed" not in ADVICE:
+        fd = self._hints_fd()
+        if not len(indices) or (
+            fd is None and (not hasattr(self._mmap, "madvise") or "willneed" not in ADVICE)
+        ):
             return 0
         pieces = [self.byte_ranges(name, indices) for name in names]
         starts = np.concatenate([p[0] for p in pieces])
@@ -174,9 +180,30 @@ class DatasetReader:
         requests = 0
         for start, end in page_runs(starts, ends):
             for piece in range(start, end, WILL_NEED_CHUNK):  # Linux reads no more of one request
-                self._mmap.madvise(ADVICE["willneed"], piece, min(WILL_NEED_CHUNK, end - piece))
+                length = min(WILL_NEED_CHUNK, end - piece)
+                if fd is not None:  # releases the GIL, where madvise holds it while the disk is busy
+                    os.posix_fadvise(fd, piece, length, os.POSIX_FADV_WILLNEED)
+                else:
+                    self._mmap.madvise(ADVICE["willneed"], piece, length)
                 requests += 1
         return requests
+
+    def _hints_fd(self) -> int | None:
+        """A descriptor of the mapped blob for posix_fadvise, opened once, on the first hint;
+        None where there is no posix_fadvise (macOS, Windows: madvise, or no hints) or the file
+        at the path is no longer the one mapped."""
+        if self._hint_fd is None:
+            self._hint_fd = -1
+            if hasattr(os, "posix_fadvise") and "willneed" in ADVICE:
+                with contextlib.suppress(OSError):
+                    fd = fsutil.open_regular(self.blob_path)
+                    status = os.fstat(fd)
+                    if (status.st_dev, status.st_ino) == self._blob_id:
+                        self._hint_fd = fd
+                        weakref.finalize(self, os.close, fd)
+                    else:
+                        os.close(fd)
+        return None if self._hint_fd < 0 else self._hint_fd
 
     def gather(
         self, name: str, indices: Sequence[int] | NDArray[np.integer], out: np.ndarray | None = None
@@ -482,8 +509,9 @@ def open_blob(blob_path: str, index: Index) -> int:
     return fd
 
 
-def _map_blob(blob_path: str, index: Index, check_identity: bool = True) -> mmap.mmap:
-    """Map the blob read-only after checking its type, size, identity and header.
+def _map_blob(blob_path: str, index: Index, check_identity: bool = True) -> tuple[mmap.mmap, tuple[int, int]]:
+    """Map the blob read-only after checking its type, size, identity and header; the
+    mapping, and the file's (st_dev, st_ino).
 
     The size check comes first: mapping a truncated file and touching past its
     end would kill the process with SIGBUS. The identity names the exact index
@@ -492,7 +520,8 @@ def _map_blob(blob_path: str, index: Index, check_identity: bool = True) -> mmap
     fd = open_regular(blob_path)
     try:
         _check_blob(fd, blob_path, index, check_identity)
-        return mmap.mmap(fd, index.blob_nbytes, access=mmap.ACCESS_READ)
+        status = os.fstat(fd)
+        return mmap.mmap(fd, index.blob_nbytes, access=mmap.ACCESS_READ), (status.st_dev, status.st_ino)
     finally:
         os.close(fd)
 

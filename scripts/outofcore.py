@@ -460,6 +460,7 @@ def _litdata_loader(root: Path) -> Iterator[Any]:
 def stub_torchvision() -> None:
     """Mosaic's package imports torchvision for its vision datasets, unused here; the PyPI wheel
     of torchvision does not load against a CPU-only torch, so stand-ins take its place."""
+    import importlib.machinery
     import types
 
     for name in (
@@ -468,7 +469,8 @@ def stub_torchvision() -> None:
         "torchvision.transforms",
         "torchvision.transforms.functional",
     ):
-        sys.modules.setdefault(name, types.ModuleType(name))
+        module = sys.modules.setdefault(name, types.ModuleType(name))
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # transformers looks for it
     sys.modules["torchvision.datasets"].VisionDataset = object  # type: ignore[attr-defined]
     sys.modules["torchvision.datasets"].CIFAR10 = object  # type: ignore[attr-defined]
     sys.modules["torchvision.transforms.functional"].to_tensor = None  # type: ignore[attr-defined]
