@@ -412,7 +412,7 @@ NUMPY_SCALARS = (np.number, np.bool_, np.void, np.datetime64, np.timedelta64)
 
 
 def _is_numpy_value(value: Any) -> bool:
-    return type(value) is np.ndarray or isinstance(value, NUMPY_SCALARS)
+    return isinstance(value, (np.ndarray, *NUMPY_SCALARS, np.str_, np.bytes_))
 
 
 def collate_numpy_torch_lacks(values: Sequence[Any]) -> Any:
@@ -429,9 +429,13 @@ def collate_numpy_torch_lacks(values: Sequence[Any]) -> Any:
     """
     if not _is_numpy_value(values[0]) or not all(_is_numpy_value(v) for v in values):
         return None
+    if all(isinstance(v, (np.str_, np.bytes_)) for v in values) or any(
+        isinstance(v, RaggedSample) for v in values
+    ):
+        return None  # strings, which torch's collate keeps as a list; a ragged field's samples, listed
     arrays = [np.asarray(v) for v in values]
     if (
-        all(type(v) is np.ndarray for v in values)
+        all(isinstance(v, np.ndarray) for v in values)
         and all(a.dtype == arrays[0].dtype for a in arrays)
         and torch_dtype(arrays[0].dtype) is not None
     ):
@@ -509,18 +513,35 @@ def collate(batch: Any) -> Any:
         return _collate_listing_ragged(batch)
     if not isinstance(batch, GatheredBatch):
         check_same_keys(batch)
-        # numpy's scalar types first: torch looks a value's type up in this order
-        plain: dict[type | tuple[type, ...], Callable[..., Any]] = {
-            **{kind: _collate_arrays for kind in NUMPY_SCALARS},
-            **default_collate_fn_map,
-            np.ndarray: _collate_arrays,
-        }
-        return torch_collate(batch, collate_fn_map=plain)
+        if batch and isinstance(batch[0], Mapping):
+            return _collate_plain_dicts(batch)
+        return torch_collate(batch, collate_fn_map=PLAIN_COLLATE_FNS)
     tensors = {
         name: as_tensors(batch.field(name)) if name in batch.ragged else batch.tensor(name)
         for name in batch.field_names
     }
     return tensors[batch.single] if batch.single is not None else tensors
+
+
+def _collate_plain_dicts(samples: Sequence[Mapping[str, Any]]) -> Any:
+    """Dict samples from elsewhere (``[ds[i], ...]``, a ConcatDataset's) by key, as torch's
+    default collate takes them, with numpy's stacking where torch's differs; a key whose
+    arrays differ in shape raises ValueError naming it and the way out."""
+    out = {}
+    for key in samples[0]:
+        values = [sample[key] for sample in samples]
+        shapes = sorted({tuple(v.shape) for v in values if isinstance(v, (np.ndarray, torch.Tensor))})
+        if len(shapes) > 1:
+            raise ValueError(
+                f"field {key!r} has samples of shapes {shapes[0]} and {shapes[-1]} in one batch, a ragged "
+                "field in samples that do not say so (as a ConcatDataset's): pass "
+                f"collate_fn=npz2mmap.PaddedCollate(ragged=[{key!r}]) to pad it, or collate it yourself"
+            )
+        out[key] = torch_collate(values, collate_fn_map=PLAIN_COLLATE_FNS)
+    try:
+        return type(samples[0])(out)  # as torch's: the samples' own mapping type where it can be made
+    except TypeError:
+        return out
 
 
 def _collate_listing_ragged(samples: SampleList) -> Any:
@@ -560,6 +581,15 @@ def _collate_arrays(arrays: Sequence[np.ndarray], *, collate_fn_map: Any = None)
         return stacked
     torch_own = collate_numpy_array_fn if isinstance(arrays[0], np.ndarray) else collate_numpy_scalar_fn
     return torch_own(arrays, collate_fn_map=collate_fn_map)
+
+
+# torch's default collate functions, with numpy's stacking for numpy values (numpy's scalar
+# types first: torch looks a value's type up in this order)
+PLAIN_COLLATE_FNS: dict[type | tuple[type, ...], Callable[..., Any]] = {
+    **{kind: _collate_arrays for kind in NUMPY_SCALARS},
+    **default_collate_fn_map,
+    np.ndarray: _collate_arrays,
+}
 
 
 def _collate_values(values: list[Any]) -> Any:

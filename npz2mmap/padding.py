@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from .dataset import GatheredBatch, as_tensors, check_same_keys, shared_tensor, stack_bytes
+from .dataset import GatheredBatch, as_tensors, check_same_keys, shared_tensor, stack_bytes, torch_dtype
 from .ragged import (
     RaggedRows,
     check_padded_keys,
@@ -120,7 +120,13 @@ class PaddedCollate:
                     f"field {name!r} differs beyond its first dimension; a jagged nested tensor "
                     "has one ragged dimension: collate it padded (nested=False)"
                 )
-            tensors = [torch.from_numpy(a) for a in arrays]
+            dtype = _common_dtype(arrays, name)
+            if torch_dtype(dtype) is None:
+                raise ValueError(
+                    f"field {name!r} is of dtype {dtype}, which torch has no tensor for, so no nested "
+                    "tensor can hold it: collate it padded (nested=False), as a numpy array"
+                )
+            tensors = [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
             return {name: torch.nested.nested_tensor(tensors, layout=torch.jagged)}
         padded, lengths = pad(arrays, self.pad_value, name)
         out = {name: as_tensors(padded), lengths_key(name): torch.from_numpy(lengths)}
@@ -196,8 +202,8 @@ def pad(arrays: list[np.ndarray], pad_value: float = 0, name: str = "data") -> t
     check_padded_size(name, (len(arrays), *largest), dtype.itemsize)
     out = np.empty((len(arrays), *largest), dtype=dtype)
     out.view(raw_unit(dtype))[...] = pad_element(dtype, pad_value, name)
-    for row, array in zip(out, arrays, strict=True):
-        row[tuple(slice(0, d) for d in array.shape)] = array
+    for k, array in enumerate(arrays):  # out[k, ...]: a row, even of 0-d samples (out[k] is a scalar)
+        out[(k, *(slice(0, d) for d in array.shape))] = array
     lengths = shapes[:, 0] if shapes.shape[1] == 1 else shapes
     return out, np.ascontiguousarray(lengths)
 

@@ -148,3 +148,41 @@ def test_samples_of_other_keys_are_refused_not_cut_to_the_first_ones(collate_fn)
         ValueError, match=r"^sample 1 of a batch has keys \['extra', 'x'\] where sample 0 has \['x'\]"
     ):
         collate_fn(samples)
+
+
+@pytest.fixture(scope="module")
+def string_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("strings")
+    for i in range(3):
+        write_npz(root / "src" / f"{i}.npz", name=np.array("ab"), y=np.int64(i), t=np.arange(i + 1))
+    npz2mmap.convert(root / "src", root / "dataset")
+    return root / "dataset"
+
+
+@pytest.mark.parametrize("wider", [np.array("much longer"), np.str_("much longer")], ids=["array", "scalar"])
+def test_an_edited_wider_string_stacks_in_numpys_promotion(string_dataset, wider) -> None:
+    batch = MmapDataset(string_dataset).__getitems__([0, 1, 2])
+    batch[0]["name"] = wider
+    out = npz2mmap.collate(batch)["name"]
+    assert out.dtype == np.dtype("<U11") and out.tolist() == ["much longer", "ab", "ab"]
+
+
+def test_padded_collate_says_why_strings_make_no_nested_tensor(string_dataset) -> None:
+    batch = MmapDataset(string_dataset).__getitems__([0, 1])
+    with pytest.raises(ValueError, match=r"^field 'name' is of dtype <U2, which torch has no tensor for"):
+        PaddedCollate(nested=True, ragged=["name"])(batch)
+
+
+def test_padded_collate_of_a_0d_field_named_ragged_has_empty_lengths(string_dataset) -> None:
+    out = PaddedCollate(ragged=["y"])(MmapDataset(string_dataset).__getitems__([0, 1]))
+    assert out["y"].tolist() == [0, 1] and tuple(out["y_lengths"].shape) == (2, 0)
+
+
+def test_a_ragged_field_of_plain_samples_names_the_field_and_the_way_out(string_dataset) -> None:
+    ds = MmapDataset(string_dataset)
+    concat = torch.utils.data.ConcatDataset([ds, ds])
+    loader = torch.utils.data.DataLoader(concat, batch_size=4, collate_fn=npz2mmap.collate)
+    with pytest.raises(ValueError, match=r"^field 't' has samples of shapes \(1,\) and \(3,\) in one batch"):
+        next(iter(loader))
+    same = npz2mmap.collate([ds[0], ds[0]])
+    assert same["t"].tolist() == [[0], [0]] and same["name"].tolist() == ["ab", "ab"]
