@@ -539,7 +539,7 @@ def _collate_plain_dicts(samples: Sequence[Mapping[str, Any]]) -> Any:
             )
         out[key] = torch_collate(values, collate_fn_map=PLAIN_COLLATE_FNS)
     try:
-        return type(samples[0])(out)  # as torch's: the samples' own mapping type where it can be made
+        return type(samples[0])(out)  # type: ignore[call-arg]  # as torch's: the samples' own mapping type
     except TypeError:
         return out
 

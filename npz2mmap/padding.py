@@ -203,7 +203,8 @@ def pad(arrays: list[np.ndarray], pad_value: float = 0, name: str = "data") -> t
     out = np.empty((len(arrays), *largest), dtype=dtype)
     out.view(raw_unit(dtype))[...] = pad_element(dtype, pad_value, name)
     for k, array in enumerate(arrays):  # out[k, ...]: a row, even of 0-d samples (out[k] is a scalar)
-        out[(k, *(slice(0, d) for d in array.shape))] = array
+        where: tuple[int | slice, ...] = (k, *(slice(0, d) for d in array.shape))
+        out[where] = array
     lengths = shapes[:, 0] if shapes.shape[1] == 1 else shapes
     return out, np.ascontiguousarray(lengths)
 
