@@ -79,7 +79,7 @@ def as_numpy(value: Any) -> np.ndarray:
 
 
 @pytest.mark.parametrize("collate_name", ["collate", "PaddedCollate"])
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=st.lists(st.tuples(st.integers(0, BATCH - 1), edits), max_size=6))
 def test_collating_edited_samples_is_numpys_stack_of_them(edit_dataset, collate_name, plan) -> None:
     ds = MmapDataset(edit_dataset)

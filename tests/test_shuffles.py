@@ -53,7 +53,7 @@ def epoch_orders(kind: str, case: dict[str, Any]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("kind", ["block", "shuffle"])
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(case=sampler_settings)
 def test_ranks_share_an_epoch_as_distributed_sampler_does(kind, case) -> None:
     n, world = case["num_samples"], case["world"]
@@ -68,7 +68,7 @@ def test_ranks_share_an_epoch_as_distributed_sampler_does(kind, case) -> None:
         assert set(counts) == set(range(n)) and sum(counts.values()) - n < world
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(case=sampler_settings)
 def test_each_window_draws_from_its_own_few_blocks(case) -> None:
     """Cut at the window sizes, a rank's order is each window's samples, from at most
