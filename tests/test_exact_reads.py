@@ -3,6 +3,7 @@ ahead that deliver the sources' bytes on every read path, with or without madvis
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -406,3 +407,32 @@ def test_verify_sources_reports_a_label_that_is_no_file_name_in_one_line(tmp_pat
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.stderr.splitlines()[-1] == f"Error: {tmp_path / 'w'}: 1 problem found"
     assert "is not a file name (a Writer's label?): no source to compare" in result.stderr
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+def test_the_hints_descriptor_goes_with_its_dataset(converted) -> None:
+    """The descriptor exact reads hint through is opened once per mapping, on its first batch,
+    and closed with the mapping: none is left by a dataset dropped after a loader closed."""
+    import gc
+
+    def blob_fds() -> int:
+        fds = f"/proc/{os.getpid()}/fd"
+        links = []
+        for fd in os.listdir(fds):
+            with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+                links.append(os.readlink(f"{fds}/{fd}"))
+        return sum(link.endswith("data.npy") for link in links)
+
+    before = blob_fds()
+    ds = MmapDataset(converted, fields=FIELDS, reads="exact")
+    parts = len(ds.reader.readers)
+    assert blob_fds() == before + parts  # the mappings' own descriptors
+    ds.__getitems__(list(range(NUM_SAMPLES)))
+    ds.__getitems__([1, 2])
+    assert blob_fds() == before + 2 * parts  # and one for hints each, opened once
+    with MmapLoader(ds, 4, shuffle=True, num_workers=1, multiprocessing_context="fork") as loader:
+        for _ in loader:
+            pass
+    del ds, loader
+    gc.collect()
+    assert blob_fds() == before
