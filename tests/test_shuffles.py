@@ -188,3 +188,34 @@ def test_batches_through_the_read_ahead_samplers_are_the_sources(
         got += list(batch["image"].numpy())
     assert labels == order and sorted(order) == list(range(len(images)))
     assert all(g.tobytes() == images[i].tobytes() for g, i in zip(got, labels, strict=True))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("kind", ["block", "shuffle"])
+def test_mmap_loader_resumes_the_read_ahead_samplers_exactly(exact_dataset, num_workers, kind) -> None:
+    path, _ = exact_dataset
+    ds = MmapDataset(path, fields="label", reads="exact")
+
+    def make() -> npz2mmap.MmapLoader:
+        if kind == "block":
+            sampler: Any = BlockShuffleSampler(
+                len(ds), 16, seed=1, interleave=3, dataset=ds, num_replicas=2, rank=1
+            )
+        else:
+            sampler = ShuffleSampler(ds, seed=1, read_ahead=20, num_replicas=2, rank=1)
+        context = {"multiprocessing_context": "fork"} if num_workers else {}
+        return npz2mmap.MmapLoader(ds, 8, sampler=sampler, num_workers=num_workers, **context)
+
+    with make() as whole:
+        whole.set_epoch(2)
+        uninterrupted = [b.tolist() for b in whole]
+    for cut in (1, 4):
+        with make() as first:
+            first.set_epoch(2)
+            for k, _ in enumerate(first):
+                if k == cut - 1:
+                    state = first.state_dict()
+                    break
+        with make() as resumed:
+            resumed.load_state_dict(state)
+            assert [b.tolist() for b in resumed] == uninterrupted[cut:]
