@@ -22,6 +22,7 @@ Root only (cgroups, drop_caches, read_ahead_kb); otherwise the section is skippe
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import resource
@@ -556,12 +557,46 @@ def _random_preads(dataset: Path, in_flight: int) -> Iterator[int]:
         os.close(fd)
 
 
+def _batch_preads(dataset: Path, batches: int) -> Iterator[int]:
+    """Sample-sized preads of a random permutation a batch at a time, ``batches`` batches in
+    flight, each asked for whole once the oldest is in (POSIX_FADV_RANDOM): the most a loader
+    reading only the batches it is making can get, as DataLoader workers do, one batch each."""
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    blob, offset, count = _blob(dataset)
+    order = np.random.default_rng(0).permutation(count)
+    fd = os.open(blob, os.O_RDONLY)
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    def read(i: int) -> None:
+        os.preadv(fd, [bytearray(SAMPLE_BYTES)], offset + int(i) * SAMPLE_BYTES)
+
+    try:
+        with ThreadPoolExecutor(BATCH * batches) as pool:
+            starts = iter(range(0, count, BATCH))
+            flying = [
+                [pool.submit(read, i) for i in order[s : s + BATCH]]
+                for s in itertools.islice(starts, batches)
+            ]
+            while flying:
+                oldest = flying.pop(0)
+                wait(oldest)
+                yield len(oldest)
+                start = next(starts, None)
+                if start is not None:
+                    flying.append([pool.submit(read, i) for i in order[start : start + BATCH]])
+    finally:
+        os.close(fd)
+
+
 def loaders(dataset: Path, npz: Path, formats: Path) -> dict[str, Callable[[], Iterator[Any]]]:
     """Every loader of the section by name; the floors yield sample counts instead of batches."""
     out: dict[str, Callable[[], Iterator[Any]]] = {
         "floor: sequential 8 MiB reads (dd bs=8M)": lambda: _sequential(dataset),
         "floor: random sample preads, 32 in flight": lambda: _random_preads(dataset, 32),
         "floor: random sample preads, 1 in flight": lambda: _random_preads(dataset, 1),
+        "floor: random sample preads, 2 batches of 64 at a time": lambda: _batch_preads(dataset, 2),
         "MmapLoader(shuffle=False)": lambda: _mmap_loader(dataset, shuffle=False),
         "MmapLoader(shuffle=True, prefetch=0)": lambda: _mmap_loader(dataset, shuffle=True, prefetch=0),
         "MmapLoader(shuffle=True, num_workers=2)": lambda: _mmap_loader(dataset, shuffle=True, num_workers=2),
