@@ -17,6 +17,7 @@ import itertools
 import numbers
 import queue
 import threading
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from multiprocessing.context import BaseContext
@@ -25,7 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 from numpy.typing import NDArray
-from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from .dataset import MmapDataset, as_tensors, collate, torch_dtype
 from .errors import FormatError
@@ -535,18 +542,65 @@ def _settings(loader: MmapLoader) -> dict[str, Any]:
         "num_samples": len(loader.dataset),
         "shuffle": loader.shuffle,
         "drop_last": loader.drop_last,
+        "sampler_settings": {key: sampler_settings(sampler) for key, sampler in _samplers(loader)},
     }
 
 
+def sampler_settings(sampler: Any) -> dict[str, Any]:
+    """What makes a sampler's order, as far as can be seen from outside: its type, a
+    DistributedSampler's world, rank, seed, shuffle and drop_last, a BatchSampler's batch size
+    (and its sampler's), a sequence's length and a checksum of its indices, another's length.
+    A sampler with a state_dict of its own names its settings there."""
+    out: dict[str, Any] = {"type": type(sampler).__name__}
+    if isinstance(sampler, BatchSampler):
+        out.update(batch_size=sampler.batch_size, drop_last=sampler.drop_last)
+        out["sampler"] = sampler_settings(sampler.sampler)
+    elif isinstance(sampler, DistributedSampler):
+        out.update(num_replicas=sampler.num_replicas, rank=sampler.rank, seed=sampler.seed)
+        out.update(shuffle=sampler.shuffle, drop_last=sampler.drop_last, length=len(sampler))
+    elif hasattr(sampler, "state_dict"):
+        pass
+    elif isinstance(sampler, (Sequence, np.ndarray)) and not isinstance(sampler, (str, bytes)):
+        with contextlib.suppress(TypeError, ValueError, OverflowError):  # indices of another kind
+            values = np.asarray(sampler, dtype=np.int64)
+            out.update(length=len(values), crc32=zlib.crc32(values.astype("<i8").tobytes()))
+    elif hasattr(sampler, "__len__"):
+        with contextlib.suppress(TypeError):
+            out["length"] = len(sampler)
+    return out
+
+
 def _check_same_settings(loader: MmapLoader, state: dict[str, Any]) -> None:
-    """ValueError when the state was saved by a loader of other settings (a state without them,
-    from an earlier version, is taken as it is)."""
+    """ValueError when the state was saved by a loader of other settings, or over samplers of
+    other settings (a state without them, from an earlier version, is taken as it is)."""
     for key, value in _settings(loader).items():
-        if key in state and state[key] != value:
+        if key == "sampler_settings" and key in state:
+            _check_same_samplers(state[key], value)
+        elif key in state and state[key] != value:
             raise ValueError(
                 f"loader state has {key} {state[key]!r}, this loader has {value!r}: its batches would be "
                 "other samples; resume with the loader the state was saved from"
             )
+
+
+def _check_same_samplers(saved: Any, now: dict[str, Any]) -> None:
+    if not isinstance(saved, dict):
+        raise ValueError(f"loader state: 'sampler_settings' must be a dict, found {saved!r}")
+    for key in sorted(saved.keys() | now.keys()):
+        was, is_now = saved.get(key), now.get(key)
+        if was != is_now:
+            raise ValueError(
+                f"loader state was saved over {_described(key, was)}, this loader has "
+                f"{_described(key, is_now)}: its batches would be other samples; resume with the "
+                "sampler the state was saved with"
+            )
+
+
+def _described(key: str, settings: Any) -> str:
+    if not isinstance(settings, dict):
+        return f"no {key}"
+    shown = ", ".join(f"{k}={v!r}" for k, v in settings.items() if k != "type")
+    return f"{key}={settings.get('type')}({shown})"
 
 
 # torch's samplers that draw a new order each pass and keep no state: a resume cannot continue one.

@@ -381,6 +381,7 @@ def test_resume_from_state_dict_equals_the_tail_of_an_uninterrupted_run(
         "num_samples": 37,
         "shuffle": True,
         "drop_last": False,
+        "sampler_settings": {},
     }
     with MmapLoader(ds, 4, shuffle=True, seed=1, **options) as resumed:
         resumed.load_state_dict(state)
@@ -415,6 +416,7 @@ def test_resume_skips_batches_without_loading_them_and_restores_sampler_state(da
         "num_samples": 37,
         "shuffle": False,
         "drop_last": False,
+        "sampler_settings": {"sampler": {"type": "BlockShuffleSampler"}},
         "sampler": {"epoch": 1, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8},
     }
     resumed = MmapLoader(ds, 4, sampler=sampler(), prefetch=0, batch_transform=counting)
@@ -787,6 +789,7 @@ def test_state_dict_between_passes_carries_the_sampler_state(dataset_dir) -> Non
         "num_samples": 37,
         "shuffle": False,
         "drop_last": False,
+        "sampler_settings": {"sampler": {"type": "BlockShuffleSampler"}},
         "sampler": {"epoch": 2, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8},
     }
     next_pass = [b.tolist() for b in first]  # no set_epoch: the same epoch again
@@ -1466,6 +1469,49 @@ def test_a_state_from_a_loader_of_other_settings_is_refused(dataset_dir, other, 
     options: dict[str, Any] = {"shuffle": True, "seed": 1, **other}
     with pytest.raises(ValueError, match=f"^{re.escape(message)}: its batches would be other samples"):
         MmapLoader(ds, options.pop("batch_size", 4), **options).load_state_dict(state)
+
+
+def distributed(ds: Any, **options: Any) -> DistributedSampler:
+    return DistributedSampler(ds, **{"num_replicas": 3, "rank": 1, "seed": 2, "shuffle": True, **options})
+
+
+SAMPLER_CHANGES = {
+    "world size": (distributed, lambda ds: distributed(ds, num_replicas=2), "num_replicas=3"),
+    "rank": (distributed, lambda ds: distributed(ds, rank=0), "rank=1"),
+    "seed": (distributed, lambda ds: distributed(ds, seed=5), "seed=2"),
+    "drop_last": (distributed, lambda ds: distributed(ds, drop_last=True), "drop_last=False"),
+    "type": (distributed, lambda ds: BlockShuffleSampler(len(ds), 8), "sampler=DistributedSampler("),
+    "list length": (lambda ds: list(range(30)), lambda ds: list(range(20)), "length=30"),
+    "list contents": (lambda ds: list(range(30)), lambda ds: list(range(30))[::-1], "sampler=list(length=30"),
+}
+
+
+@pytest.mark.parametrize("change", SAMPLER_CHANGES, ids=list(SAMPLER_CHANGES))
+def test_a_state_over_a_sampler_of_other_settings_is_refused(dataset_dir, change) -> None:
+    """A DistributedSampler of another world, rank, seed or drop_last, another sampler, or a list of
+    other indices would resume with other samples: refused, before any sampler state is loaded."""
+    saved_with, loaded_into, saved_shown = SAMPLER_CHANGES[change]
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+    first = MmapLoader(ds, 4, sampler=saved_with(ds))
+    next(iter(first))
+    state = first.state_dict()
+    with pytest.raises(ValueError, match=rf"^loader state was saved over .*{re.escape(saved_shown)}.*, this loader has"):
+        MmapLoader(ds, 4, sampler=loaded_into(ds)).load_state_dict(state)
+    MmapLoader(ds, 4, sampler=saved_with(ds)).load_state_dict(state)  # the same settings resume
+
+
+@pytest.mark.parametrize("other", ["batch size", "sampler"])
+def test_a_state_over_a_batch_sampler_of_other_settings_is_refused(dataset_dir, other) -> None:
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+    first = MmapLoader(ds, 8, batch_sampler=torch.utils.data.BatchSampler(range(37), 8, False))
+    next(iter(first))
+    state = first.state_dict()
+    if other == "batch size":
+        batches: Any = torch.utils.data.BatchSampler(range(37), 9, False)
+    else:
+        batches = LengthGroupedSampler(np.arange(1, 38), 8)
+    with pytest.raises(ValueError, match=r"^loader state was saved over batch_sampler=BatchSampler\(batch_size=8"):
+        MmapLoader(ds, 8, batch_sampler=batches).load_state_dict(state)
 
 
 def test_a_sampler_state_from_a_sampler_of_other_settings_is_refused() -> None:
