@@ -406,13 +406,13 @@ def _collate_transformed_samples(batch: Sequence[TransformedSample], *, collate_
 
 
 # numpy scalars collated as numpy stacks them (torch's default collate refuses record,
-# datetime, uint64 and longdouble scalars, and promotes mixed ones its own way); str_ and
-# bytes_ it keeps, as a list of strings
-NUMPY_SCALARS = (np.number, np.bool_, np.void, np.datetime64, np.timedelta64)
+# datetime, uint64 and longdouble scalars, promotes mixed ones its own way, and makes str_
+# and bytes_ ones a list of strings, where 0-d string arrays are one array)
+NUMPY_SCALARS = (np.number, np.bool_, np.void, np.datetime64, np.timedelta64, np.str_, np.bytes_)
 
 
 def _is_numpy_value(value: Any) -> bool:
-    return isinstance(value, (np.ndarray, *NUMPY_SCALARS, np.str_, np.bytes_))
+    return isinstance(value, (np.ndarray, *NUMPY_SCALARS))
 
 
 def collate_numpy_torch_lacks(values: Sequence[Any]) -> Any:
@@ -429,10 +429,8 @@ def collate_numpy_torch_lacks(values: Sequence[Any]) -> Any:
     """
     if not _is_numpy_value(values[0]) or not all(_is_numpy_value(v) for v in values):
         return None
-    if all(isinstance(v, (np.str_, np.bytes_)) for v in values) or any(
-        isinstance(v, RaggedSample) for v in values
-    ):
-        return None  # strings, which torch's collate keeps as a list; a ragged field's samples, listed
+    if any(isinstance(v, RaggedSample) for v in values):
+        return None  # a ragged field's samples, which torch's collate lists
     arrays = [np.asarray(v) for v in values]
     if (
         all(isinstance(v, np.ndarray) for v in values)
@@ -621,7 +619,13 @@ def shared_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor | Non
 
 
 def as_tensors(array: np.ndarray | list[np.ndarray]) -> Any:
-    """Tensors sharing the arrays' memory; arrays of dtypes torch lacks are returned as they are."""
+    """Tensors sharing the arrays' memory; of an array in the other byte order, a tensor of a
+    native copy; arrays of dtypes torch lacks are returned as they are."""
     if isinstance(array, list):
         return [as_tensors(item) for item in array]
-    return torch.from_numpy(array) if torch_dtype(array.dtype) is not None else array
+    if torch_dtype(array.dtype) is not None:
+        return torch.from_numpy(array)
+    native = array.dtype.newbyteorder("=")
+    if array.dtype.names is None and not array.dtype.isnative and torch_dtype(native) is not None:
+        return torch.from_numpy(array.astype(native))
+    return array

@@ -9,7 +9,17 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from .dataset import GatheredBatch, as_tensors, check_same_keys, shared_tensor, stack_bytes, torch_dtype
+from .dataset import (
+    GatheredBatch,
+    RaggedSample,
+    TransformedRaggedArray,
+    TransformedSample,
+    as_tensors,
+    check_same_keys,
+    shared_tensor,
+    stack_bytes,
+    torch_dtype,
+)
 from .ragged import (
     RaggedRows,
     check_padded_keys,
@@ -72,7 +82,7 @@ class PaddedCollate:
         check_padded_keys(field_names, () if self.nested else ragged, self.mask)
 
     def __call__(self, batch: Any) -> dict[str, Any]:
-        ragged = frozenset(self.ragged or ()) | getattr(batch, "ragged", frozenset())
+        ragged = frozenset(self.ragged or ()) | getattr(batch, "ragged", frozenset()) | _marked_ragged(batch)
         if isinstance(batch, GatheredBatch) and batch.samples_edited:  # by the samples as edited
             batch = GatheredBatch(_by_field(list(batch)), None, len(batch))
         elif not isinstance(batch, GatheredBatch):
@@ -133,6 +143,23 @@ class PaddedCollate:
         if self.mask:
             out[mask_key(name)] = torch.from_numpy(valid_mask(arrays, padded.shape[1:]))
         return out
+
+
+def _marked_ragged(batch: Any) -> frozenset[str]:
+    """The ragged fields that samples of a dataset's batch say they belong to, in a list a
+    collate_fn made of them (sorted, sliced, copied): fields are ragged by the dataset, never
+    by one batch."""
+    if isinstance(batch, GatheredBatch) or not isinstance(batch, Sequence):
+        return frozenset()
+    names: set[str] = set()
+    for sample in batch:
+        if isinstance(sample, TransformedSample):
+            names |= sample.ragged
+        elif isinstance(sample, Mapping):
+            names |= {key for key, value in sample.items() if isinstance(value, RaggedSample)}
+        elif isinstance(sample, TransformedRaggedArray):
+            names.add(sample.field_name)
+    return frozenset(names)
 
 
 def _common_dtype(arrays: list[np.ndarray], name: str) -> np.dtype:

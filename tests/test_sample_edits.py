@@ -186,3 +186,58 @@ def test_a_ragged_field_of_plain_samples_names_the_field_and_the_way_out(string_
         next(iter(loader))
     same = npz2mmap.collate([ds[0], ds[0]])
     assert same["t"].tolist() == [[0], [0]] and same["name"].tolist() == ["ab", "ab"]
+
+
+@pytest.fixture(scope="module")
+def ragged_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ragged")
+    for i in range(4):
+        write_npz(
+            root / "src" / f"{i}.npz", idx=np.int64(i), tok=np.arange(2 if i < 2 else i + 3, dtype=np.int32)
+        )
+    npz2mmap.convert(root / "src", root / "dataset")
+    return root / "dataset"
+
+
+@pytest.mark.parametrize(
+    "rearrange",
+    [
+        lambda b: sorted(b, key=lambda s: len(s["tok"])),
+        lambda b: list(b)[::-1],
+        lambda b: b[0:2],
+        lambda b: [dict(s) for s in b],
+        lambda b: [b[0], b[0]],
+    ],
+    ids=["sorted", "reversed", "sliced", "copied", "repeated"],
+)
+@pytest.mark.parametrize("indices", [[0, 1], [0, 3]], ids=["equal lengths", "other lengths"])
+def test_padded_collate_keeps_the_datasets_ragged_fields_in_a_list_made_of_its_samples(
+    ragged_dataset, rearrange, indices
+) -> None:
+    """A collate_fn that sorts, slices or copies the batch's samples first: the keys stay the
+    dataset's (lengths and mask for its ragged fields), whatever the batch's shapes."""
+    batch = MmapDataset(ragged_dataset).__getitems__(indices)
+    out = PaddedCollate(mask=True)(rearrange(batch))
+    assert sorted(out) == ["idx", "tok", "tok_lengths", "tok_mask"]
+
+
+@pytest.mark.parametrize("order", [">", "<"])
+def test_values_in_either_byte_order_become_native_tensors(ragged_dataset, order) -> None:
+    batch = MmapDataset(ragged_dataset).__getitems__([0, 3])
+    for sample in batch:
+        sample["idx"] = sample["idx"].astype(f"{order}i8")
+        sample["tok"] = sample["tok"].astype(f"{order}i4")
+    padded = PaddedCollate()(batch)
+    assert padded["idx"].dtype == torch.int64 and padded["idx"].tolist() == [0, 3]
+    assert padded["tok"].dtype == torch.int32 and padded["tok"][1].tolist() == list(range(6))
+    listed = npz2mmap.collate(batch)
+    assert all(isinstance(t, torch.Tensor) and t.dtype == torch.int32 for t in listed["tok"])
+    assert listed["tok"][1].tolist() == list(range(6)) and listed["idx"].tolist() == [0, 3]
+
+
+def test_numpy_string_scalars_stack_as_numpy_as_in_padded_collate() -> None:
+    samples = [{"s": np.str_("a")}, {"s": np.str_("bb")}, {"s": np.str_("ccc")}]
+    for out in (npz2mmap.collate(samples), PaddedCollate()(samples)):
+        assert out["s"].dtype == np.dtype("<U3") and out["s"].tolist() == ["a", "bb", "ccc"]
+    assert npz2mmap.collate([np.bytes_(b"a"), np.bytes_(b"bbb")]).tolist() == [b"a", b"bbb"]
+    assert npz2mmap.collate(["a", "b"]) == ["a", "b"]  # Python strings stay torch's list
