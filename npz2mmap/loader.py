@@ -114,8 +114,19 @@ class MmapLoader:
         timeout: float = 0,
         read_ahead: int = 4,
     ) -> None:
-        if not isinstance(read_ahead, int) or isinstance(read_ahead, bool):
-            raise TypeError(f"read_ahead must be an int (batches), not {type(read_ahead).__name__}")
+        for name, value in (
+            ("batch_size", batch_size),
+            ("read_ahead", read_ahead),
+            ("seed", seed),
+            ("prefetch", prefetch),
+            ("num_workers", num_workers),
+        ):
+            if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{name} must be an int, not {value!r}")
+        if seed < 0:
+            raise ValueError(
+                f"seed must be at least 0 (numpy's generators take no negative seed), got {seed}"
+            )
         if batch_size < 1 or prefetch < 0 or num_workers < 0 or read_ahead < 0:
             raise ValueError("batch_size must be at least 1, prefetch, num_workers and read_ahead at least 0")
         if slot_nbytes is not None and slot_nbytes < 1:

@@ -83,6 +83,8 @@ def ragged_across_parts(parts: Parts) -> tuple[str, ...]:
     lines = []
     pairs = zip(parts.paths, parts.indexes, strict=True)
     holding = [(path, index) for path, index in pairs if index.num_samples]
+    if any(index.num_samples == 1 for _, index in holding):
+        return ()  # a part of one sample holds every field fixed, whatever the data: nothing to see
     for name, info in parts.fields.items():
         shapes = [(path, index.field(name).shape) for path, index in holding]
         if info.shape is not None or not shapes or any(shape is None for _, shape in shapes):

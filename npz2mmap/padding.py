@@ -186,14 +186,35 @@ def _by_field(samples: Sequence[Any]) -> dict[str, list[np.ndarray]]:
     """
     if samples and isinstance(samples[0], Mapping):
         check_same_keys(samples)
-        return {key: [np.asarray(s[key]) for s in samples] for key in samples[0]}
+        return {key: [_as_array(key, s[key]) for s in samples] for key in samples[0]}
     if samples and isinstance(samples[0], (tuple, list)):
         raise TypeError(
             "PaddedCollate takes samples that are dicts of arrays (or arrays), not "
             f"{type(samples[0]).__name__}s: return a dict such as {{'input': x, 'label': y}} "
             "from the dataset or its transform"
         )
-    return {getattr(samples, "single", None) or "data": [np.asarray(s) for s in samples]}
+    name = getattr(samples, "single", None) or "data"
+    return {name: [_as_array(name, s) for s in samples]}
+
+
+def _as_array(name: str, value: Any) -> np.ndarray:
+    """A sample's value as an array; ValueError naming the field for a tensor that requires grad
+    and for values that make only an array of objects (None, dates, dicts)."""
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            raise ValueError(
+                f"field {name!r} is a tensor that requires grad, which PaddedCollate does not collate: "
+                "give it value.detach()"
+            )
+        value = value.cpu().numpy()
+    array = np.asarray(value)
+    if array.dtype.kind == "O":
+        raise ValueError(
+            f"field {name!r} holds {type(value).__name__} values, which make no array but one of "
+            "Python objects: PaddedCollate collates arrays and numbers; collate this field in a "
+            "collate_fn of your own"
+        )
+    return array
 
 
 def _stack(name: str, arrays: list[np.ndarray]) -> np.ndarray:

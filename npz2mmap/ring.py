@@ -880,9 +880,9 @@ class WorkerPool:
         if worker in self.answered or self.start_method not in ("spawn", "forkserver"):
             return ""
         return (
-            f" before its first batch (under {self.start_method}, the dataset, transforms and collate_fn "
-            "must be importable by the workers: define them at module level, not under "
-            '`if __name__ == "__main__"` or in a function)'
+            f" before its first batch (under {self.start_method}, each worker imports the main script: "
+            'start the loader under `if __name__ == "__main__":`, and define the dataset, transforms '
+            "and collate_fn at module level, outside that block and outside functions)"
         )
 
     def close(self) -> None:

@@ -293,7 +293,8 @@ def test_merge_warns_of_a_field_each_part_holds_fixed_in_another_shape(tmp_path)
     shapes = [(3, 4), (3, 4), (4, 3)]
     for rank, shape in enumerate(shapes):
         with npz2mmap.Writer(tmp_path / "w", part=(rank, len(shapes)), fixed=["image"]) as w:
-            w.append({"image": np.zeros(shape, dtype=np.uint8), "label": np.int64(rank)})
+            for _ in range(2):
+                w.append({"image": np.zeros(shape, dtype=np.uint8), "label": np.int64(rank)})
     parts = sorted(str(p) for p in (tmp_path / "w").glob("part-*"))
     line = (
         f"field image is ragged only because the parts differ in shape: {parts[0]} has (3, 4), "
@@ -314,6 +315,19 @@ def test_merge_warns_of_a_field_each_part_holds_fixed_in_another_shape(tmp_path)
         warnings.simplefilter("error")
         agreeing = npz2mmap.merge.merge(sorted((tmp_path / "agree").glob("part-*")), tmp_path / "a", copy=True)
     assert agreeing.ragged_across_parts == ()
+
+
+def test_merge_of_one_sample_parts_says_nothing_of_their_shapes(tmp_path) -> None:
+    """A part of one sample holds every field fixed, whatever the data: variable-length data
+    converted one file a part is not reported, as a single conversion of it is not."""
+    for rank in range(4):
+        with npz2mmap.Writer(tmp_path / "w", part=(rank, 4)) as w:
+            w.append({"tokens": np.arange(rank + 1), "label": np.int64(rank)})
+    parts = sorted(str(p) for p in (tmp_path / "w").glob("part-*"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = npz2mmap.merge.merge(parts, tmp_path / "m", copy=True)
+    assert result.ragged_across_parts == ()
 
 
 def test_writer_fixed_names_fields(tmp_path) -> None:

@@ -1018,9 +1018,9 @@ def test_a_worker_dying_before_its_first_batch_under_spawn_says_what_must_be_imp
     for method, line in zip(("spawn", "forkserver"), lines, strict=True):
         assert re.fullmatch(
             rf"MmapLoader worker 0 \(pid \d+\) exited with code 1 before its first batch \(under {method}, "
-            r"the dataset, transforms and collate_fn must be importable by the workers: define them at "
-            r'module level, not under `if __name__ == "__main__"` or in a function\) while batch 0 was '
-            r"being loaded; the workers were stopped",
+            r"each worker imports the main script: start the loader under `if __name__ == \"__main__\":`, "
+            r"and define the dataset, transforms and collate_fn at module level, outside that block and "
+            r"outside functions\) while batch 0 was being loaded; the workers were stopped",
             line,
         ), line
 

@@ -9,6 +9,7 @@ dtype (record padding kept), or an error; a key some samples lack is refused.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -241,3 +242,20 @@ def test_numpy_string_scalars_stack_as_numpy_as_in_padded_collate() -> None:
         assert out["s"].dtype == np.dtype("<U3") and out["s"].tolist() == ["a", "bb", "ccc"]
     assert npz2mmap.collate([np.bytes_(b"a"), np.bytes_(b"bbb")]).tolist() == [b"a", b"bbb"]
     assert npz2mmap.collate(["a", "b"]) == ["a", "b"]  # Python strings stay torch's list
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (None, "field 'idx' holds NoneType values, which make no array but one of Python objects"),
+        ({"a": 1}, "field 'idx' holds dict values, which make no array but one of Python objects"),
+        (torch.zeros(2, requires_grad=True), "field 'idx' is a tensor that requires grad"),
+    ],
+    ids=["None", "dict", "requires grad"],
+)
+def test_padded_collate_names_the_field_it_cannot_collate(ragged_dataset, value, message) -> None:
+    batch = MmapDataset(ragged_dataset).__getitems__([0, 1])
+    for sample in batch:
+        sample["idx"] = value
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        PaddedCollate()(batch)

@@ -8,6 +8,7 @@ and batches through DataLoader against the source files' bytes.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -219,3 +220,20 @@ def test_mmap_loader_resumes_the_read_ahead_samplers_exactly(exact_dataset, num_
         with make() as resumed:
             resumed.load_state_dict(state)
             assert [b.tolist() for b in resumed] == uninterrupted[cut:]
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"seed": 1.5}, TypeError, "seed must be an int, not 1.5"),
+        ({"seed": True}, TypeError, "seed must be an int, not True"),
+        ({"seed": -1}, ValueError, "seed must be at least 0"),
+        ({"batch_size": True}, TypeError, "batch_size must be an int, not True"),
+        ({"prefetch": 2.0}, TypeError, "prefetch must be an int, not 2.0"),
+    ],
+)
+def test_mmap_loader_checks_its_numbers_when_made(exact_dataset, options, error, message) -> None:
+    """As DataLoader does: at construction, not from numpy's generator at the first batch."""
+    ds = MmapDataset(exact_dataset[0])
+    with pytest.raises(error, match=f"^{re.escape(message)}"):
+        npz2mmap.MmapLoader(ds, **{"batch_size": 4, **options})
