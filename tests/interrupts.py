@@ -23,6 +23,7 @@ from __future__ import annotations
 import _thread
 import concurrent.futures
 import contextlib
+import itertools
 import multiprocessing
 import os
 import signal
@@ -35,6 +36,15 @@ import npz2mmap
 from npz2mmap import fsutil, publish
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(npz2mmap.__file__)) + os.sep
+# The interrupt-anywhere tests try every step-th event; NPZ2MMAP_LONG=1 tries twice as many.
+STRIDE = 1 if os.environ.get("NPZ2MMAP_LONG") == "1" else 2
+
+
+def moments(step: int) -> itertools.count[int]:
+    """The events an interrupt-anywhere test fires at: 0, then every ``step`` (times STRIDE)."""
+    return itertools.count(0, step * STRIDE)
+
+
 CONTEXTLIB_FILE = contextlib.__file__
 # With ``pool_too=True``, also the standard library's code that starts and feeds worker processes.
 POOL_DIRS = tuple(

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parent.parent / "scripts" / "bench.py"
 
 
+@pytest.mark.slow
 def test_quick_benchmark_writes_table_json_and_chart(tmp_path) -> None:
     result = subprocess.run(
         [

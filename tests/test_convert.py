@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import assert_same_array, blob_bytes, write_npz, write_samples
-from interrupts import Interrupt, left_beside, lock_is_free, sigint_blocked
+from interrupts import Interrupt, left_beside, lock_is_free, moments, sigint_blocked
 
 from npz2mmap import publish, writer
 from npz2mmap.converter import convert
@@ -377,7 +377,7 @@ def test_a_ctrl_c_anywhere_in_a_conversion_caught_leaves_out_free_for_the_next(
     old, new = dataset_bytes(tmp_path / "old"), dataset_bytes(tmp_path / "new")
     parent = tmp_path / "parent"
     parent.mkdir()
-    for k in itertools.count(0, step):
+    for k in moments(step):
         out = parent / str(k) / "out"  # a parent each: listing it stays quick
         shutil.copytree(tmp_path / "old", out)
         raises = Timeout if "alarm" in interrupt_kind else None
@@ -407,7 +407,9 @@ def test_a_ctrl_c_anywhere_in_a_conversion_caught_leaves_out_free_for_the_next(
 
 
 @pytest.mark.parametrize("skip_bad", [False, True])
-def test_an_alarm_handlers_timeout_anywhere_comes_out_as_itself_never_as_a_bad_file(tmp_path, skip_bad) -> None:
+def test_an_alarm_handlers_timeout_anywhere_comes_out_as_itself_never_as_a_bad_file(
+    tmp_path, skip_bad
+) -> None:
     """TimeoutError is an OSError: raised by a signal handler at every few lines of a
     conversion and of opening its dataset, it comes out unchanged, and never makes a
     good file skipped or a good dataset bad."""
@@ -423,7 +425,9 @@ def test_an_alarm_handlers_timeout_anywhere_comes_out_as_itself_never_as_a_bad_f
                 continue
         if not interrupt.fired:
             break
-        assert result.skipped == () and dataset_bytes(out) == dataset_bytes(tmp_path / "whole"), interrupt.where
+        assert result.skipped == () and dataset_bytes(out) == dataset_bytes(tmp_path / "whole"), (
+            interrupt.where
+        )
     for k in itertools.count(0, 2):
         with Interrupt(k, opcodes=False, raises=TimeoutError) as interrupt:
             try:

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from mutants import Mutant, all_mutants, make_base, materialise
 
+pytestmark = pytest.mark.slow  # a minute and a half of mutant datasets, each read by every command
+
 PROBE = Path(__file__).with_name("mutant_probe.py")
 MEMORY_LIMIT_NBYTES = 8 << 30
 INDEX_EDITS = 600 if os.environ.get("NPZ2MMAP_LONG") else 60

@@ -33,7 +33,7 @@ from conftest import write_npz, write_samples
 from corpus import Corpus, Options, corpora, load_raw, options_for, write_corpus
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from interrupts import Interrupt, left_beside, lock_is_free, sigint_blocked
+from interrupts import Interrupt, left_beside, lock_is_free, moments, sigint_blocked
 
 import npz2mmap
 from npz2mmap import appender, fsutil, parallel
@@ -883,7 +883,7 @@ def interrupted_appends(
     how, caught = INTERRUPTS[interrupt_kind]
     refusal = SourceError if refused else ()
     outcomes = []
-    for k in itertools.count(0, step):
+    for k in moments(step):
         before = w.num_samples
         with Interrupt(k, on_fire=lambda: w.num_samples, **how) as interrupt:  # noqa: B023 (called at once)
             try:
@@ -1021,7 +1021,7 @@ def test_a_ctrl_c_anywhere_in_close_publishes_the_whole_dataset_or_leaves_the_ol
     parent.mkdir()
     leftovers = set()
     outcomes = []
-    for k in itertools.count(0, step):
+    for k in moments(step):
         out = parent / f"out-{k}"
         shutil.copytree(tmp_path / "old", out)
         baseline = set(os.listdir(parent))
