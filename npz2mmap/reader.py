@@ -61,7 +61,7 @@ class DatasetReader:
         self.path = os.fspath(path)
         self.index = index if index is not None else load_index(self.path)
         self.blob_path = os.path.join(self.path, BLOB_NAME)
-        self._mmap, self._blob_id = _map_blob(self.blob_path, self.index, check_identity)
+        self._mmap = _map_blob(self.blob_path, self.index, check_identity)
         self._hint_fd: int | None = None  # opened on the first hint (see _hints_fd)
         self.payload: NDArray[np.uint8] = np.frombuffer(
             self._mmap, dtype=np.uint8, count=self.index.payload_nbytes, offset=BLOB_HEADER_NBYTES
@@ -191,19 +191,26 @@ class DatasetReader:
     def _hints_fd(self) -> int | None:
         """A descriptor of the mapped blob for posix_fadvise, opened once, on the first hint;
         None where there is no posix_fadvise (macOS, Windows: madvise, or no hints) or the file
-        at the path is no longer the one mapped."""
+        at the path no longer names this index (the identity written into it)."""
         if self._hint_fd is None:
             self._hint_fd = -1
             if hasattr(os, "posix_fadvise") and "willneed" in ADVICE:
                 with contextlib.suppress(OSError):
-                    fd = fsutil.open_regular(self.blob_path)
-                    status = os.fstat(fd)
-                    if (status.st_dev, status.st_ino) == self._blob_id:
-                        self._hint_fd = fd
-                        weakref.finalize(self, os.close, fd)
-                    else:
-                        os.close(fd)
+                    self._hint_fd = self._open_for_hints()
         return None if self._hint_fd < 0 else self._hint_fd
+
+    def _open_for_hints(self) -> int:
+        """The blob opened again, closed with this reader; -1 if it no longer names this index."""
+        fd = fsutil.open_regular(self.blob_path)
+        try:
+            if fsutil.read_at(fd, IDENTITY_NBYTES, BLOB_HEADER_NBYTES) != blob_identity(self.index.digest):
+                os.close(fd)
+                return -1
+        except BaseException:
+            os.close(fd)
+            raise
+        weakref.finalize(self, os.close, fd)
+        return fd
 
     def gather(
         self, name: str, indices: Sequence[int] | NDArray[np.integer], out: np.ndarray | None = None
@@ -509,9 +516,8 @@ def open_blob(blob_path: str, index: Index) -> int:
     return fd
 
 
-def _map_blob(blob_path: str, index: Index, check_identity: bool = True) -> tuple[mmap.mmap, tuple[int, int]]:
-    """Map the blob read-only after checking its type, size, identity and header; the
-    mapping, and the file's (st_dev, st_ino).
+def _map_blob(blob_path: str, index: Index, check_identity: bool = True) -> mmap.mmap:
+    """Map the blob read-only after checking its type, size, identity and header.
 
     The size check comes first: mapping a truncated file and touching past its
     end would kill the process with SIGBUS. The identity names the exact index
@@ -520,8 +526,7 @@ def _map_blob(blob_path: str, index: Index, check_identity: bool = True) -> tupl
     fd = open_regular(blob_path)
     try:
         _check_blob(fd, blob_path, index, check_identity)
-        status = os.fstat(fd)
-        return mmap.mmap(fd, index.blob_nbytes, access=mmap.ACCESS_READ), (status.st_dev, status.st_ino)
+        return mmap.mmap(fd, index.blob_nbytes, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)
 
