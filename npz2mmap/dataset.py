@@ -154,20 +154,31 @@ class MmapDataset(Dataset[Any]):
         array = copy_bytes(view)
         return as_tensors(array) if self.tensors else array
 
+    def _sample_for_batch(self, i: int, listed: bool) -> Any:
+        """``ds[i]``, except a bare ragged sample stays numpy, which torch's default collate can list."""
+        if listed and self.single and self.fields[0] in self.ragged_fields:
+            return np.array(self.reader.view(self.fields[0], self.reader.sample_index(i)))
+        return self[i]
+
     def __getitems__(self, indices: Sequence[int] | NDArray[np.integer]) -> Sequence[Any]:
         """A batch of samples, gathered with one copy per field (DataLoader calls this).
 
         Returns a GatheredBatch: a sequence of samples that the default collate
         accepts, and that ``npz2mmap.collate`` turns into tensors with no
-        further copy. With a transform, samples are read one by one instead.
+        further copy. With a transform or ``tensors=True``, samples are read
+        one by one instead, each as ``ds[i]`` gives it.
         """
         reader = self.reader
         idx = reader.sample_indices(indices)
         if self.exact_reads:
             reader.will_need(self.fields, idx)
-        if self.transform is not None:
+        if self.transform is not None or self.tensors:  # samples as ds[i] gives them, one by one
             single = self.fields[0] if self.single else None
-            samples = [mark_transformed(self[i], self.ragged_fields, single) for i in idx.tolist()]
+            listed = self.transform is None  # ragged fields as read: listed by torch's default collate
+            samples = [
+                mark_transformed(self._sample_for_batch(i, listed), self.ragged_fields, single, listed)
+                for i in idx.tolist()
+            ]
             return SampleList(samples, self.ragged_fields, single)
         in_worker = get_worker_info() is not None
         fields: dict[str, Any] = {}
@@ -363,29 +374,35 @@ default_collate_fn_map[NumpyOnlySample] = _collate_numpy_only_samples
 
 
 class TransformedSample(dict[str, Any]):
-    """A transform's dict sample in a batch, with the names of the dataset's ragged fields."""
+    """A transform's dict sample in a batch, with the names of the dataset's ragged fields
+    (``listed``: samples as read, whose ragged fields torch's default collate lists)."""
 
     ragged: frozenset[str] = frozenset()
+    listed = False
 
 
 class TransformedRaggedArray(np.ndarray):
     """A transform's bare array sample of a ragged field (``fields`` a single name), in a batch."""
 
     field_name = ""
+    listed = False
 
 
-def mark_transformed(sample: Any, ragged: frozenset[str], single: str | None) -> Any:
+def mark_transformed(sample: Any, ragged: frozenset[str], single: str | None, listed: bool = False) -> Any:
     """A transformed sample as torch's default collate should see it: knowing its ragged fields.
 
     Only dicts and bare numpy arrays are marked; other samples are the transform's to collate.
+    With ``listed`` (samples as read, ``tensors=True``), ragged fields are listed, as without it.
     """
     if isinstance(sample, dict):
         marked = TransformedSample(sample)
         marked.ragged = ragged
+        marked.listed = listed
         return marked
     if single in ragged and isinstance(sample, np.ndarray):
         array = sample.view(TransformedRaggedArray)
         array.field_name = single
+        array.listed = listed
         return array
     if type(sample) is np.ndarray and torch_dtype(sample.dtype) is None:
         return sample.view(NumpyOnlySample)
@@ -398,6 +415,9 @@ def _collate_transformed_samples(batch: Sequence[TransformedSample], *, collate_
     out = {}
     for name in batch[0]:
         values = [sample[name] for sample in batch]
+        if name in ragged and batch[0].listed:
+            out[name] = [as_tensors(np.asarray(v)) if isinstance(v, np.ndarray) else v for v in values]
+            continue
         if name in ragged:
             _check_stackable(name, values)
         stacked = collate_numpy_torch_lacks(values)  # strings, records: numpy, as without a transform
@@ -460,6 +480,8 @@ def _collate_transformed_arrays(
     batch: Sequence[TransformedRaggedArray], *, collate_fn_map: Any = None
 ) -> Any:
     arrays = [np.asarray(sample) for sample in batch]
+    if batch[0].listed:
+        return [as_tensors(array) for array in arrays]
     _check_stackable(batch[0].field_name, arrays)
     return torch_collate(arrays, collate_fn_map=collate_fn_map)
 

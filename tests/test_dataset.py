@@ -128,7 +128,7 @@ def test_spawn_workers_run_without_any_warning(small_dataset, tmp_path) -> None:
         import numpy as np
         import torch
         from torch.utils.data import DataLoader
-        from npz2mmap import MmapDataset, collate
+        from npz2mmap import MmapDataset
 
         def keep(items):
             return items
@@ -220,6 +220,22 @@ def test_tensors_option_and_field_projection(small_dataset, monkeypatch) -> None
     monkeypatch.setattr(only_label.reader.readers[0], "view", recording_view)
     assert [int(only_label[i]) for i in range(6)] == list(range(6))
     assert set(read) == {"label"}
+
+
+@pytest.mark.parametrize("fields", [None, "input", "label"])
+@pytest.mark.parametrize("workers", [0, 1])
+def test_tensors_option_reaches_a_collate_fn_as_ds_i_gives_it(small_dataset, fields, workers) -> None:
+    """DataLoader gathers through __getitems__; with tensors=True its samples are ds[i]'s tensors."""
+    out, _ = small_dataset
+    ds = MmapDataset(out, fields=fields, tensors=True)
+    seen = [sample for batch in DataLoader(ds, 3, collate_fn=list, num_workers=workers) for sample in batch]
+    assert len(seen) == len(ds)
+    for i, got in enumerate(seen):
+        expected = ds[i]
+        pairs = [(got, expected)] if fields else [(got[k], expected[k]) for k in expected]
+        for value, want in pairs:
+            assert type(value) is type(want) is torch.Tensor
+            assert torch.equal(value, want)
 
 
 def test_a_replaced_dataset_is_refused_even_when_its_blob_reuses_the_inode(tmp_path, small_dataset) -> None:

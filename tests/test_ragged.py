@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import textwrap
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 from conftest import write_samples
 from torch.utils.data import DataLoader
 
-from npz2mmap import LengthGroupedSampler, MmapDataset, MmapLoader, PaddedCollate
+from npz2mmap import LengthGroupedSampler, MmapDataset, MmapLoader, PaddedCollate, collate
 from npz2mmap.converter import convert
 from npz2mmap.merge import merge
 
@@ -114,6 +115,33 @@ def test_padded_collate_refuses_to_guess_for_unknown_samples(ragged) -> None:
         r"pass PaddedCollate\(ragged=\['tokens', \.\.\.\]\)",
     ):
         PaddedCollate()([ds[2], ds[1]])
+
+
+@pytest.mark.parametrize("fields", [None, "tokens"])
+@pytest.mark.parametrize("collate_fn", [None, collate, PaddedCollate()], ids=["default", "collate", "padded"])
+def test_tensors_option_batches_ragged_fields_as_without_it(ragged, fields, collate_fn) -> None:
+    """tensors=True reads samples one by one; its batches must equal the gathered ones."""
+    dataset, _ = ragged
+    for plain, as_tensors in zip(
+        DataLoader(MmapDataset(dataset, fields=fields), 4, collate_fn=collate_fn),
+        DataLoader(MmapDataset(dataset, fields=fields, tensors=True), 4, collate_fn=collate_fn),
+        strict=True,
+    ):
+        assert_same_batch(plain, as_tensors)
+
+
+def assert_same_batch(a: Any, b: Any) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same_batch(a[key], b[key])
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same_batch(x, y)
+    else:
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 @pytest.mark.filterwarnings("ignore:.*pin_memory.*")
