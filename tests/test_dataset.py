@@ -128,7 +128,7 @@ def test_spawn_workers_run_without_any_warning(small_dataset, tmp_path) -> None:
         import numpy as np
         import torch
         from torch.utils.data import DataLoader
-        from npz2mmap import MmapDataset
+        from npz2mmap import MmapDataset, collate
 
         def keep(items):
             return items
