@@ -6,14 +6,17 @@ larger than that limit, or than the machine's available memory, cannot stay
 cached: every epoch reads it from the disk again, and a shuffled epoch reads
 it sample by sample. The smallest of these limits counts: cgroup v2
 ``memory.max`` (of this process's cgroup and every ancestor), cgroup v1
-``memory.limit_in_bytes``, and ``MemAvailable`` of ``/proc/meminfo``; where
-none can be read (macOS, Windows), the physical memory. Every file read here
-is a small pseudo-file, read at most MAX_READ_NBYTES, never one that blocks.
+``memory.limit_in_bytes`` (wherever ``/proc/self/mountinfo`` says they are
+mounted), and ``MemAvailable`` of ``/proc/meminfo``; where none can be read
+(macOS, Windows), the physical memory. Every file read here is a small
+pseudo-file, read at most MAX_READ_NBYTES (mountinfo MAX_MOUNTINFO_NBYTES),
+never one that blocks.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -23,6 +26,7 @@ from .render import human_bytes
 # memory and every other file read count against the same limit.
 FIT_FRACTION = 0.8
 MAX_READ_NBYTES = 1 << 16
+MAX_MOUNTINFO_NBYTES = 1 << 20  # a host with thousands of mounts lists them all
 # cgroup v1 writes "no limit" as the largest page-aligned int64; v2 writes "max".
 NO_LIMIT_V1 = 1 << 62
 
@@ -51,25 +55,68 @@ def fits_in_memory(nbytes: int, limit: MemoryLimit | None) -> bool:
     return limit is None or nbytes <= limit.nbytes * FIT_FRACTION
 
 
-def _read_small(path: str) -> str | None:
-    """The text of a small pseudo-file, or None if it cannot be read."""
+def _read_small(path: str, limit: int = MAX_READ_NBYTES) -> str | None:
+    """The text of a small pseudo-file, at most ``limit`` bytes of it, or None if it cannot be read."""
     try:
         with open(path, "rb") as file:
-            return file.read(MAX_READ_NBYTES).decode("ascii", "replace")
+            return file.read(limit).decode("utf-8", "replace")
     except (OSError, ValueError):
         return None
+
+
+# Where cgroup file systems are mounted when /proc/self/mountinfo does not say.
+DEFAULT_MOUNTS = {
+    "cgroup2": [("sys/fs/cgroup", "/"), ("sys/fs/cgroup/unified", "/")],
+    "memory": [("sys/fs/cgroup/memory", "/")],
+}
 
 
 def _cgroup_limits(root: str) -> Iterator[MemoryLimit | None]:
     """The memory limits of this process's cgroups, v2 and v1, each the smallest along its path."""
     text = _read_small(os.path.join(root, "proc/self/cgroup")) or ""
+    mounts = _cgroup_mounts(root)
     for line in text.splitlines():
         number, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if number == "0" and controllers == "":
-            for mount in ("sys/fs/cgroup", "sys/fs/cgroup/unified"):
-                yield _smallest_on_path(os.path.join(root, mount), path, "memory.max")
+            for mount, mount_root in mounts["cgroup2"]:
+                yield _smallest_on_path(os.path.join(root, mount), _below(path, mount_root), "memory.max")
         elif "memory" in controllers.split(","):
-            yield _smallest_on_path(os.path.join(root, "sys/fs/cgroup/memory"), path, "memory.limit_in_bytes")
+            for mount, mount_root in mounts["memory"]:
+                yield _smallest_on_path(
+                    os.path.join(root, mount), _below(path, mount_root), "memory.limit_in_bytes"
+                )
+
+
+def _cgroup_mounts(root: str) -> dict[str, list[tuple[str, str]]]:
+    """Where the cgroup v2 hierarchy and v1's memory controller are mounted, with the cgroup each
+    mount shows as its root, from /proc/self/mountinfo (``DEFAULT_MOUNTS`` where it names none)."""
+    found: dict[str, list[tuple[str, str]]] = {"cgroup2": [], "memory": []}
+    text = _read_small(os.path.join(root, "proc/self/mountinfo"), MAX_MOUNTINFO_NBYTES) or ""
+    for line in text.splitlines():
+        fields, _, after = line.partition(" - ")
+        before = fields.split(" ")
+        kind = after.split(" ")
+        if len(before) < 5 or len(kind) < 3:
+            continue
+        mount_root, mount_point = _unescape(before[3]), _unescape(before[4]).lstrip("/")
+        if kind[0] == "cgroup2":
+            found["cgroup2"].append((mount_point, mount_root))
+        elif kind[0] == "cgroup" and "memory" in kind[2].split(","):
+            found["memory"].append((mount_point, mount_root))
+    return {key: mounts or DEFAULT_MOUNTS[key] for key, mounts in found.items()}
+
+
+def _unescape(path: str) -> str:
+    """A mountinfo path with its octal escapes (``\\040`` for a space) undone."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path)
+
+
+def _below(cgroup: str, mount_root: str) -> str:
+    """The cgroup's path inside a mount that shows ``mount_root`` as its root."""
+    mount_root = mount_root.rstrip("/")
+    if mount_root and (cgroup == mount_root or cgroup.startswith(mount_root + "/")):
+        return cgroup[len(mount_root) :] or "/"
+    return cgroup
 
 
 def _smallest_on_path(mount: str, cgroup: str, name: str) -> MemoryLimit | None:

@@ -73,6 +73,26 @@ MEMINFO = "MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n"
             (2147483648, "sys/fs/cgroup/memory/slurm/uid_0/job_7/memory.limit_in_bytes"),
         ),
         (
+            {  # cgroup2 mounted elsewhere, as /proc/self/mountinfo says (with an escaped space)
+                "proc/self/cgroup": "0::/job/step\n",
+                "proc/self/mountinfo": "22 1 0:21 / /proc rw - proc proc rw\n"
+                "30 25 0:26 / /run/my\\040cg rw,nosuid shared:9 - cgroup2 cgroup2 rw,nsdelegate\n",
+                "proc/meminfo": MEMINFO,
+                "run/my cg/job/memory.max": "671088640\n",
+                "sys/fs/cgroup/job/memory.max": "9999999999\n",
+            },
+            (671088640, "run/my cg/job/memory.max"),
+        ),
+        (
+            {  # a v1 memory mount that shows a cgroup below the hierarchy's root as its own root
+                "proc/self/cgroup": "4:memory:/slurm/uid_0/job_7\n",
+                "proc/self/mountinfo": "31 25 0:27 /slurm /cg/mem rw - cgroup cgroup rw,memory\n",
+                "proc/meminfo": MEMINFO,
+                "cg/mem/uid_0/job_7/memory.limit_in_bytes": "2147483648\n",
+            },
+            (2147483648, "cg/mem/uid_0/job_7/memory.limit_in_bytes"),
+        ),
+        (
             {  # garbage in limit files and meminfo is no limit
                 "proc/self/cgroup": "0::/a\n",
                 "proc/meminfo": "MemAvailable: lots kB\n",
