@@ -390,6 +390,24 @@ def test_resume_from_state_dict_equals_the_tail_of_an_uninterrupted_run(
     assert_same(tail, [uninterrupted[1][4:], uninterrupted[2]])
 
 
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_a_state_resumes_exactly_under_spawn_and_forkserver_workers(dataset_dir, context) -> None:
+    """Workers that import the script afresh (and seed nothing of their own) continue a saved epoch
+    exactly as a loader without workers would."""
+    ds = MmapDataset(dataset_dir / "dataset", fields=["input", "label"])
+    with MmapLoader(ds, 4, shuffle=True, seed=3) as whole:
+        uninterrupted = epochs(whole, count=2)
+    with MmapLoader(ds, 4, shuffle=True, seed=3) as first:
+        for k, _ in enumerate(first):
+            if k == 5:
+                state = first.state_dict()
+                break
+    with MmapLoader(ds, 4, shuffle=True, seed=3, num_workers=2, multiprocessing_context=context) as resumed:
+        resumed.load_state_dict(state)
+        tail = epochs(resumed, count=2)
+    assert_same(tail, [uninterrupted[0][6:], uninterrupted[1]])
+
+
 def test_resume_skips_batches_without_loading_them_and_restores_sampler_state(dataset_dir) -> None:
     ds = MmapDataset(dataset_dir / "dataset", fields="label")
     calls = []
