@@ -108,6 +108,19 @@ def small_dataset(tmp_path: Path) -> tuple[Path, list[Path]]:
     return out, sources
 
 
+def raises_from_dataloader(loader: Any, expected: type[BaseException], match: str) -> pytest.ExceptionInfo[Any]:
+    """The error iterating torch's ``loader`` raises, its workers stopped at once: torch's
+    iterator, kept alive by the traceback, waits 5 s a worker when it is collected later."""
+    batches = iter(loader)
+    try:
+        with pytest.raises(expected, match=match) as raised:
+            for _ in batches:
+                pass
+    finally:
+        getattr(batches, "_shutdown_workers", lambda: None)()
+    return raised
+
+
 @contextlib.contextmanager
 def no_hang(seconds: int = 60) -> Iterator[None]:
     """Fail, rather than wait forever, if something blocks (an open of a pipe without O_NONBLOCK)."""

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_array, write_samples
+from conftest import assert_same_array, raises_from_dataloader, write_samples
 from torch.utils.data import DataLoader, default_collate
 
 from npz2mmap import BlockShuffleSampler, MmapDataset, MmapLoader, PaddedCollate, collate
@@ -236,8 +236,7 @@ def test_default_collate_of_transformed_ragged_samples_says_what_to_write(
 ) -> None:
     out, _ = small_dataset
     loader = DataLoader(MmapDataset(out, fields=fields, transform=add_one), batch_size=4, num_workers=workers)
-    with pytest.raises(ValueError, match=TRANSFORMED_RAGGED):
-        next(iter(loader))
+    raises_from_dataloader(loader, ValueError, TRANSFORMED_RAGGED)
 
 
 def test_transformed_ragged_samples_come_as_lists_with_npz2mmap_collate(small_dataset) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import rewrite_blob, rewrite_index, write_npz
+from conftest import raises_from_dataloader, rewrite_blob, rewrite_index, write_npz
 
 from npz2mmap import MmapDataset
 from npz2mmap.cli import cli
@@ -316,8 +316,7 @@ def test_a_shapes_row_too_large_for_numpy_is_a_format_error_in_dataloader_worker
     dataset = golden_copy(tmp_path)
     forge_points_shapes(dataset, HUGE_ROWS["(0, 2**62)"][0])
     loader = DataLoader(MmapDataset(dataset, fields="points"), batch_size=None, num_workers=2)
-    with pytest.raises(FormatError, match=re.escape("field 'points' sample 0: tables are corrupt")):
-        list(loader)
+    raises_from_dataloader(loader, FormatError, re.escape("field 'points' sample 0: tables are corrupt"))
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import convert_part_at, write_samples
+from conftest import convert_part_at, raises_from_dataloader, write_samples
 from torch.utils.data import DataLoader
 
 from npz2mmap import MmapDataset
@@ -281,8 +281,8 @@ def test_a_blob_truncated_after_opening_but_before_mapping_is_an_error_in_the_wo
     ds = tmp_path / "tree" / "ds"
     dataset = MmapDataset(ds, fields="x")
     _truncate(ds / "data.npy")
-    with pytest.raises(FormatError, match="bytes, but the index expects"):
-        list(DataLoader(dataset, batch_size=2, num_workers=2, multiprocessing_context="fork"))
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, multiprocessing_context="fork")
+    raises_from_dataloader(loader, FormatError, "bytes, but the index expects")
 
 
 def test_a_manifest_is_read_with_bounds_and_checked_json_types(tmp_path, datasets) -> None:
