@@ -8,8 +8,6 @@ operating system's page cache instead of holding copies.
 
 from __future__ import annotations
 
-import functools
-import math
 import operator
 import os
 import threading
@@ -29,6 +27,7 @@ from torch.utils.data._utils.collate import (
     default_collate_fn_map,
 )
 
+from .assemble import NewMemory, place_fixed, torch_dtype
 from .errors import LargerThanMemoryWarning
 from .memory import fits_in_memory, larger_than_memory, memory_limit
 from .parts import Parts, PartsReader
@@ -180,20 +179,19 @@ class MmapDataset(Dataset[Any]):
                 for i in idx.tolist()
             ]
             return SampleList(samples, self.ragged_fields, single)
-        in_worker = get_worker_info() is not None
+        destination = NewMemory(shared=get_worker_info() is not None)
         fields: dict[str, Any] = {}
         shared: dict[str, torch.Tensor] = {}
         for name in self.fields:
-            if name in self.ragged_fields:
+            if name in self.ragged_fields:  # located only: the collate pads or lists it
                 fields[name] = reader.ragged_rows(name, idx)
                 continue
-            field = reader.field(name)
-            tensor = shared_tensor((len(idx), *(field.shape or ())), field.dtype) if in_worker else None
-            if tensor is None:
-                fields[name] = reader.gather(name, idx)
+            held, fill = place_fixed(reader, name, idx, destination)
+            fill()
+            if isinstance(held, torch.Tensor):
+                fields[name], shared[name] = held.numpy(), held
             else:
-                fields[name] = reader.gather(name, idx, out=tensor.numpy())
-                shared[name] = tensor
+                fields[name] = held
         single = self.fields[0] if self.single else None
         return GatheredBatch(fields, single, len(idx), self.ragged_fields, shared)
 
@@ -467,15 +465,6 @@ def collate_numpy_torch_lacks(values: Sequence[Any]) -> Any:
     return as_tensors(stacked)
 
 
-@functools.cache
-def torch_dtype(dtype: np.dtype) -> torch.dtype | None:
-    """The torch dtype of a numpy dtype, or None where torch has none (looked up once per dtype)."""
-    try:
-        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    except (TypeError, ValueError):  # ValueError: a byte order torch does not read
-        return None
-
-
 def _collate_transformed_arrays(
     batch: Sequence[TransformedRaggedArray], *, collate_fn_map: Any = None
 ) -> Any:
@@ -621,23 +610,6 @@ def _collate_values(values: list[Any]) -> Any:
 def _as_tensor(value: Any) -> Any:
     """A transform's array as a tensor sharing its memory (a plain ndarray, not a marked view)."""
     return as_tensors(np.asarray(value)) if isinstance(value, np.ndarray) else value
-
-
-def shared_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor | None:
-    """An uninitialised tensor in shared memory, or None where torch lacks ``dtype``.
-
-    Made as torch's own default collate makes its output inside DataLoader
-    workers, so a batch gathered into it crosses to the trainer without the
-    copy into shared memory that a private tensor would need.
-    """
-    if torch_dtype(dtype) is None or not dtype.isnative:
-        return None
-    empty = torch.from_numpy(np.empty(0, dtype=dtype))
-    try:  # torch's own (private) way; a torch without it gets a private tensor, copied when sent
-        storage = empty._typed_storage()._new_shared(math.prod(shape))
-    except (AttributeError, RuntimeError):
-        return None
-    return empty.new(storage).view(shape)
 
 
 def as_tensors(array: np.ndarray | list[np.ndarray]) -> Any:

@@ -34,10 +34,10 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from .dataset import MmapDataset, as_tensors, collate, torch_dtype
+from .assemble import NewMemory, assemble
+from .dataset import MmapDataset, collate
 from .errors import FormatError
 from .padding import PaddedCollate
-from .parts import PartsReader
 from .reader import normalise_indices
 from .ring import (
     BATCH,
@@ -385,21 +385,9 @@ def make_batch(
         batch = collate(dataset.__getitems__(indices))
     else:
         reader = dataset.reader
-        out = {name: _gather(reader, name, indices, pin_memory) for name in dataset.fields}
+        out = assemble(reader, dataset.fields, reader.sample_indices(indices), NewMemory(pin_memory))
         batch = out[dataset.fields[0]] if dataset.single else out
     return batch_transform(batch) if batch_transform is not None else batch
-
-
-def _gather(reader: PartsReader, name: str, indices: np.ndarray, pin_memory: bool) -> Any:
-    field = reader.field(name)
-    if field.shape is None:
-        return as_tensors(reader.gather(name, indices))
-    dtype = torch_dtype(field.dtype)
-    if dtype is None:
-        return reader.gather(name, indices)  # a dtype torch lacks stays numpy
-    tensor = torch.empty((len(indices), *field.shape), dtype=dtype, pin_memory=pin_memory)
-    reader.gather(name, indices, out=tensor.numpy())
-    return tensor
 
 
 def check_order_options(shuffle: bool, sampler: Any, batch_sampler: Any, drop_last: bool) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from .assemble import NewMemory, Padding, place_padded
 from .dataset import (
     GatheredBatch,
     RaggedSample,
@@ -16,7 +17,6 @@ from .dataset import (
     TransformedSample,
     as_tensors,
     check_same_keys,
-    shared_tensor,
     stack_bytes,
     torch_dtype,
 )
@@ -104,24 +104,14 @@ class PaddedCollate:
         return out
 
     def _collate_rows(self, rows: RaggedRows) -> dict[str, Any]:
-        """A ragged field located in the mapping, padded with one copy per sample (no per-sample arrays)."""
-        out = {rows.name: self._padded_tensor(rows), lengths_key(rows.name): torch.from_numpy(rows.lengths())}
-        if self.mask:
-            out[mask_key(rows.name)] = torch.from_numpy(rows.mask())
+        """A ragged field located in the mapping, padded with one copy per sample (no per-sample
+        arrays); inside a DataLoader worker, straight into shared memory, so that it crosses to
+        the trainer with no further copy."""
+        destination = NewMemory(shared=get_worker_info() is not None)
+        out, fills = place_padded(rows, destination, Padding(self.pad_value, self.mask))
+        for fill in fills:
+            fill()
         return out
-
-    def _padded_tensor(self, rows: RaggedRows) -> Any:
-        """The padded field; inside a DataLoader worker, padded straight into shared memory,
-        so that it crosses to the trainer with no further copy."""
-        if get_worker_info() is None:
-            return as_tensors(rows.padded(self.pad_value))
-        shape = rows.padded_shape()
-        check_padded_size(rows.name, shape, rows.dtype.itemsize)
-        shared = shared_tensor(shape, rows.dtype)
-        if shared is None:  # a dtype torch lacks
-            return as_tensors(rows.padded(self.pad_value))
-        rows.fill_padded(shared.numpy(), self.pad_value)
-        return shared
 
     def _collate_ragged(self, name: str, arrays: list[np.ndarray]) -> dict[str, Any]:
         if self.nested:

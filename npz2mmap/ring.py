@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -44,12 +43,14 @@ from typing import Any, NoReturn
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from . import parallel
+from .assemble import Padding, assemble
 from .dataset import MmapDataset, SampleList, collate, torch_dtype
 from .errors import WorkerError
 from .forkserver_socket import ForkserverSocket
-from .ragged import RaggedRows, check_padded_size, lengths_key, mask_key
+from .ragged import RaggedRows
 
 # Every array in a slot starts at a multiple of 64 bytes: aligned for any
 # dtype's view, and no two arrays share a cache line.
@@ -514,71 +515,40 @@ class Recipe:
     collate_fn: Any = None  # the PaddedCollate of the PADDED way
 
 
-def write_fields_direct(dataset: MmapDataset, writer: SlotWriter, indices: np.ndarray) -> Any:
-    """The untransformed batch gathered from the mapping straight into the slot (one copy).
+class SlotDestination:
+    """A ring slot as the assembler's destination: each array placed after the last, aligned;
+    the batch holds descriptors (leaves), read back in the trainer as views of the slot."""
 
-    The same tensors as MmapLoader.load gives: a fixed field as one tensor
-    (numpy where torch lacks the dtype), a ragged one as a list of per-sample
-    tensors, packed in the slot with one memcpy each. Every place is taken
-    before any byte is copied, so SlotFull leaves nothing half done.
-    """
+    def __init__(self, writer: SlotWriter) -> None:
+        self.writer = writer
+
+    def array(self, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, Any]:
+        leaf, target = _place_array(self.writer, dtype, shape)
+        return target, leaf
+
+    def rows(self, rows: RaggedRows) -> tuple[NDArray[np.uint8], NDArray[np.int64], Callable[[], Any]]:
+        leaf, offsets = self.writer.place_rows(rows)
+        return self.writer.ring.slot_bytes(self.writer.slot), offsets, lambda: leaf
+
+
+def write_fields_direct(dataset: MmapDataset, writer: SlotWriter, indices: np.ndarray) -> Any:
+    """The untransformed batch assembled from the mapping straight into the slot (one copy),
+    as MmapLoader.load gives it: a fixed field as one tensor (numpy where torch lacks the
+    dtype), a ragged one as a list of per-sample tensors. SlotFull leaves nothing half done."""
     reader = dataset.reader
-    idx = reader.sample_indices(indices)
-    fills: list[Callable[[], object]] = []
-    out: dict[str, Any] = {}
-    for name in dataset.fields:
-        shape = reader.field(name).shape
-        if shape is None:
-            rows = reader.ragged_rows(name, idx)
-            out[name], offsets = writer.place_rows(rows)
-            fills.append(functools.partial(rows.fill_packed, writer.ring.slot_bytes(writer.slot), offsets))
-        else:
-            out[name], target = _place_array(writer, reader.field(name).dtype, (len(idx), *shape))
-            fills.append(functools.partial(reader.gather, name, idx, out=target))
-    for fill in fills:
-        fill()
+    out = assemble(reader, dataset.fields, reader.sample_indices(indices), SlotDestination(writer))
     return out[dataset.fields[0]] if dataset.single else out
 
 
 def write_padded_direct(
     dataset: MmapDataset, writer: SlotWriter, indices: np.ndarray, collate_fn: Any
 ) -> dict[str, Any]:
-    """What ``collate_fn`` (a PaddedCollate, not nested) makes of the batch, written straight into the slot.
-
-    Each ragged field is padded from the mapping into the slot (each sample
-    copied once), its lengths (and mask) beside it; fixed fields are
-    gathered there. Every place is taken before any byte is copied. Raises
-    ValueError, as ``collate_fn`` would, if a generated key is also a field.
-    """
+    """What ``collate_fn`` (a PaddedCollate, not nested) makes of the batch, assembled straight
+    into the slot. Raises ValueError, as ``collate_fn`` would, if a generated key is also a field."""
     collate_fn.check_keys(dataset.fields, dataset.ragged_fields)
     reader = dataset.reader
-    idx = reader.sample_indices(indices)
-    fills: list[Callable[[], object]] = []
-    out: dict[str, Any] = {}
-    for name in dataset.fields:
-        field = reader.field(name)
-        if field.shape is not None:
-            out[name], target = _place_array(writer, field.dtype, (len(idx), *field.shape))
-            fills.append(functools.partial(reader.gather, name, idx, out=target))
-            continue
-        rows = reader.ragged_rows(name, idx)
-        shape = rows.padded_shape()
-        check_padded_size(name, shape, field.dtype.itemsize)
-        out[name], padded = _place_array(writer, field.dtype, shape)
-        fills.append(functools.partial(rows.fill_padded, padded, collate_fn.pad_value))
-        lengths = rows.lengths()
-        out[lengths_key(name)], lengths_target = _place_array(writer, lengths.dtype, lengths.shape)
-        fills.append(functools.partial(np.copyto, lengths_target, lengths))
-        if collate_fn.mask:
-            out[mask_key(name)], mask_target = _place_array(writer, np.dtype(np.bool_), shape)
-            fills.append(functools.partial(_fill_mask, rows, mask_target))
-    for fill in fills:
-        fill()
-    return out
-
-
-def _fill_mask(rows: RaggedRows, target: np.ndarray) -> None:
-    target[...] = rows.mask()
+    padding = Padding(collate_fn.pad_value, collate_fn.mask)
+    return assemble(reader, dataset.fields, reader.sample_indices(indices), SlotDestination(writer), padding)
 
 
 def write_collated(samples: Sequence[Any], writer: SlotWriter) -> Any:

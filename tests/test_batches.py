@@ -316,7 +316,7 @@ def test_a_dataloader_worker_gathers_the_batch_straight_into_shared_memory(tmp_p
     loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=_collate_noting_shared_memory)
     seen = 0
     for batch, shared in loader:
-        assert shared == ({"x": True, "x_lengths": False, "y": True} if ragged else {"x": True, "y": True})
+        assert shared == ({"x": True, "x_lengths": True, "y": True} if ragged else {"x": True, "y": True})
         for row, label in enumerate(batch["y"].tolist()):
             source = sources[label]["x"]
             assert batch["x"][row, : len(source)].numpy().tobytes() == source.tobytes()
