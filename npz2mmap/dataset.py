@@ -27,7 +27,7 @@ from torch.utils.data._utils.collate import (
     default_collate_fn_map,
 )
 
-from .assemble import NewMemory, place_fixed, torch_dtype
+from .assemble import NewMemory, place_fixed, place_listed, torch_dtype
 from .errors import LargerThanMemoryWarning
 from .memory import fits_in_memory, larger_than_memory, memory_limit
 from .parts import Parts, PartsReader
@@ -282,6 +282,16 @@ class GatheredBatch(SequenceABC[Any]):
         shared = self._shared.get(name)
         return shared if shared is not None else as_tensors(self.field(name))
 
+    def listed(self, name: str) -> list[Any]:
+        """A ragged field as a list of per-sample tensors (numpy where torch lacks the dtype):
+        packed from the mapping into one buffer, in shared memory inside a DataLoader worker."""
+        rows = self.ragged_rows(name)
+        if rows is None:
+            return as_tensors(self.field(name))
+        samples, fill = place_listed(rows, NewMemory(shared=get_worker_info() is not None))
+        fill()
+        return samples()
+
     def ragged_rows(self, name: str) -> RaggedRows | None:
         """The field's samples as located in the mapping, if not read yet (see RaggedRows)."""
         value = self._fields[name]
@@ -526,7 +536,7 @@ def collate(batch: Any) -> Any:
             return _collate_plain_dicts(batch)
         return torch_collate(batch, collate_fn_map=PLAIN_COLLATE_FNS)
     tensors = {
-        name: as_tensors(batch.field(name)) if name in batch.ragged else batch.tensor(name)
+        name: batch.listed(name) if name in batch.ragged else batch.tensor(name)
         for name in batch.field_names
     }
     return tensors[batch.single] if batch.single is not None else tensors

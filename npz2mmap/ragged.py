@@ -121,23 +121,6 @@ class RaggedRows:
             )
         ]
 
-    def padded(self, pad_value: float = 0) -> np.ndarray:
-        """The samples in one new (n, *largest) array, the rest filled with ``pad_value``.
-
-        Raises ValueError, before allocating, when that array is larger than
-        numpy can make, and MemoryError naming the field when it cannot be
-        allocated (a valid but hostile table can ask for petabytes).
-        """
-        shape = self.padded_shape()
-        check_padded_size(self.name, shape, self.dtype.itemsize)
-        element = _nonzero_pad_element(self.dtype, pad_value, self.name)
-        out = _allocate(self.name, shape, self.dtype, zeroed=element is None)
-        target = out.view(raw_unit(self.dtype))
-        if element is not None:  # else zero padding came with the allocation
-            target[...] = element
-        self._copy_into(target)
-        return out
-
     def fill_padded(self, out: np.ndarray, pad_value: float = 0) -> np.ndarray:
         """Write the padded batch into ``out`` (e.g. a preallocated shared buffer) and return it.
 
@@ -260,24 +243,6 @@ def _copy_by_element_index(
         within -= np.repeat(np.cumsum(row_counts) - row_counts, row_counts)  # position inside its row
         gathered = source[np.repeat(starts[rows], row_counts) + within]
         flat[np.repeat(rows * width, row_counts) + within] = gathered
-
-
-def _allocate(name: str, shape: tuple[int, ...], dtype: np.dtype, zeroed: bool) -> np.ndarray:
-    """A new array for a padded batch; MemoryError naming the field and size where there is no room."""
-    try:
-        return np.zeros(shape, dtype=dtype) if zeroed else np.empty(shape, dtype=dtype)
-    except MemoryError:
-        nbytes = math.prod(shape) * dtype.itemsize
-        raise MemoryError(f"field {name!r}: a batch padded to {shape} needs {nbytes:,} bytes") from None
-
-
-def _nonzero_pad_element(dtype: np.dtype, pad_value: float, name: str) -> Any:
-    """The pad element (see pad_element), or None where all its bytes are zero (the integer 0
-    in a number field is known to be, with no element built)."""
-    if type(pad_value) is int and pad_value == 0 and dtype.kind in "biufc":
-        return None
-    element = pad_element(dtype, pad_value, name)
-    return None if element.tobytes().count(0) == dtype.itemsize else element
 
 
 def raw_unit(dtype: np.dtype) -> np.dtype:

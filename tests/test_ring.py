@@ -24,10 +24,10 @@ from torch.utils.data import DistributedSampler
 
 import npz2mmap
 from npz2mmap import BlockShuffleSampler, LengthGroupedSampler, MmapDataset, MmapLoader, PaddedCollate, ring
+from npz2mmap.assemble import NewMemory
 from npz2mmap.converter import convert
 from npz2mmap.errors import WorkerError
 from npz2mmap.parts import PartsReader
-from npz2mmap.ragged import RaggedRows
 
 NUM_SAMPLES = 37
 SHM_DIR = Path("/dev/shm")
@@ -724,8 +724,8 @@ def test_padded_batches_are_written_straight_into_the_slot_exactly(
     collate_fn = PaddedCollate(**options)
     loader_options = {"sampler": ORDER_WITH_DUPLICATES, "collate_fn": collate_fn}
     expected = epochs(MmapLoader(ds, 4, prefetch=0, **loader_options), count=1)[0]
-    # Forked workers inherit this: a worker that pads into its own memory first fails.
-    monkeypatch.setattr(RaggedRows, "padded", refuse)
+    # Forked workers inherit this: a worker that pads into memory of its own first fails.
+    monkeypatch.setattr(NewMemory, "array", refuse)
     with MmapLoader(
         ds, 4, num_workers=num_workers, multiprocessing_context="fork", **loader_options
     ) as loader:
