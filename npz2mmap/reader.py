@@ -7,7 +7,6 @@ the per-sample tables are views of the mapping, never parsed.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import operator
 import os
@@ -61,8 +60,9 @@ class DatasetReader:
         self.path = os.fspath(path)
         self.index = index if index is not None else load_index(self.path)
         self.blob_path = os.path.join(self.path, BLOB_NAME)
-        self._mmap = _map_blob(self.blob_path, self.index, check_identity)
-        self._hint_fd: int | None = None  # opened on the first hint (see _hints_fd)
+        self._mmap, self._hint_fd = _map_blob(self.blob_path, self.index, check_identity)
+        if self._hint_fd is not None:
+            weakref.finalize(self, os.close, self._hint_fd)
         self.payload: NDArray[np.uint8] = np.frombuffer(
             self._mmap, dtype=np.uint8, count=self.index.payload_nbytes, offset=BLOB_HEADER_NBYTES
         )
@@ -169,7 +169,7 @@ class DatasetReader:
         cache now, in the background, all at once (so the disk has many reads in flight); the
         number of requests made. Nothing where the platform has no madvise (then each sample is
         read as it is copied)."""
-        fd = self._hints_fd()
+        fd = self._hint_fd
         if not len(indices) or (
             fd is None and (not hasattr(self._mmap, "madvise") or "willneed" not in ADVICE)
         ):
@@ -187,30 +187,6 @@ class DatasetReader:
                     self._mmap.madvise(ADVICE["willneed"], piece, length)
                 requests += 1
         return requests
-
-    def _hints_fd(self) -> int | None:
-        """A descriptor of the mapped blob for posix_fadvise, opened once, on the first hint;
-        None where there is no posix_fadvise (macOS, Windows: madvise, or no hints) or the file
-        at the path no longer names this index (the identity written into it)."""
-        if self._hint_fd is None:
-            self._hint_fd = -1
-            if hasattr(os, "posix_fadvise") and "willneed" in ADVICE:
-                with contextlib.suppress(OSError):
-                    self._hint_fd = self._open_for_hints()
-        return None if self._hint_fd < 0 else self._hint_fd
-
-    def _open_for_hints(self) -> int:
-        """The blob opened again, closed with this reader; -1 if it no longer names this index."""
-        fd = fsutil.open_regular(self.blob_path)
-        try:
-            if fsutil.read_at(fd, IDENTITY_NBYTES, BLOB_HEADER_NBYTES) != blob_identity(self.index.digest):
-                os.close(fd)
-                return -1
-        except BaseException:
-            os.close(fd)
-            raise
-        weakref.finalize(self, os.close, fd)
-        return fd
 
     def gather(
         self, name: str, indices: Sequence[int] | NDArray[np.integer], out: np.ndarray | None = None
@@ -516,19 +492,26 @@ def open_blob(blob_path: str, index: Index) -> int:
     return fd
 
 
-def _map_blob(blob_path: str, index: Index, check_identity: bool = True) -> mmap.mmap:
-    """Map the blob read-only after checking its type, size, identity and header.
+def _map_blob(blob_path: str, index: Index, check_identity: bool = True) -> tuple[mmap.mmap, int | None]:
+    """Map the blob read-only after checking its type, size, identity and header: the mapping, and
+    the descriptor checked, kept for posix_fadvise where there is one (None elsewhere), so the
+    blob is opened and checked once and exact reads hint at the very file mapped.
 
     The size check comes first: mapping a truncated file and touching past its
     end would kill the process with SIGBUS. The identity names the exact index
     read, so a blob replaced since (or an edited index) is refused here.
     """
     fd = open_regular(blob_path)
+    keep = hasattr(os, "posix_fadvise") and "willneed" in ADVICE
     try:
         _check_blob(fd, blob_path, index, check_identity)
-        return mmap.mmap(fd, index.blob_nbytes, access=mmap.ACCESS_READ)
-    finally:
+        mapping = mmap.mmap(fd, index.blob_nbytes, access=mmap.ACCESS_READ)
+    except BaseException:
         os.close(fd)
+        raise
+    if not keep:
+        os.close(fd)
+    return mapping, fd if keep else None
 
 
 def _check_blob(fd: int, blob_path: str, index: Index, check_identity: bool = True) -> None:
