@@ -334,6 +334,10 @@ def _fixed_where_samples_agree(fields: dict[str, FieldInfo], indexes: list[Index
     return fields
 
 
+# A part, which of a batch's samples lie in it (None: all), and their indices within it.
+PartGroup = tuple[int, "NDArray[np.intp] | None", "NDArray[np.int64]"]
+
+
 class PartsReader:
     """Read-only mappings of every part, addressed by global sample index."""
 
@@ -345,19 +349,25 @@ class PartsReader:
         if advice is not None:
             for reader in self.readers:
                 reader.advise(advice)
-        self._single = self.readers[0] if len(self.readers) == 1 else None
 
     def will_need(self, names: Sequence[str], indices: NDArray[np.int64]) -> int:
         """Issue the reads of exactly these samples (normalised) of fields ``names``, in every part
         they lie in (see DatasetReader.will_need); the number of requests made."""
-        if self._single is not None:
-            return self._single.will_need(names, indices)
+        return sum(self.readers[part].will_need(names, local) for part, _, local in self._by_part(indices))
+
+    def _by_part(self, indices: NDArray[np.int64]) -> list[PartGroup]:
+        """The samples (normalised) grouped by the part they lie in: each part, which of ``indices``
+        lie in it (None when all do) and their indices within it."""
+        if len(self.readers) == 1:
+            return [(0, None, indices)]
         part_of = np.searchsorted(self.parts.starts, indices, side="right") - 1
-        requests = 0
-        for part in np.unique(part_of):
-            local = indices[part_of == part] - self.parts.starts[part]
-            requests += self.readers[int(part)].will_need(names, local)
-        return requests
+        if len(part_of) and (part_of == part_of[0]).all():
+            return [(int(part_of[0]), None, indices - self.parts.starts[part_of[0]])]
+        groups: list[PartGroup] = []
+        for part in np.unique(part_of).tolist():
+            chosen = np.flatnonzero(part_of == part)
+            groups.append((part, chosen, indices[chosen] - self.parts.starts[part]))
+        return groups
 
     def __len__(self) -> int:
         return self.parts.num_samples
@@ -389,49 +399,46 @@ class PartsReader:
 
     def view(self, name: str, i: int) -> np.ndarray:
         """Sample ``i`` of field ``name`` as a read-only view of its part's mapping."""
-        if self._single is not None:
-            return self._single.view(name, i)
+        if len(self.readers) == 1:
+            return self.readers[0].view(name, i)
         i = self.sample_index(i)
         part = int(np.searchsorted(self.parts.starts, i, side="right")) - 1
         return self.readers[part].view(name, i - int(self.parts.starts[part]))
 
     def ragged_rows(self, name: str, indices: Sequence[int] | NDArray[np.integer]) -> RaggedRows:
         """Where many samples of a field lie, in any parts, checked (see DatasetReader.ragged_rows)."""
-        if self._single is not None:
-            return self._single.ragged_rows(name, indices)
         idx = self.sample_indices(indices)
-        part_of = np.searchsorted(self.parts.starts, idx, side="right") - 1
         info = self.field(name)
+        part_of = np.empty(len(idx), dtype=np.intp)
         starts = np.empty(len(idx), dtype=np.int64)
         shapes = np.empty((len(idx), info.ndim), dtype=np.int64)
-        for part in np.unique(part_of):
-            chosen = part_of == part
-            local = idx[chosen] - self.parts.starts[part]
-            starts[chosen], shapes[chosen] = self.readers[int(part)].locate(name, local)
+        for part, chosen, local in self._by_part(idx):
+            where = slice(None) if chosen is None else chosen
+            part_of[where] = part
+            starts[where], shapes[where] = self.readers[part].locate(name, local)
         sources = [reader.data(name) for reader in self.readers]
-        return RaggedRows(name, info.dtype, sources, part_of.astype(np.intp), starts, shapes)
+        return RaggedRows(name, info.dtype, sources, part_of, starts, shapes)
 
     def gather(
         self, name: str, indices: Sequence[int] | NDArray[np.integer], out: np.ndarray | None = None
     ) -> np.ndarray | list[np.ndarray]:
         """Many samples of a field in one pass (see DatasetReader.gather).
 
-        A batch spanning several parts is gathered part by part, which costs
-        one more copy for a fixed field.
+        A batch within one part is gathered straight into ``out``; one spanning
+        several is gathered part by part, which costs one more copy for a fixed field.
         """
-        if self._single is not None:
-            return self._single.gather(name, indices, out)
         idx = self.sample_indices(indices)
-        part_of = np.searchsorted(self.parts.starts, idx, side="right") - 1
         info = self.field(name)
         if info.shape is None:
             return self.ragged_rows(name, idx).copies()
+        groups = self._by_part(idx)
+        if len(groups) == 1:
+            part, _, local = groups[0]
+            return self.readers[part].gather(name, local, out)
         if out is None:
             out = np.empty((len(idx), *info.shape), dtype=info.dtype)
-        for part in np.unique(part_of):
-            chosen = np.flatnonzero(part_of == part)
-            local = idx[chosen] - self.parts.starts[part]
-            gathered = np.asarray(self.readers[int(part)].gather(name, local))  # fixed: one array
+        for part, chosen, local in groups:
+            gathered = np.asarray(self.readers[part].gather(name, local))  # fixed: one array
             as_raw(out)[chosen] = as_raw(gathered)
         return out
 
