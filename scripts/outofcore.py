@@ -51,6 +51,7 @@ DROP_CACHES = "/proc/sys/vm/drop_caches"
 INTERLEAVED_BLOCK, INTERLEAVED_BLOCKS = 256, 8  # windows of 2,048 samples, 100 MB of this data
 INTERLEAVED_MMAP = "MmapLoader(sampler=BlockShuffleSampler(n, 256, interleave=8, dataset=ds)), 2 workers"
 INTERLEAVED_DATA = "DataLoader(MmapDataset, sampler=BlockShuffleSampler(..., dataset=ds)), 2 workers"
+DATALOADER_CEILING = "ceiling: DataLoader, 2 workers, the same batches made with no reads"
 
 
 # --- cgroups -----------------------------------------------------------------------
@@ -404,6 +405,37 @@ def _data_loader(dataset: Path, advice: str | None = None, reads: str = "auto") 
     yield from loader
 
 
+def _data_loader_ceiling(dataset: Path) -> Iterator[Any]:
+    """DataLoader's own cost under the same limit: batches of the dataset's size and fields made
+    in shared memory in each worker, as MmapDataset makes them, with no reads at all."""
+    from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+    from npz2mmap import MmapDataset
+    from npz2mmap.assemble import NewMemory
+
+    num_samples = len(MmapDataset(dataset, fields=_fields()))
+
+    class NoReads(Dataset[Any]):
+        def __len__(self) -> int:
+            return num_samples
+
+        def __getitems__(self, indices: list[int]) -> dict[str, Any]:
+            destination = NewMemory(shared=get_worker_info() is not None)
+            _, image = destination.array(np.dtype(np.float32), (len(indices), 3, 64, 64))
+            _, label = destination.array(np.dtype(np.int64), (len(indices),))
+            image.zero_(), label.zero_()
+            return {"input": image, "label": label}
+
+    loader = DataLoader(
+        NoReads(), BATCH, shuffle=True, num_workers=2, persistent_workers=True, collate_fn=_as_made
+    )
+    yield from loader
+
+
+def _as_made(batch: Any) -> Any:
+    return batch
+
+
 def _block_loader(dataset: Path) -> Iterator[Any]:
     from npz2mmap import BlockShuffleSampler, MmapDataset, MmapLoader
 
@@ -601,6 +633,7 @@ def loaders(dataset: Path, npz: Path, formats: Path) -> dict[str, Callable[[], I
         "MmapLoader(shuffle=True, prefetch=0)": lambda: _mmap_loader(dataset, shuffle=True, prefetch=0),
         "MmapLoader(shuffle=True, num_workers=2)": lambda: _mmap_loader(dataset, shuffle=True, num_workers=2),
         "DataLoader(MmapDataset, shuffle=True, num_workers=2)": lambda: _data_loader(dataset),
+        DATALOADER_CEILING: lambda: _data_loader_ceiling(dataset),
         "MmapLoader(shuffle=True, num_workers=2), reads='mapped'": lambda: _mmap_loader(
             dataset, reads="mapped", shuffle=True, num_workers=2
         ),
