@@ -156,7 +156,7 @@ class MmapDataset(Dataset[Any]):
     def _sample_for_batch(self, i: int, listed: bool) -> Any:
         """``ds[i]``, except a bare ragged sample stays numpy, which torch's default collate can list."""
         if listed and self.single and self.fields[0] in self.ragged_fields:
-            return np.array(self.reader.view(self.fields[0], self.reader.sample_index(i)))
+            return copy_bytes(self.reader.view(self.fields[0], self.reader.sample_index(i)))
         return self[i]
 
     def __getitems__(self, indices: Sequence[int] | NDArray[np.integer]) -> Sequence[Any]:

@@ -239,10 +239,15 @@ def pad(arrays: list[np.ndarray], pad_value: float = 0, name: str = "data") -> t
     largest = tuple(int(d) for d in shapes.max(axis=0)) if len(arrays) else ()
     check_padded_size(name, (len(arrays), *largest), dtype.itemsize)
     out = np.empty((len(arrays), *largest), dtype=dtype)
-    out.view(raw_unit(dtype))[...] = pad_element(dtype, pad_value, name)
+    unit = raw_unit(dtype)
+    raw = out.view(unit)
+    raw[...] = pad_element(dtype, pad_value, name)
     for k, array in enumerate(arrays):  # out[k, ...]: a row, even of 0-d samples (out[k] is a scalar)
         where: tuple[int | slice, ...] = (k, *(slice(0, d) for d in array.shape))
-        out[where] = array
+        if array.dtype == dtype:  # every byte, record padding too (numpy assigns records field by field)
+            raw[where] = array.view(unit)
+        else:
+            out[where] = array
     lengths = shapes[:, 0] if shapes.shape[1] == 1 else shapes
     return out, np.ascontiguousarray(lengths)
 

@@ -309,6 +309,40 @@ def test_every_read_returns_raw_byte_exact_copies_of_records(tmp_path) -> None:
     assert [raw(a) for a in both.gather("g", [5, 0])] == [stored["g"][2], stored["g"][0]]
 
 
+def _ragged_samples_of(batch, name: str, padded: bool) -> list[bytes]:
+    """Each sample's bytes of ragged field ``name`` in a batch, however the collate arranged it."""
+    if isinstance(batch, list):  # collate_fn=list: the samples as handed out
+        return [raw(np.asarray(sample if not isinstance(sample, dict) else sample[name])) for sample in batch]
+    value = batch if not isinstance(batch, dict) else batch[name]
+    if padded:
+        lengths = batch[f"{name}_lengths"].tolist()
+        return [raw(np.asarray(value[j, :n])) for j, n in enumerate(lengths)]
+    return [raw(np.asarray(sample)) for sample in value]
+
+
+@pytest.mark.parametrize("tensors", [False, True])
+@pytest.mark.parametrize("fields", [None, "g"])
+@pytest.mark.parametrize("collate_fn", [None, "collate", "list", "padded"])
+def test_batches_of_ragged_records_keep_every_byte_on_every_path(tmp_path, tensors, fields, collate_fn) -> None:
+    """Record padding survives every batch path, with samples read one by one (tensors=True) too."""
+    from torch.utils.data import DataLoader
+
+    from npz2mmap import MmapDataset, MmapLoader, PaddedCollate, collate
+
+    dataset = padded_dataset(tmp_path, "a")
+    reader = DatasetReader(dataset)
+    stored = [raw(reader.view("g", i)) for i in range(3)]
+    function = {None: None, "collate": collate, "list": list, "padded": PaddedCollate()}[collate_fn]
+    order = [2, 0, 1, 1]
+    ds = MmapDataset(dataset, fields=fields, tensors=tensors)
+    loaders = [DataLoader(ds, batch_sampler=[order], collate_fn=function)]
+    if collate_fn in (None, "padded"):
+        loaders.append(MmapLoader(ds, 4, sampler=order, prefetch=0, collate_fn=function))
+    for loader in loaders:
+        for batch in loader:
+            assert _ragged_samples_of(batch, "g", collate_fn == "padded") == [stored[i] for i in order]
+
+
 @pytest.mark.parametrize("chunk_nbytes", [None, 48], ids=["default-chunks", "48-byte-chunks"])
 def test_property_records_are_stored_as_their_swapped_raw_bytes(monkeypatch, chunk_nbytes) -> None:
     if chunk_nbytes is not None:
