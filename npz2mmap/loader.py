@@ -159,7 +159,7 @@ class MmapLoader:
         if epoch != self.epoch:
             self._position.resume_at, self._position.loaded = 0, None
         self.epoch = epoch
-        for sampler in (self.sampler, self.batch_sampler):
+        for _, sampler in _samplers(self):  # a BatchSampler's own sampler too
             set_sampler_epoch = getattr(sampler, "set_epoch", None)
             if set_sampler_epoch is not None:
                 set_sampler_epoch(epoch)
@@ -494,15 +494,24 @@ class _Position:
         if not isinstance(state, dict):
             raise ValueError(f"loader state must be a dict, not {type(state).__name__}")
         epoch, seed, batches_yielded = (
-            _state_int(state, key) for key in ("epoch", "seed", "batches_yielded")
+            _state_int(state, key, "loader state") for key in ("epoch", "seed", "batches_yielded")
         )
+        unknown = sorted(map(str, state.keys() - _STATE_KEYS - {key for key, _ in _samplers(loader)}))
+        if unknown:
+            raise ValueError(
+                f"loader state has {', '.join(map(repr, unknown))}, which this loader does not write "
+                "(a state of another loader, or of other samplers); resume with the loader it was saved from"
+            )
         if seed != loader.seed:
             raise ValueError(f"loader state has seed {seed}, this loader has seed {loader.seed}")
+        if epoch < 0:
+            raise ValueError(f"loader state: epoch {epoch} is negative")
         if batches_yielded < 0:
             raise ValueError(f"loader state: batches_yielded {batches_yielded} is negative")
         if batches_yielded:
             _refuse_unrepeatable_samplers(loader)
         _check_same_settings(loader, state)
+        _check_within_the_pass(loader, batches_yielded)
         loader.epoch = epoch
         for key, sampler in _samplers(loader):
             if key in state and hasattr(sampler, "load_state_dict"):
@@ -512,6 +521,23 @@ class _Position:
                 sampler_epoch = saved.get("epoch") if isinstance(saved, dict) else None
                 sampler.set_epoch(sampler_epoch if type(sampler_epoch) is int else epoch)
         self.resume_at, self.loaded = batches_yielded, dict(state)
+
+
+def _check_within_the_pass(loader: MmapLoader, batches_yielded: int) -> None:
+    """ValueError for a state past the end of its pass (where the loader knows its length)."""
+    with contextlib.suppress(TypeError):  # a sampler of no length
+        batches = len(loader)
+        if batches_yielded > batches:
+            raise ValueError(
+                f"loader state: batches_yielded {batches_yielded} is past the end of a pass of "
+                f"{batches} batches; resume with the loader the state was saved from"
+            )
+
+
+# What a loader's state holds besides its samplers' states (saved under _samplers' keys).
+_STATE_KEYS = {"epoch", "seed", "batches_yielded", "batch_size", "num_samples", "shuffle", "drop_last"} | {
+    "sampler_settings"
+}
 
 
 def _sampler_state(sampler: Any) -> dict[str, Any] | None:
@@ -541,7 +567,12 @@ def _settings(loader: MmapLoader) -> dict[str, Any]:
         "num_samples": len(loader.dataset),
         "shuffle": loader.shuffle,
         "drop_last": loader.drop_last,
-        "sampler_settings": {key: sampler_settings(sampler) for key, sampler in _samplers(loader)},
+        # a BatchSampler's own sampler is in its settings already (states of earlier versions lack it)
+        "sampler_settings": {
+            key: sampler_settings(sampler)
+            for key, sampler in _samplers(loader)
+            if key != "batch_sampler.sampler"
+        },
     }
 
 
@@ -559,7 +590,7 @@ def sampler_settings(sampler: Any) -> dict[str, Any]:
         out.update(shuffle=sampler.shuffle, drop_last=sampler.drop_last, length=len(sampler))
     elif hasattr(sampler, "state_dict"):
         pass
-    elif isinstance(sampler, (Sequence, np.ndarray)) and not isinstance(sampler, (str, bytes)):
+    elif isinstance(sampler, (Sequence, np.ndarray, torch.Tensor)) and not isinstance(sampler, (str, bytes)):
         with contextlib.suppress(TypeError, ValueError, OverflowError):  # indices of another kind
             values = np.asarray(sampler, dtype=np.int64)
             out.update(length=len(values), crc32=zlib.crc32(values.astype("<i8").tobytes()))
@@ -620,11 +651,16 @@ def _refuse_unrepeatable_samplers(loader: MmapLoader) -> None:
 
 
 def _samplers(loader: MmapLoader) -> list[tuple[str, Any]]:
-    return [
+    """The loader's samplers by the key their state is saved under: its sampler or batch sampler,
+    and a torch BatchSampler's own sampler (whose epoch and state make the batches' order)."""
+    found = [
         (key, s)
         for key, s in (("sampler", loader.sampler), ("batch_sampler", loader.batch_sampler))
         if s is not None
     ]
+    if isinstance(loader.batch_sampler, BatchSampler):
+        found.append(("batch_sampler.sampler", loader.batch_sampler.sampler))
+    return found
 
 
 MAX_TIMEOUT_S = 10**7  # about 4 months: more than any wait a platform's clock and selectors take

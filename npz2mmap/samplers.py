@@ -51,12 +51,22 @@ class _Resumable:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next pass continue the saved epoch after its yielded items.
 
-        Raises ValueError for a state this sampler did not write: missing or
-        non-integer entries, another seed, a count past the epoch's end.
+        Raises ValueError for a state this sampler did not write: a missing or
+        non-integer epoch, seed or count, entries it does not write, another seed
+        or other settings, a count past the epoch's end. Settings a state of an
+        earlier version lacks are taken as this sampler's.
         """
         if not isinstance(state, dict):
             raise ValueError(f"sampler state must be a dict, not {type(state).__name__}")
+        unknown = sorted(map(str, state.keys() - {"epoch", "seed", "yielded", *self._order_settings()}))
+        if unknown:
+            raise ValueError(
+                f"sampler state has {', '.join(map(repr, unknown))}, which {type(self).__name__} does not "
+                "write (the state of another sampler?); resume with the sampler the state was saved from"
+            )
         epoch, seed, yielded = (_state_int(state, key) for key in ("epoch", "seed", "yielded"))
+        if epoch < 0:
+            raise ValueError(f"sampler state: epoch {epoch} is negative")
         if seed != self.seed:
             raise ValueError(f"sampler state has seed {seed}, this sampler has seed {self.seed}")
         for key, value in self._order_settings().items():
@@ -375,9 +385,9 @@ def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int,
     return num_replicas, rank
 
 
-def _state_int(state: dict[str, Any], key: str) -> int:
-    """One integer entry of a sampler state; ValueError if missing or not an int."""
+def _state_int(state: dict[str, Any], key: str, what: str = "sampler state") -> int:
+    """One integer entry of a state; ValueError naming ``what`` if missing or not an int."""
     value = state.get(key)
     if type(value) is not int:
-        raise ValueError(f"sampler state: {key!r} must be an integer, found {value!r}")
+        raise ValueError(f"{what}: {key!r} must be an integer, found {value!r}")
     return value

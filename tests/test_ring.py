@@ -23,7 +23,15 @@ from conftest import write_samples
 from torch.utils.data import DistributedSampler
 
 import npz2mmap
-from npz2mmap import BlockShuffleSampler, LengthGroupedSampler, MmapDataset, MmapLoader, PaddedCollate, ring
+from npz2mmap import (
+    BlockShuffleSampler,
+    LengthGroupedSampler,
+    MmapDataset,
+    MmapLoader,
+    PaddedCollate,
+    ShuffleSampler,
+    ring,
+)
 from npz2mmap.assemble import NewMemory
 from npz2mmap.converter import convert
 from npz2mmap.errors import WorkerError
@@ -1501,6 +1509,11 @@ SAMPLER_CHANGES = {
     "type": (distributed, lambda ds: BlockShuffleSampler(len(ds), 8), "sampler=DistributedSampler("),
     "list length": (lambda ds: list(range(30)), lambda ds: list(range(20)), "length=30"),
     "list contents": (lambda ds: list(range(30)), lambda ds: list(range(30))[::-1], "sampler=list(length=30"),
+    "tensor contents": (
+        lambda ds: torch.arange(30),
+        lambda ds: torch.arange(30).flip(0),
+        "sampler=Tensor(length=30",
+    ),
 }
 
 
@@ -1530,6 +1543,75 @@ def test_a_state_over_a_batch_sampler_of_other_settings_is_refused(dataset_dir, 
         batches = LengthGroupedSampler(np.arange(1, 38), 8)
     with pytest.raises(ValueError, match=r"^loader state was saved over batch_sampler=BatchSampler\(batch_size=8"):
         MmapLoader(ds, 8, batch_sampler=batches).load_state_dict(state)
+
+
+INNER_SAMPLERS = {
+    "ShuffleSampler": lambda ds: ShuffleSampler(ds, seed=4),
+    "BlockShuffleSampler": lambda ds: BlockShuffleSampler(len(ds), 5, seed=4),
+    "DistributedSampler": lambda ds: distributed(ds),
+}
+
+
+@pytest.mark.parametrize("inner", INNER_SAMPLERS, ids=list(INNER_SAMPLERS))
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_batch_samplers_own_sampler_resumes_its_epoch(dataset_dir, inner, num_workers) -> None:
+    """loader.set_epoch reaches a BatchSampler's sampler, and the state carries that sampler's
+    epoch and state: a resume continues the saved epoch's order, not epoch 0's."""
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+
+    def loader() -> MmapLoader:
+        batches = torch.utils.data.BatchSampler(INNER_SAMPLERS[inner](ds), 4, False)
+        return MmapLoader(ds, 4, batch_sampler=batches, num_workers=num_workers, multiprocessing_context="fork")
+
+    with loader() as whole:
+        whole.set_epoch(3)
+        uninterrupted = [batch.tolist() for batch in whole]
+    with loader() as first:
+        first.set_epoch(3)
+        for k, _ in enumerate(first):
+            if k == 2:
+                state = first.state_dict()
+                break
+    with loader() as resumed:
+        resumed.load_state_dict(state)
+        assert [batch.tolist() for batch in resumed] == uninterrupted[3:]
+    with loader() as epoch_zero:
+        assert [batch.tolist() for batch in epoch_zero] != uninterrupted  # the epoch does make the order
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded", "message"),
+    [
+        (lambda ds: ShuffleSampler(ds, seed=1), lambda ds: ShuffleSampler(ds, seed=2), "seed 1"),
+        (lambda ds: BlockShuffleSampler(len(ds), 7), lambda ds: BlockShuffleSampler(len(ds), 8), "block_size 7"),
+    ],
+)
+def test_a_state_over_a_batch_samplers_sampler_of_other_settings_is_refused(dataset_dir, saved, loaded, message):
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+    first = MmapLoader(ds, 4, batch_sampler=torch.utils.data.BatchSampler(saved(ds), 4, False))
+    next(iter(first))
+    state = first.state_dict()
+    with pytest.raises(ValueError, match=f"^sampler state has {message}"):
+        MmapLoader(ds, 4, batch_sampler=torch.utils.data.BatchSampler(loaded(ds), 4, False)).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"batches_yielded": 11}, "batches_yielded 11 is past the end of a pass of 10 batches"),
+        ({"epoch": -1}, "epoch -1 is negative"),
+        ({"zz": 0}, "loader state has 'zz', which this loader does not write"),
+        ({"sampler": {}}, "loader state has 'sampler', which this loader does not write"),
+    ],
+)
+def test_a_loader_state_past_its_pass_or_with_entries_it_does_not_write_is_refused(dataset_dir, edit, message):
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+    first = MmapLoader(ds, 4, shuffle=True)
+    next(iter(first))
+    state = {**first.state_dict(), **edit}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        MmapLoader(ds, 4, shuffle=True).load_state_dict(state)
+    MmapLoader(ds, 4, shuffle=True).load_state_dict(first.state_dict())  # the state as written loads
 
 
 def test_a_sampler_state_from_a_sampler_of_other_settings_is_refused() -> None:

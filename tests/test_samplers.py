@@ -89,6 +89,11 @@ def test_a_resume_is_dropped_when_another_epoch_is_chosen() -> None:
         ({"epoch": 1, "seed": 3, "yielded": -1}, "yielded -1 is outside"),
         ({"epoch": 1, "seed": 3}, "'yielded' must be an integer, found None"),
         ({"epoch": 1.5, "seed": 3, "yielded": 0}, "'epoch' must be an integer, found 1.5"),
+        ({"epoch": -1, "seed": 3, "yielded": 0}, "sampler state: epoch -1 is negative"),
+        (
+            {"epoch": 1, "seed": 3, "yielded": 0, "num_replicas": 1},  # a ShuffleSampler's
+            "sampler state has 'num_replicas', which BlockShuffleSampler does not write",
+        ),
     ],
 )
 def test_a_state_this_sampler_did_not_write_is_refused(state, message) -> None:
