@@ -89,6 +89,8 @@ class MmapDataset(Dataset[Any]):
         self.path = os.fspath(path) if isinstance(path, (str, os.PathLike)) else [os.fspath(p) for p in path]
         self.parts = Parts(self.path)
         self.single = isinstance(fields, str)
+        if isinstance(fields, (bytes, bytearray)):
+            raise TypeError(f"fields names fields by str (one, or a list of them), not {fields!r}")
         if isinstance(fields, str):
             names = [fields]
         else:
@@ -96,6 +98,8 @@ class MmapDataset(Dataset[Any]):
             if fields is not None and not names:
                 raise ValueError("fields is empty: name at least one field, or leave it None for every field")
         for name in names:
+            if not isinstance(name, str):
+                raise TypeError(f"fields names fields by str (one, or a list of them), not {name!r}")
             self.parts.field(name)
         repeated = next((name for k, name in enumerate(names) if name in names[:k]), None)
         if repeated is not None:

@@ -25,7 +25,7 @@ class _Resumable:
     """
 
     def __init__(self, seed: int) -> None:
-        self.seed = seed
+        self.seed = check_count("seed", seed, 0)
         self.epoch = 0
         self._yielded = 0
         self._resume_at = 0
@@ -35,6 +35,7 @@ class _Resumable:
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch's order; a different epoch drops a pending resume (and has yielded nothing)."""
+        epoch = check_count("epoch", epoch, 0)
         if epoch != self.epoch:
             self._resume_at = self._yielded = 0
         self.epoch = epoch
@@ -132,14 +133,12 @@ class BlockShuffleSampler(_Resumable, Sampler[int]):
         rank: int | None = None,
         drop_last: bool = False,
     ) -> None:
-        if num_samples < 0 or block_size < 1 or interleave < 1:
-            raise ValueError("num_samples must be >= 0, block_size and interleave >= 1")
         super().__init__(seed)
-        self.num_samples = num_samples
-        self.block_size = block_size
-        self.interleave = interleave
+        self.num_samples = check_count("num_samples", num_samples, 0)
+        self.block_size = check_count("block_size", block_size, 1)
+        self.interleave = check_count("interleave", interleave, 1)
         self.dataset = dataset
-        self.drop_last = drop_last
+        self.drop_last = check_flag("drop_last", drop_last)
         self.num_replicas, self.rank = _replicas_and_rank(num_replicas, rank)
 
     def _order_settings(self) -> dict[str, int]:
@@ -241,9 +240,10 @@ class ShuffleSampler(_Resumable, Sampler[int]):
             raise ValueError(f"read_ahead must be an int >= 0 (samples), not {read_ahead!r}")
         super().__init__(seed)
         self.dataset = dataset
-        self.num_samples = dataset if isinstance(dataset, int) else len(dataset)
+        num_samples = dataset if isinstance(dataset, int) else len(dataset)
+        self.num_samples = check_count("num_samples", num_samples, 0)
         self.read_ahead = read_ahead
-        self.drop_last = drop_last
+        self.drop_last = check_flag("drop_last", drop_last)
         self.num_replicas, self.rank = _replicas_and_rank(num_replicas, rank)
 
     def _order_settings(self) -> dict[str, int]:
@@ -324,8 +324,9 @@ class LengthGroupedSampler(_Resumable, Sampler[list[int]]):
         num_replicas: int | None = None,
         rank: int | None = None,
     ) -> None:
-        if batch_size < 1 or pool_batches < 1:
-            raise ValueError("batch_size and pool_batches must be at least 1")
+        check_count("batch_size", batch_size, 1)
+        check_count("pool_batches", pool_batches, 1)
+        check_flag("drop_last", drop_last)
         super().__init__(seed)
         lengths = np.asarray(lengths)
         self.lengths = lengths.reshape(len(lengths), math.prod(lengths.shape[1:])).prod(axis=1)
@@ -380,9 +381,30 @@ def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int,
         num_replicas = dist.get_world_size() if in_group else 1
     if rank is None:
         rank = dist.get_rank() if in_group else 0
+    for name, value in (("num_replicas", num_replicas), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{name} must be an integer, not {value!r}")
+    num_replicas, rank = int(num_replicas), int(rank)
     if num_replicas < 1 or not 0 <= rank < num_replicas:
         raise ValueError(f"rank must be in 0..num_replicas-1, got rank {rank} of {num_replicas}")
     return num_replicas, rank
+
+
+def check_count(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int of at least ``minimum``; ValueError naming ``name`` otherwise (a bool,
+    a float, a string are not counts; numpy's integers are)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer >= {minimum}, not {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, not {value}")
+    return int(value)
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` as a bool; ValueError naming ``name`` for anything else ("no" is not False)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, not {value!r}")
+    return bool(value)
 
 
 def _state_int(state: dict[str, Any], key: str, what: str = "sampler state") -> int:

@@ -406,3 +406,11 @@ def test_index_arrays_of_every_width_normalise_as_each_index_alone(dtype, n, dat
             normalise_indices(indices, n)
         return
     assert normalise_indices(indices, n).tolist() == expected
+
+
+@pytest.mark.parametrize("fields", [b"label", [b"label"], [1], ["label", None]])
+def test_fields_that_are_not_names_are_a_type_error_naming_them(small_dataset, fields) -> None:
+    """bytes iterate as numbers ("no field 120" was the message): fields are named by str only."""
+    out, _ = small_dataset
+    with pytest.raises(TypeError, match=r"^fields names fields by str \(one, or a list of them\), not "):
+        MmapDataset(out, fields=fields)

@@ -7,6 +7,7 @@ batches, in order.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable
 
@@ -216,3 +217,27 @@ def test_a_state_that_is_not_a_dict_is_a_value_error(state) -> None:
 
     with pytest.raises(ValueError, match="sampler state must be a dict"):
         BlockShuffleSampler(10).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: BlockShuffleSampler(10, 2.5), "block_size must be an integer >= 1, not 2.5"),
+        (lambda: BlockShuffleSampler(10, True), "block_size must be an integer >= 1, not True"),
+        (lambda: BlockShuffleSampler(10, 2, interleave=0), "interleave must be an integer >= 1, not 0"),
+        (lambda: BlockShuffleSampler(-1), "num_samples must be an integer >= 0, not -1"),
+        (lambda: BlockShuffleSampler(10, seed=-1), "seed must be an integer >= 0, not -1"),
+        (lambda: BlockShuffleSampler(10, drop_last="no"), "drop_last must be True or False, not 'no'"),
+        (lambda: ShuffleSampler(-1), "num_samples must be an integer >= 0, not -1"),
+        (lambda: ShuffleSampler(10, seed=True), "seed must be an integer >= 0, not True"),
+        (lambda: ShuffleSampler(10, num_replicas=True), "num_replicas must be an integer, not True"),
+        (lambda: LengthGroupedSampler(np.ones(4), 0), "batch_size must be an integer >= 1, not 0"),
+        (lambda: BlockShuffleSampler(10).set_epoch(1.5), "epoch must be an integer >= 0, not 1.5"),
+        (lambda: ShuffleSampler(10).set_epoch(-1), "epoch must be an integer >= 0, not -1"),
+    ],
+)
+def test_sampler_arguments_are_checked_with_a_message_naming_them(make, message) -> None:
+    """A bool or float is no count, and "no" is no flag: each refused naming the argument."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        make()
+    assert list(BlockShuffleSampler(np.int64(4), np.int64(2), np.int64(1))) != []  # numpy's integers are counts
