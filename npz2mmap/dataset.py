@@ -327,7 +327,7 @@ class GatheredBatch(SequenceABC[Any]):
             raise IndexError(f"sample {j} is out of range for a batch of {self.length}")
         handed = self._handed.get(j)
         if handed is None:
-            sample = {name: self._sample(name, j) for name in self._fields}
+            sample = GatheredSample((name, self._sample(name, j)) for name in self._fields)
             layouts = {key: (value, _layout(value)) for key, value in sample.items()}
             handed = self._handed[j] = (sample, layouts)
         return handed[0]
@@ -383,6 +383,22 @@ def stack_bytes(arrays: Sequence[np.ndarray]) -> np.ndarray:
 # are types only npz2mmap's batches make, so nothing else is collated differently.
 default_collate_fn_map[RaggedSample] = _collate_ragged_samples
 default_collate_fn_map[NumpyOnlySample] = _collate_numpy_only_samples
+
+
+class GatheredSample(dict[str, Any]):
+    """A dict sample of a GatheredBatch: views of the batch's arrays. Through it torch's default
+    collate hands the whole batch to ``collate``, which gives each fixed field's gathered array as
+    the batch's tensor, where torch would stack the views into another (a copy, and another
+    block of shared memory inside a DataLoader worker)."""
+
+
+def _collate_gathered_samples(batch: Sequence[GatheredSample], *, collate_fn_map: Any = None) -> Any:
+    """torch's default collate of a GatheredBatch: ``collate``'s batch (the same tensors, arrays
+    and lists torch's collate makes of its samples, with no copy); of such samples rearranged
+    into a list of one's own, torch's own collate, field by field."""
+    if isinstance(batch, GatheredBatch):
+        return collate(batch)
+    return torch_collate([dict(sample) for sample in batch], collate_fn_map=collate_fn_map)
 
 
 class TransformedSample(dict[str, Any]):
@@ -507,6 +523,7 @@ def _check_stackable(name: str, values: Sequence[Any]) -> None:
 
 default_collate_fn_map[TransformedSample] = _collate_transformed_samples
 default_collate_fn_map[TransformedRaggedArray] = _collate_transformed_arrays
+default_collate_fn_map[GatheredSample] = _collate_gathered_samples
 
 
 class SampleList(list[Any]):

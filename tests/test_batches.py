@@ -339,3 +339,20 @@ def test_without_torchs_shared_storage_a_dataloader_worker_gathers_privately(tmp
     assert torch.equal(
         torch.cat([b["x"] for b in batches]), torch.from_numpy(np.stack([s["x"] for s in sources]))
     )
+
+
+def test_torchs_default_collate_of_a_gathered_batch_copies_no_fixed_field(small_dataset) -> None:
+    """DataLoader's default collate takes the gathered arrays as the batch's tensors (torch.stack
+    of the sample views made a second copy); of the samples in a list of one's own, it stacks."""
+    out, sources = small_dataset
+    ds = MmapDataset(out)
+    gathered = ds.__getitems__([4, 1, 1])
+    batch = default_collate(gathered)
+    for name in ("input", "label"):
+        assert batch[name].data_ptr() == gathered.tensor(name).data_ptr()
+    rearranged = default_collate(list(gathered))
+    assert rearranged["input"].data_ptr() != batch["input"].data_ptr()
+    for name in ("input", "label"):
+        assert torch.equal(rearranged[name], batch[name])
+    assert [t.tolist() for t in rearranged["tokens"]] == [t.tolist() for t in batch["tokens"]]
+    assert batch["label"].tolist() == [4, 1, 1]
