@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -1337,6 +1338,24 @@ def test_keyboard_interrupt_or_system_exit_in_a_transform_is_a_worker_error(
     assert "Traceback" not in capfd.readouterr().err  # no worker printed one
 
 
+def assert_epoch_resumes(make: Callable[[], MmapLoader], epoch: int, stop_after: int) -> list[Any]:
+    """Read `epoch` whole, then stop after batch `stop_after` and resume from the state: the resumed
+    batches are the rest of that epoch. Returns the whole epoch's batches as lists."""
+    with make() as whole:
+        whole.set_epoch(epoch)
+        uninterrupted = [batch.tolist() for batch in whole]
+    with make() as first:
+        first.set_epoch(epoch)
+        for k, _ in enumerate(first):
+            if k == stop_after:
+                state = first.state_dict()
+                break
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        assert [batch.tolist() for batch in resumed] == uninterrupted[stop_after + 1 :]
+    return uninterrupted
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("rank", [0, 2])
 def test_resume_with_a_distributed_sampler_continues_the_saved_epoch(dataset_dir, num_workers, rank) -> None:
@@ -1348,18 +1367,7 @@ def test_resume_with_a_distributed_sampler_continues_the_saved_epoch(dataset_dir
         sampler = DistributedSampler(ds, num_replicas=3, rank=rank, shuffle=True, seed=4)  # type: ignore[arg-type]
         return MmapLoader(ds, 3, sampler=sampler, num_workers=num_workers, multiprocessing_context="fork")
 
-    with make() as whole:
-        whole.set_epoch(3)
-        uninterrupted = [b.tolist() for b in whole]
-    with make() as first:
-        first.set_epoch(3)
-        for k, _ in enumerate(first):
-            if k == 1:
-                state = first.state_dict()
-                break
-    with make() as resumed:
-        resumed.load_state_dict(state)
-        assert [b.tolist() for b in resumed] == uninterrupted[2:]
+    assert_epoch_resumes(make, epoch=3, stop_after=1)
 
 
 def noisy(sample: dict[str, Any]) -> dict[str, Any]:
@@ -1563,18 +1571,7 @@ def test_a_batch_samplers_own_sampler_resumes_its_epoch(dataset_dir, inner, num_
         batches = torch.utils.data.BatchSampler(INNER_SAMPLERS[inner](ds), 4, False)
         return MmapLoader(ds, 4, batch_sampler=batches, num_workers=num_workers, multiprocessing_context="fork")
 
-    with loader() as whole:
-        whole.set_epoch(3)
-        uninterrupted = [batch.tolist() for batch in whole]
-    with loader() as first:
-        first.set_epoch(3)
-        for k, _ in enumerate(first):
-            if k == 2:
-                state = first.state_dict()
-                break
-    with loader() as resumed:
-        resumed.load_state_dict(state)
-        assert [batch.tolist() for batch in resumed] == uninterrupted[3:]
+    uninterrupted = assert_epoch_resumes(loader, epoch=3, stop_after=2)
     with loader() as epoch_zero:
         assert [batch.tolist() for batch in epoch_zero] != uninterrupted  # the epoch does make the order
 
