@@ -1,8 +1,8 @@
 """The one batch assembler: a batch's arrays placed, then filled from the mapping, into any memory.
 
 Every loader makes its batches here: ``MmapLoader`` in its own process and
-in its thread (new tensors, pinned with ``pin_memory``), its worker
-processes (a ring slot), and ``DataLoader`` workers through
+in its thread (new tensors, pinned with ``pin_memory``) and in its worker
+processes (a ring slot), through the plan batch_plan.py chooses, and ``DataLoader`` workers through
 ``MmapDataset.__getitems__``, ``collate`` and ``PaddedCollate`` (shared-memory
 tensors). A ``Destination`` says where an array goes and what the batch
 holds for it; ``assemble`` takes every place before copying any byte, so a

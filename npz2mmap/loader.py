@@ -12,7 +12,6 @@ that the trainer reads without a copy (ring.py).
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import numbers
 import queue
@@ -34,21 +33,12 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from .assemble import NewMemory, assemble
-from .dataset import MmapDataset, collate
+from .batch_plan import BatchPlan, InMemory, plan_batches
+from .dataset import MmapDataset
 from .errors import FormatError
 from .padding import PaddedCollate
 from .reader import normalise_indices
-from .ring import (
-    BATCH,
-    COLLATED,
-    FIELDS,
-    PADDED,
-    Recipe,
-    RingWorkers,
-    default_slot_nbytes,
-    resolve_context,
-)
+from .ring import RingWorkers, default_slot_nbytes, resolve_context
 from .samplers import _state_int
 
 _END = object()
@@ -262,7 +252,10 @@ class MmapLoader:
 
     def load(self, indices: np.ndarray) -> Any:
         """One batch, in this process: each fixed field gathered straight into its output tensor."""
-        return make_batch(self.dataset, self.collate_fn, self.batch_transform, indices, self.pin_memory)
+        return self._plan().make(indices, InMemory(self.pin_memory))
+
+    def _plan(self) -> BatchPlan:
+        return plan_batches(self.dataset, self.collate_fn, self.batch_transform)
 
     def _from_workers(self, indices: Iterator[NDArray[np.int64]]) -> Iterator[Any]:
         workers = self._start_workers()
@@ -274,17 +267,12 @@ class MmapLoader:
 
     def _start_workers(self) -> RingWorkers:
         if self._workers is None:
-            recipe = Recipe(
-                self.dataset,
-                functools.partial(make_batch, self.dataset, self.collate_fn, self.batch_transform),
-                self._worker_way(),
-                self.collate_fn,
-            )
+            plan = self._plan()
             num_slots = max(self.num_workers * self.prefetch, self.num_workers + 1)
             slot_nbytes = self.slot_nbytes or default_slot_nbytes(self.dataset, self._largest_batch_size())
             context = resolve_context(self.multiprocessing_context)
             self._workers = RingWorkers(
-                recipe, self.num_workers, num_slots, slot_nbytes, context, self.pin_memory, self.timeout
+                plan, self.num_workers, num_slots, slot_nbytes, context, self.pin_memory, self.timeout
             )
         return self._workers
 
@@ -294,24 +282,6 @@ class MmapLoader:
         if isinstance(said, int) and not isinstance(said, bool) and said >= 1:
             return said
         return self.batch_size
-
-    def _worker_way(self) -> str:
-        """How workers make batches: the fewer steps the batch has, the fewer copies (ring.Recipe)."""
-        if self.batch_transform is not None:
-            return BATCH
-        if self.collate_fn is not None:
-            return PADDED if self._pads_from_the_mapping() else BATCH
-        return FIELDS if self.dataset.transform is None else COLLATED
-
-    def _pads_from_the_mapping(self) -> bool:
-        """Is collate_fn a plain PaddedCollate of untransformed batches (which a worker pads in its slot)?"""
-        pad = self.collate_fn
-        return (
-            type(pad) is PaddedCollate
-            and not pad.nested
-            and pad.ragged in (None, self.dataset.ragged_fields)
-            and self.dataset.transform is None
-        )
 
     def close(self) -> None:
         """Stop the worker processes (they start again on the next iteration); a no-op without."""
@@ -369,25 +339,6 @@ def reads_issued_ahead(
     yield from window
     if failed is not None:
         raise failed
-
-
-def make_batch(
-    dataset: MmapDataset,
-    collate_fn: Callable[[Any], Any] | None,
-    batch_transform: Callable[[Any], Any] | None,
-    indices: np.ndarray,
-    pin_memory: bool = False,
-) -> Any:
-    """One batch as MmapLoader gives it, in whichever process runs it (the trainer or a worker)."""
-    if collate_fn is not None:
-        batch = collate_fn(dataset.__getitems__(indices))
-    elif dataset.transform is not None:
-        batch = collate(dataset.__getitems__(indices))
-    else:
-        reader = dataset.reader
-        out = assemble(reader, dataset.fields, reader.sample_indices(indices), NewMemory(pin_memory))
-        batch = out[dataset.fields[0]] if dataset.single else out
-    return batch_transform(batch) if batch_transform is not None else batch
 
 
 def check_order_options(shuffle: bool, sampler: Any, batch_sampler: Any, drop_last: bool) -> None:

@@ -46,7 +46,7 @@ import torch
 from numpy.typing import NDArray
 
 from . import parallel
-from .assemble import Padding, assemble
+from .batch_plan import BatchPlan, InMemory
 from .dataset import MmapDataset, SampleList, collate, torch_dtype
 from .errors import WorkerError
 from .forkserver_socket import ForkserverSocket
@@ -136,11 +136,15 @@ class ViewLeaf:
 
 
 class SlotFull(Exception):
-    """A batch needs more bytes than its slot has (it then travels pickled)."""
+    """A batch needs more bytes than its slot has (it then travels pickled).
+
+    ``batch`` is the batch when it was already made in the worker's own memory.
+    """
 
     def __init__(self, nbytes: int) -> None:
         super().__init__(nbytes)
         self.nbytes = nbytes
+        self.batch: Any = None
 
 
 class RingBlock(multiprocessing.heap.Arena):
@@ -496,28 +500,15 @@ def tree_nbytes(tree: Any) -> int:
     return sum(aligned(region.nbytes + SLOT_ALIGN) for region in plan_regions(tree))
 
 
-# How a worker makes a batch: FIELDS gathers the dataset's fields straight into
-# the slot (no transform, collate_fn or batch_transform); PADDED pads them
-# straight into it as a plain PaddedCollate would (no transform or batch_transform);
-# COLLATED stacks the transformed samples into it as the default collate would
-# (a transform, but no collate_fn or batch_transform); BATCH makes the batch,
-# then copies it in.
-FIELDS, PADDED, COLLATED, BATCH = "fields", "padded", "collated", "batch"
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """What a worker needs to make batches: the dataset, the loader's batch function, the way."""
-
-    dataset: MmapDataset
-    make_batch: Callable[[np.ndarray], Any]
-    way: str
-    collate_fn: Any = None  # the PaddedCollate of the PADDED way
-
-
 class SlotDestination:
-    """A ring slot as the assembler's destination: each array placed after the last, aligned;
-    the batch holds descriptors (leaves), read back in the trainer as views of the slot."""
+    """A ring slot as a batch plan's destination: each array placed after the last, aligned;
+    the batch holds descriptors (leaves), read back in the trainer as views of the slot.
+
+    A batch that does not fit raises SlotFull; one already made in this
+    process's memory (``hold``, ``collated``) goes with it, so it is not made twice.
+    """
+
+    pin_memory = False  # a worker pins nothing: the trainer pins the ring
 
     def __init__(self, writer: SlotWriter) -> None:
         self.writer = writer
@@ -530,25 +521,19 @@ class SlotDestination:
         leaf, offsets = self.writer.place_rows(rows)
         return self.writer.ring.slot_bytes(self.writer.slot), offsets, lambda: leaf
 
+    def hold(self, batch: Any) -> Any:
+        try:
+            return self.writer.write(batch)
+        except SlotFull as full:
+            full.batch = batch
+            raise
 
-def write_fields_direct(dataset: MmapDataset, writer: SlotWriter, indices: np.ndarray) -> Any:
-    """The untransformed batch assembled from the mapping straight into the slot (one copy),
-    as MmapLoader.load gives it: a fixed field as one tensor (numpy where torch lacks the
-    dtype), a ragged one as a list of per-sample tensors. SlotFull leaves nothing half done."""
-    reader = dataset.reader
-    out = assemble(reader, dataset.fields, reader.sample_indices(indices), SlotDestination(writer))
-    return out[dataset.fields[0]] if dataset.single else out
-
-
-def write_padded_direct(
-    dataset: MmapDataset, writer: SlotWriter, indices: np.ndarray, collate_fn: Any
-) -> dict[str, Any]:
-    """What ``collate_fn`` (a PaddedCollate, not nested) makes of the batch, assembled straight
-    into the slot. Raises ValueError, as ``collate_fn`` would, if a generated key is also a field."""
-    collate_fn.check_keys(dataset.fields, dataset.ragged_fields)
-    reader = dataset.reader
-    padding = Padding(collate_fn.pad_value, collate_fn.mask)
-    return assemble(reader, dataset.fields, reader.sample_indices(indices), SlotDestination(writer), padding)
+    def collated(self, samples: Sequence[Any]) -> Any:
+        try:
+            return write_collated(samples, self.writer)
+        except SlotFull as full:
+            full.batch = collate(samples)
+            raise
 
 
 def write_collated(samples: Sequence[Any], writer: SlotWriter) -> Any:
@@ -604,7 +589,7 @@ def worker_main(
     block: Any,
     num_slots: int,
     slot_nbytes: int,
-    recipe: Recipe,
+    plan: BatchPlan,
     seed: int,
     forkserver_socket: ForkserverSocket | None = None,
 ) -> None:
@@ -629,7 +614,7 @@ def worker_main(
             return
         number, slot = TASK_HEADER.unpack_from(task)
         indices = np.frombuffer(task, dtype="<i8", offset=TASK_HEADER.size)
-        reply = _make_into_slot(recipe, ring, slot, number, indices)  # bytes, numbers and text only
+        reply = _make_into_slot(plan, ring, slot, number, indices)  # bytes, numbers and text only
         conn.send_bytes(pickle.dumps(reply, pickle.HIGHEST_PROTOCOL))
 
 
@@ -641,7 +626,7 @@ def _seed_generators(seed: int) -> None:
 
 
 def _make_into_slot(
-    recipe: Recipe, ring: Ring, slot: int, number: int, indices: np.ndarray
+    plan: BatchPlan, ring: Ring, slot: int, number: int, indices: np.ndarray
 ) -> tuple[Any, ...]:
     """One batch's reply: ("slot", number, layout), ("pickled", number, nbytes, batch) or ("error", ...).
 
@@ -651,28 +636,10 @@ def _make_into_slot(
     is ("error", number, pickled exception or None, traceback text).
     """
     try:
-        writer = SlotWriter(ring, slot)
-        if recipe.way in (FIELDS, PADDED):
-            try:
-                if recipe.way == FIELDS:
-                    tree = write_fields_direct(recipe.dataset, writer, indices)
-                else:
-                    tree = write_padded_direct(recipe.dataset, writer, indices, recipe.collate_fn)
-                return ("slot", number, _layout(tree))
-            except SlotFull:
-                batch = recipe.make_batch(indices)
-        elif recipe.way == COLLATED:
-            samples = recipe.dataset.__getitems__(indices)
-            try:
-                return ("slot", number, _layout(write_collated(samples, writer)))
-            except SlotFull:
-                batch = collate(samples)
-        else:
-            batch = recipe.make_batch(indices)
-            try:
-                return ("slot", number, _layout(writer.write(batch)))
-            except SlotFull:
-                pass
+        try:
+            return ("slot", number, _layout(plan.make(indices, SlotDestination(SlotWriter(ring, slot)))))
+        except SlotFull as full:
+            batch = full.batch if full.batch is not None else plan.make(indices, InMemory())
         return ("pickled", number, tree_nbytes(batch), _layout(batch))
     except BaseException as exc:  # KeyboardInterrupt, SystemExit too: from user code (workers ignore SIGINT)
         return ("error", number, _pickled_or_none(exc), traceback.format_exc())
@@ -705,7 +672,7 @@ class WorkerPool:
     @parallel.keeps_signal_mask  # SIGINT is blocked while workers start: never for longer
     def __init__(
         self,
-        recipe: Recipe,
+        plan: BatchPlan,
         num_workers: int,
         num_slots: int,
         slot_nbytes: int,
@@ -726,7 +693,7 @@ class WorkerPool:
                 with _interrupts_ignored_across_exec(self.start_method):
                     forkserver_socket = ForkserverSocket.of_this_process(self.start_method)
                 for worker_id in range(num_workers):
-                    args = (worker_id, self.ring.block, num_slots, slot_nbytes, recipe, seed + worker_id)
+                    args = (worker_id, self.ring.block, num_slots, slot_nbytes, plan, seed + worker_id)
                     self._start(context, worker_id, (*args, forkserver_socket))
         except BaseException:  # e.g. a transform that spawn cannot pickle: stop those started
             self.close()
@@ -1002,7 +969,7 @@ class RingWorkers:
 
     def __init__(
         self,
-        recipe: Recipe,
+        plan: BatchPlan,
         num_workers: int,
         num_slots: int,
         slot_nbytes: int,
@@ -1011,7 +978,7 @@ class RingWorkers:
         timeout: float = 0,
     ) -> None:
         self.timeout = timeout  # seconds a batch may take (0: no limit)
-        self.pool = WorkerPool(recipe, num_workers, num_slots, slot_nbytes, context, seed_base())
+        self.pool = WorkerPool(plan, num_workers, num_slots, slot_nbytes, context, seed_base())
         unpin = None
         try:
             unpin = pin_ring(self.pool.ring) if pin_memory else None
