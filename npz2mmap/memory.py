@@ -170,6 +170,7 @@ def larger_than_memory(where: str, nbytes: int, limit: MemoryLimit) -> str:
         "samples are read exactly, each batch's at once, and MmapLoader issues the next batches' "
         "reads ahead; with a DataLoader, sampler=ShuffleSampler(ds) keeps the next samples' reads "
         "in flight; to shuffle at the disk's sequential speed, "
-        "sampler=BlockShuffleSampler(len(ds), 256, interleave=8, dataset=ds) (two windows of "
-        "8 blocks of 256 samples in the page cache); or raise the limit"
+        "sampler=BlockShuffleSampler(len(ds), 256, interleave='auto', dataset=ds) (as many "
+        "blocks of 256 samples at a time as two windows fit in a quarter of this memory); or "
+        "raise the limit"
     )

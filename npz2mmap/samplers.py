@@ -12,6 +12,8 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from .memory import memory_limit
+
 T = TypeVar("T")
 
 
@@ -107,6 +109,13 @@ class BlockShuffleSampler(_Resumable, Sampler[int]):
     and LitData's chunk interleaving). Call ``set_epoch`` each epoch.
     Resumable mid-epoch through ``state_dict`` / ``load_state_dict``.
 
+    ``interleave="auto"`` (with ``dataset``) takes as many blocks at a time as
+    let two windows of the dataset's average sample fill at most
+    ``WINDOW_FRACTION`` of the memory the process may use (the smallest of its
+    cgroup's limit and ``MemAvailable``): the most distant places per batch the
+    page cache can hold beside everything else; the number chosen is
+    ``interleave``, and a state loaded from another machine keeps its own.
+
     Given the ``dataset`` (an ``MmapDataset``) that reads exactly (it does not
     fit in memory, or ``reads="exact"``), the sampler itself asks for each
     window's blocks whole, one sequential read per block and field, as it
@@ -127,7 +136,7 @@ class BlockShuffleSampler(_Resumable, Sampler[int]):
         block_size: int = 1024,
         seed: int = 0,
         *,
-        interleave: int = 1,
+        interleave: int | str = 1,
         dataset: Any = None,
         num_replicas: int | None = None,
         rank: int | None = None,
@@ -136,7 +145,12 @@ class BlockShuffleSampler(_Resumable, Sampler[int]):
         super().__init__(seed)
         self.num_samples = check_count("num_samples", num_samples, 0)
         self.block_size = check_count("block_size", block_size, 1)
-        self.interleave = check_count("interleave", interleave, 1)
+        self.auto_interleave = interleave == "auto"
+        self.interleave = (
+            auto_interleave(dataset, self.block_size)
+            if self.auto_interleave
+            else check_count("interleave", interleave, 1)
+        )
         self.dataset = dataset
         self.drop_last = check_flag("drop_last", drop_last)
         self.num_replicas, self.rank = _replicas_and_rank(num_replicas, rank)
@@ -147,6 +161,14 @@ class BlockShuffleSampler(_Resumable, Sampler[int]):
             settings.update(interleave=self.interleave, num_replicas=self.num_replicas, rank=self.rank)
             settings.update(drop_last=int(self.drop_last))
         return settings
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """As ``_Resumable.load_state_dict``; with ``interleave="auto"``, the state's own
+        interleave is taken (the memory where it was saved may have chosen another)."""
+        saved = state.get("interleave") if isinstance(state, dict) else None
+        if self.auto_interleave and isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1:
+            self.interleave = saved
+        super().load_state_dict(state)
 
     def __len__(self) -> int:
         return self._share_size()
@@ -190,6 +212,30 @@ class BlockShuffleSampler(_Resumable, Sampler[int]):
         indices = np.concatenate([np.arange(start, stop, dtype=np.int64) for start, stop in window])
         with contextlib.suppress(Exception):  # a read ahead is a hint: loading the samples reports errors
             dataset.reader.will_need(dataset.fields, indices)
+
+
+# interleave="auto" lets two windows take at most this share of the memory the process may use.
+WINDOW_FRACTION = 0.25
+DEFAULT_INTERLEAVE = 8  # where no limit can be read
+
+
+def auto_interleave(dataset: Any, block_size: int) -> int:
+    """How many blocks of ``block_size`` samples two windows of ``dataset`` may hold within
+    WINDOW_FRACTION of the memory this process may use (at least 1, at most every block)."""
+    if dataset is None or not hasattr(dataset, "parts"):
+        raise ValueError(
+            "interleave='auto' sizes the window from the dataset's samples and the memory this "
+            "process may use: pass dataset=ds (an MmapDataset), or a number of blocks"
+        )
+    num_samples = len(dataset)
+    num_blocks = max(1, -(-num_samples // block_size))
+    limit = memory_limit()
+    if limit is None:
+        return min(DEFAULT_INTERLEAVE, num_blocks)
+    blob_nbytes = sum(index.blob_nbytes for index in dataset.parts.indexes)  # every field: a bound
+    sample_nbytes = max(1, blob_nbytes // max(1, num_samples))
+    window_budget = int(limit.nbytes * WINDOW_FRACTION) // 2
+    return max(1, min(num_blocks, window_budget // (block_size * sample_nbytes)))
 
 
 def _share_of(blocks: list[tuple[int, int]], share: int, replicas: int, rank: int) -> list[tuple[int, int]]:

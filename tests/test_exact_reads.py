@@ -337,7 +337,7 @@ def test_a_dataset_larger_than_memory_warns_once_naming_both_sizes(monkeypatch, 
     assert message.startswith(f"{converted}: its ")
     assert "are more than 80% of the 4.1 kB this process may use (the cgroup's memory.max (test))" in message
     assert "sampler=ShuffleSampler(ds)" in message
-    assert "sampler=BlockShuffleSampler(len(ds), 256, interleave=8, dataset=ds)" in message
+    assert "sampler=BlockShuffleSampler(len(ds), 256, interleave='auto', dataset=ds)" in message
     assert caught[0].filename == __file__  # the user's line
     assert auto.exact_reads and again.exact_reads and not mapped.exact_reads
     monkeypatch.setattr(dataset, "memory_limit", lambda: MemoryLimit(1 << 40, "test"))

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 import npz2mmap
-from npz2mmap import BlockShuffleSampler, MmapDataset, ShuffleSampler, dataset, reader
+from npz2mmap import BlockShuffleSampler, MmapDataset, ShuffleSampler, dataset, reader, samplers
+from npz2mmap.memory import MemoryLimit
 from npz2mmap.samplers import READ_CHUNK
 
 sampler_settings = st.fixed_dictionaries(
@@ -237,3 +238,49 @@ def test_mmap_loader_checks_its_numbers_when_made(exact_dataset, options, error,
     ds = MmapDataset(exact_dataset[0])
     with pytest.raises(error, match=f"^{re.escape(message)}"):
         npz2mmap.MmapLoader(ds, **{"batch_size": 4, **options})
+
+
+def limited_to(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
+    """Make the memory this process may use ``nbytes`` for the auto-sized window."""
+    monkeypatch.setattr(samplers, "memory_limit", lambda: MemoryLimit(nbytes, "a test's limit"))
+
+
+@pytest.mark.parametrize("limit_blocks, expected", [(0, 1), (3, 3), (5.9, 5), (10**6, 10)])
+def test_an_auto_window_holds_two_windows_in_a_quarter_of_the_memory(
+    exact_dataset, monkeypatch, limit_blocks, expected
+) -> None:
+    path, _ = exact_dataset
+    ds = MmapDataset(path)
+    blob = sum(index.blob_nbytes for index in ds.parts.indexes)
+    block_nbytes = 16 * (blob // len(ds))
+    limited_to(monkeypatch, int(limit_blocks * block_nbytes * 2 / samplers.WINDOW_FRACTION))
+    sampler = BlockShuffleSampler(len(ds), 16, interleave="auto", dataset=ds)
+    assert sampler.interleave == expected  # 150 samples: 10 blocks of 16 at most
+    assert sorted(sampler) == list(range(len(ds)))
+
+
+def test_an_auto_window_needs_the_dataset() -> None:
+    with pytest.raises(ValueError, match=r"interleave='auto' sizes the window .* pass dataset=ds"):
+        BlockShuffleSampler(100, 16, interleave="auto")
+
+
+def test_an_auto_window_resumes_with_the_interleave_it_was_saved_with(exact_dataset, monkeypatch) -> None:
+    path, _ = exact_dataset
+    ds = MmapDataset(path)
+    blob = sum(index.blob_nbytes for index in ds.parts.indexes)
+    block_limit = 16 * (blob // len(ds)) * 2 / samplers.WINDOW_FRACTION
+    limited_to(monkeypatch, int(3 * block_limit))
+    saved = BlockShuffleSampler(len(ds), 16, seed=4, interleave="auto", dataset=ds)
+    order = list(saved)
+    saved_iter = iter(saved)
+    for _ in range(37):
+        next(saved_iter)
+    state = saved.state_dict()
+    limited_to(monkeypatch, int(7 * block_limit))  # another machine: it would choose 7
+    resumed = BlockShuffleSampler(len(ds), 16, seed=4, interleave="auto", dataset=ds)
+    assert resumed.interleave == 7
+    resumed.load_state_dict(state)
+    assert resumed.interleave == 3 and list(resumed) == order[37:]
+    fixed = BlockShuffleSampler(len(ds), 16, seed=4, interleave=7, dataset=ds)
+    with pytest.raises(ValueError, match="sampler state has interleave 3, this sampler has 7"):
+        fixed.load_state_dict(state)
