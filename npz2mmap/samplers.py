@@ -157,7 +157,8 @@ class BlockShuffleSampler(_Resumable, Sampler[int]):
 
     def _order_settings(self) -> dict[str, int]:
         settings = {"num_samples": self.num_samples, "block_size": self.block_size}
-        if self.interleave != 1 or self.num_replicas != 1:  # one block at a time, one rank: states as before
+        # One block at a time, one rank: states as before; an auto window always says what it chose.
+        if self.interleave != 1 or self.num_replicas != 1 or self.auto_interleave:
             settings.update(interleave=self.interleave, num_replicas=self.num_replicas, rank=self.rank)
             settings.update(drop_last=int(self.drop_last))
         return settings

@@ -264,12 +264,15 @@ def test_an_auto_window_needs_the_dataset() -> None:
         BlockShuffleSampler(100, 16, interleave="auto")
 
 
-def test_an_auto_window_resumes_with_the_interleave_it_was_saved_with(exact_dataset, monkeypatch) -> None:
+@pytest.mark.parametrize("saved_with", [1, 3])
+def test_an_auto_window_resumes_with_the_interleave_it_was_saved_with(
+    exact_dataset, monkeypatch, saved_with
+) -> None:
     path, _ = exact_dataset
     ds = MmapDataset(path)
     blob = sum(index.blob_nbytes for index in ds.parts.indexes)
     block_limit = 16 * (blob // len(ds)) * 2 / samplers.WINDOW_FRACTION
-    limited_to(monkeypatch, int(3 * block_limit))
+    limited_to(monkeypatch, int(saved_with * block_limit))
     saved = BlockShuffleSampler(len(ds), 16, seed=4, interleave="auto", dataset=ds)
     order = list(saved)
     saved_iter = iter(saved)
@@ -280,7 +283,7 @@ def test_an_auto_window_resumes_with_the_interleave_it_was_saved_with(exact_data
     resumed = BlockShuffleSampler(len(ds), 16, seed=4, interleave="auto", dataset=ds)
     assert resumed.interleave == 7
     resumed.load_state_dict(state)
-    assert resumed.interleave == 3 and list(resumed) == order[37:]
+    assert resumed.interleave == saved_with and list(resumed) == order[37:]
     fixed = BlockShuffleSampler(len(ds), 16, seed=4, interleave=7, dataset=ds)
-    with pytest.raises(ValueError, match="sampler state has interleave 3, this sampler has 7"):
+    with pytest.raises(ValueError, match=f"sampler state has interleave {saved_with}, this sampler has 7"):
         fixed.load_state_dict(state)
