@@ -19,7 +19,7 @@ import click
 import numpy as np
 from click.core import ParameterSource
 
-from . import __version__
+from ._version import __version__
 from .cache import warm as warm_dataset
 from .converter import cast_dtype, resolve_part
 from .converter import convert as convert_files
@@ -29,11 +29,12 @@ from .memory import fits_in_memory, larger_than_memory, memory_limit
 from .merge import merge as merge_parts
 from .npzfile import CLI_HEADER_OPTION, MAX_HEADER_SIZE_LIMIT, MAX_NPY_HEADER_CHARS, HeaderLimit
 from .progress import PROGRESS_MODES, showing_progress
-from .render import human_bytes, plural, render_json, render_sample, render_summary
+from .render import render_json, render_sample, render_summary
 from .shapes import NearlyFixed, describe_nearly_fixed
 from .sources import is_npy_path
 from .spec import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
 from .summary import describe_dataset, describe_sample, field_statistics
+from .text import human_bytes, plural
 from .verify import verify as verify_dataset
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -26,10 +26,10 @@ from .npzfile import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, MemberLocation, h
 from .parallel import Mapper, keeps_signal_mask, worker_map
 from .plan import CLI_HINTS, Plan, PlanBuilder, drop_files
 from .progress import Progress, progress_display
-from .render import human_bytes
 from .shapes import HeldShape, NearlyFixed, describe_unfixed, find_nearly_fixed, find_unfixed, held_shapes
 from .sources import is_field_name, is_npy_path, scan_source
 from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
+from .text import human_bytes
 
 # The copy pass sends at most this many consecutive files to a worker at once.
 MAX_BATCH_FILES = 256

@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 from . import fsutil
 from .errors import FormatError, SourceError
+from .manifest import MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_NBYTES
 from .npzfile import NPY_SUFFIX
-from .parts import MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_NBYTES
 from .sources import holds_npy_files, is_hidden, is_npy_path
 from .spec import (
     BLOB_HEADER_NBYTES,

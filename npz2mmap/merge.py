@@ -17,16 +17,8 @@ import numpy as np
 
 from . import fsutil, provenance, publish, writer
 from .errors import FormatError, OutputError, RaggedFieldWarning
-from .parts import (
-    MANIFEST_NAME,
-    Parts,
-    PartsReader,
-    PathLike,
-    check_part_set,
-    manifest_text,
-    read_manifest,
-    resolve_parts,
-)
+from .manifest import MANIFEST_NAME, PathLike, check_part_set, manifest_text, read_manifest, resolve_parts
+from .parts import Parts, PartsReader
 from .plan import Plan, lay_out
 from .progress import Progress, SilentProgress
 from .spec import BLOB_HEADER_NBYTES, INDEX_NAME
@@ -57,7 +49,7 @@ def merge(
     (relative paths, so the tree can move as a whole). With ``copy``, writes a
     single dataset at ``out_dir``. Raises FormatError when the parts are
     invalid, disagree or, where they record a part (i, n), are not one whole
-    run in order (see parts.check_part_set); OutputError when ``out_dir``
+    run in order (see manifest.check_part_set); OutputError when ``out_dir``
     cannot be written. Nothing is written when it raises before writing.
     """
     given = resolve_parts(list(parts))

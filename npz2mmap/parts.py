@@ -8,7 +8,6 @@ opening costs the same per part whatever its size, and nothing is copied.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .errors import FormatError
+from .manifest import PathLike, check_part_set, resolve_listed
 from .ragged import RaggedRows
 from .reader import (
     DatasetReader,
@@ -28,24 +28,12 @@ from .reader import (
 )
 from .spec import (
     BLOB_NAME,
-    INDEX_NAME,
     SKIPPED_NAME,
     SOURCES_NAME,
     Index,
-    brief,
-    decode_json,
     load_index,
     open_regular,
-    read_regular_file,
 )
-
-MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "npz2mmap-parts"
-MANIFEST_VERSION = 1
-# A manifest names parts by path: 16 MiB holds hundreds of thousands.
-MAX_MANIFEST_NBYTES = 16 << 20
-
-PathLike = str | os.PathLike[str]
 
 
 @dataclass(frozen=True)
@@ -58,187 +46,6 @@ class FieldInfo:
     shape: tuple[int, ...] | None
 
 
-def resolve_parts(source: PathLike | Sequence[PathLike]) -> list[str]:
-    """The dataset directories a dataset path (or list of paths) stands for, in order."""
-    return [part for _, parts in resolve_listed(source) for part in parts]
-
-
-def resolve_listed(source: PathLike | Sequence[PathLike]) -> list[tuple[str | None, list[str]]]:
-    """The dataset directories of ``source``, in order, grouped by the manifest.json that lists
-    them (its path), or None for a directory given itself."""
-    if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
-        _check_path(path, "dataset path")
-        if is_manifest_dir(path):
-            return [(os.path.join(path, MANIFEST_NAME), read_manifest(path))]
-        return [(None, [path])]
-    listed = [group for item in source for group in resolve_listed(item)]
-    parts = [part for _, group in listed for part in group]
-    if not parts:
-        raise FormatError("no dataset parts given")
-    repeated = _first_repeated(parts)
-    if repeated is not None:
-        raise FormatError(f"{repeated}: given twice; each part may appear only once")
-    return listed
-
-
-def is_manifest_dir(path: str) -> bool:
-    """Whether a dataset path is a directory of parts: it holds manifest.json and no index.json."""
-    # lexists, not isfile: a manifest.json that is a pipe or a device is read (and refused), not ignored.
-    return os.path.lexists(os.path.join(path, MANIFEST_NAME)) and not os.path.lexists(
-        os.path.join(path, INDEX_NAME)
-    )
-
-
-def _check_path(part: str, where: str) -> None:
-    """A path the operating system can take: no NUL, no text that has no bytes (a lone surrogate)."""
-    try:
-        if "\0" in part:
-            raise ValueError
-        os.fsencode(part)
-    except (ValueError, UnicodeError):
-        raise FormatError(f"{where}: part path {part!r} is not a valid file name") from None
-
-
-def _first_repeated(parts: Sequence[str]) -> str | None:
-    """The first part that names (through any path) a directory named earlier, if any."""
-    seen: set[str] = set()
-    for part in parts:
-        real = os.path.realpath(part)
-        if real in seen:
-            return part
-        seen.add(real)
-    return None
-
-
-def read_manifest(directory: str) -> list[str]:
-    """Parts listed by ``directory/manifest.json``; raises FormatError if it is malformed."""
-    path = os.path.join(directory, MANIFEST_NAME)
-    document = decode_json(read_regular_file(path, MAX_MANIFEST_NBYTES), path)
-    if not isinstance(document, dict) or document.get("format") != MANIFEST_FORMAT:
-        raise FormatError(f"{path}: not an npz2mmap manifest (format {MANIFEST_FORMAT!r} expected)")
-    version = document.get("version")
-    if (
-        type(version) is not int
-        or version != MANIFEST_VERSION
-        or set(document) != {"format", "version", "parts"}
-    ):
-        raise FormatError(f"{path}: manifest version {brief(version)} or keys not supported")
-    parts = document["parts"]
-    if not isinstance(parts, list) or not parts or not all(isinstance(p, str) and p for p in parts):
-        raise FormatError(f"{path}: 'parts' must be a non-empty list of paths")
-    for part in parts:
-        _check_path(part, path)
-    listed = [os.path.normpath(os.path.join(directory, p)) for p in parts]
-    nested = next((part for part in listed if is_manifest_dir(part)), None)
-    if nested is not None:
-        raise FormatError(
-            f"{path}: lists {nested}, itself a directory of parts (it holds {MANIFEST_NAME}); "
-            "list its parts instead (npz2mmap merge takes both directories and writes one list)"
-        )
-    repeated = _first_repeated(listed)
-    if repeated is not None:
-        raise FormatError(f"{path}: lists part {repeated} twice; each part may appear only once")
-    return listed
-
-
-PartLabel = tuple[int, int] | None  # an index's provenance.part: (i, n), or None
-
-
-def check_part_set(labelled: Sequence[tuple[str, PartLabel]], where: str) -> None:
-    """FormatError unless the parts that record a part (i, n) are one whole run, listed in order.
-
-    They must all have the same n and list each of 0..n-1 once, in increasing i:
-    a part left from a run with another count, a missing or repeated part, or
-    parts out of order would otherwise add, lose or move samples without a word.
-    Parts that record none (plain conversions, merged datasets) are not
-    constrained. ``where`` (a manifest, or the parts given to merge) starts the message.
-    """
-    numbered = [(path, label) for path, label in labelled if label is not None]
-    if not numbered:
-        return
-    problem = (
-        _other_count(numbered) or _listed_twice(numbered) or _missing(numbered) or _out_of_order(numbered)
-    )
-    if problem is not None:
-        raise FormatError(f"{where}: {problem}")
-
-
-def _other_count(numbered: list[tuple[str, tuple[int, int]]]) -> str | None:
-    first, (i, n) = numbered[0]
-    for path, (j, m) in numbered[1:]:
-        if m != n:
-            return (
-                f"{path} is part {j} of {m}, but {first} is part {i} of {n}: a part of an earlier run "
-                "with another count; remove it or convert it again"
-            )
-    return None
-
-
-def _listed_twice(numbered: list[tuple[str, tuple[int, int]]]) -> str | None:
-    seen: dict[int, str] = {}
-    for path, (i, n) in numbered:
-        if i in seen:
-            return (
-                f"part {i} of {n} is listed twice, as {seen[i]} and {path}; "
-                "list only the one converted in this run"
-            )
-        seen[i] = path
-    return None
-
-
-def _missing(numbered: list[tuple[str, tuple[int, int]]]) -> str | None:
-    """Distinct numbers below n (as the index reader ensures) miss one unless there are n;
-    described by runs, never by counting to n, which a forged index may set to 2^62."""
-    n = numbered[0][1][1]
-    listed = sorted(i for _, (i, _) in numbered)
-    if len(listed) == n:
-        return None
-    bounds = [-1, *listed, n]
-    absent = [(low + 1, high - 1) for low, high in zip(bounds, bounds[1:], strict=False) if high - low > 1]
-    present = (
-        f"part {listed[0]} of {n} is" if len(listed) == 1 else f"parts {_numbers(_runs(listed))} of {n} are"
-    )
-    if n - len(listed) == 1:
-        return (
-            f"part {absent[0][0]} of {n} is missing ({present} listed): "
-            f"convert it (--part {absent[0][0]}/{n}), then merge"
-        )
-    return (
-        f"parts {_numbers(absent)} of {n} are missing ({present} listed): "
-        f"convert them (--part I/{n} for each), then merge"
-    )
-
-
-def _out_of_order(numbered: list[tuple[str, tuple[int, int]]]) -> str | None:
-    for (path, (i, n)), (later, (j, _)) in zip(numbered, numbered[1:], strict=False):
-        if j < i:
-            return (
-                f"listed out of order: {path}, part {i} of {n}, before {later}, part {j} of {n}; "
-                "list the parts in increasing order (as part-* sorts them), then merge"
-            )
-    return None
-
-
-def _runs(values: list[int]) -> list[tuple[int, int]]:
-    """Sorted numbers as runs of consecutive ones, (first, last) each."""
-    runs: list[tuple[int, int]] = []
-    for value in values:
-        if runs and value == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], value)
-        else:
-            runs.append((value, value))
-    return runs
-
-
-def _numbers(runs: list[tuple[int, int]]) -> str:
-    """Runs of part numbers for a message, long ones as first-last: '0, 1, 2' or '0-41, 43'."""
-    return ", ".join(
-        f"{first}-{last}" if last - first > 2 else ", ".join(map(str, range(first, last + 1)))
-        for first, last in runs
-    )
-
-
 def _check_provenance_files(dataset_dir: str) -> None:
     """FormatError unless sources.jsonl and skipped.jsonl are regular files.
 
@@ -247,13 +54,6 @@ def _check_provenance_files(dataset_dir: str) -> None:
     """
     for name in (SOURCES_NAME, SKIPPED_NAME):
         os.close(open_regular(os.path.join(dataset_dir, name)))
-
-
-def manifest_text(directory: str, parts: Sequence[str]) -> str:
-    """The manifest naming ``parts``, relative to ``directory`` where possible."""
-    relative = [os.path.relpath(os.path.abspath(p), os.path.abspath(directory)) for p in parts]
-    document = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "parts": relative}
-    return json.dumps(document, indent=1, sort_keys=True) + "\n"
 
 
 class Parts:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import tqdm
 
-from .render import human_bytes
+from .text import human_bytes
 
 # No monitor thread: the converter forks its workers.
 tqdm.tqdm.monitor_interval = 0

@@ -10,19 +10,31 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 from numpy.typing import NDArray
 
 from .errors import FormatError
-from .plan import Plan
 from .spec import SKIPPED_NAME, SOURCES_NAME, Index, open_regular
 
 MAX_LINE_NBYTES = 1 << 16
 
 
-def source_lines(plan: Plan) -> Iterator[str]:
+class SourceTable(Protocol):
+    """What sources.jsonl is written from (a build's Plan): each source's path, and in rows
+    mode the first sample of each source (plus the end)."""
+
+    @property
+    def sources(self) -> Sequence[str]: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def file_starts(self) -> NDArray[np.int64]: ...
+    def file_rows(self, k: int) -> tuple[int, int]: ...
+
+
+def source_lines(plan: SourceTable) -> Iterator[str]:
     """sources.jsonl: per source file its path, or in rows mode [path, number of rows]."""
     for k, path in enumerate(plan.sources):
         if plan.mode == "rows":
@@ -31,7 +43,7 @@ def source_lines(plan: Plan) -> Iterator[str]:
             yield json.dumps(path) + "\n"
 
 
-def source_lines_nbytes(plan: Plan) -> int:
+def source_lines_nbytes(plan: SourceTable) -> int:
     """Bytes of sources.jsonl, exactly, without building its lines (a million paths take a
     second to encode). JSON here is ASCII (json.dumps escapes every other character)."""
     total = sum(_json_string_nbytes(path) for path in plan.sources) + len(plan.sources)  # "\n"

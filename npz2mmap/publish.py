@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 from . import fsutil
 from .errors import FormatError, OutputError
+from .manifest import MANIFEST_NAME, read_manifest
 from .parallel import interrupts_blocked
-from .parts import MANIFEST_NAME, read_manifest
 from .spec import DATASET_FILES, INDEX_NAME, load_index
 
 STAGING_MARK = ".npz2mmap-tmp-"

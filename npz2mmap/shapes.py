@@ -36,7 +36,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .plan import FieldPlan, Hints, Plan
-from .render import plural
+from .text import plural
 
 MAX_SHAPES = 4
 MAX_ODD_PERCENT = 1

@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from .manifest import is_manifest_dir
 from .moments import FLOAT_KINDS, INTEGER_KINDS, running_statistics
-from .parts import FieldInfo, Parts, PartsReader, describe_parts, is_manifest_dir
+from .parts import FieldInfo, Parts, PartsReader, describe_parts
 from .progress import Progress, SilentProgress
 from .reader import DatasetReader
 from .spec import BLOB_NAME, FORMAT_NAME, FORMAT_VERSION

@@ -19,7 +19,8 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from . import __version__, fsutil, provenance
+from . import fsutil, provenance
+from ._version import __version__
 from .elements import ByteReader, Piece, stored_pieces
 from .errors import MismatchError, SourceError
 from .npzfile import (

@@ -24,8 +24,8 @@ from npz2mmap import MmapDataset
 from npz2mmap.cli import cli
 from npz2mmap.converter import convert
 from npz2mmap.errors import FormatError
+from npz2mmap.manifest import check_part_set
 from npz2mmap.merge import merge
-from npz2mmap.parts import check_part_set
 from npz2mmap.verify import verify
 
 DATASET_FILES = ("data.npy", "index.json", "sources.jsonl", "skipped.jsonl")

@@ -25,7 +25,7 @@ from npz2mmap.converter import MAX_PARTS, convert, part_from_environment, resolv
 from npz2mmap.errors import FormatError
 from npz2mmap.merge import merge
 from npz2mmap.reader import DatasetReader
-from npz2mmap.render import human_bytes
+from npz2mmap.text import human_bytes
 from npz2mmap.verify import verify
 
 BIN = Path(sys.executable).parent
@@ -414,7 +414,7 @@ def test_torchrun_with_fewer_files_than_ranks_makes_an_empty_part(tmp_path) -> N
 
 
 def test_inspect_names_the_blob_of_every_part(tmp_path, sources) -> None:
-    from npz2mmap.render import human_bytes
+    from npz2mmap.text import human_bytes
 
     ds = tmp_path / "ds"
     for i in range(2):

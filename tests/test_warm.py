@@ -15,7 +15,7 @@ from npz2mmap.cli import cli
 from npz2mmap.converter import convert
 from npz2mmap.errors import FormatError
 from npz2mmap.merge import merge
-from npz2mmap.render import human_bytes
+from npz2mmap.text import human_bytes
 
 
 class RecordingProgress:
