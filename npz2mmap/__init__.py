@@ -23,32 +23,35 @@ __all__ = [
     "Writer",
     "collate",
     "convert",
+    "merge",
     "__version__",
 ]
 
 _LAZY = {
-    "BlockShuffleSampler": "samplers",
-    "DatasetReader": "reader",
-    "LengthGroupedSampler": "samplers",
-    "MmapDataset": "dataset",
-    "MmapLoader": "loader",
+    "BlockShuffleSampler": "pytorch.samplers",
+    "DatasetReader": "read.reader",
+    "LengthGroupedSampler": "pytorch.samplers",
+    "MmapDataset": "pytorch.dataset",
+    "MmapLoader": "pytorch.loader",
     "Npz2mmapError": "errors",
-    "PaddedCollate": "padding",
-    "ShuffleSampler": "samplers",
-    "Writer": "appender",
-    "collate": "dataset",
-    "convert": "converter",
+    "PaddedCollate": "pytorch.padding",
+    "ShuffleSampler": "pytorch.samplers",
+    "Writer": "write.writer",
+    "collate": "pytorch.dataset",
+    "convert": "write.conversion",
+    "merge": "write.merge",
 }
 
 if TYPE_CHECKING:
-    from .appender import Writer
-    from .converter import convert
-    from .dataset import MmapDataset, collate
     from .errors import Npz2mmapError
-    from .loader import MmapLoader
-    from .padding import PaddedCollate
-    from .reader import DatasetReader
-    from .samplers import BlockShuffleSampler, LengthGroupedSampler, ShuffleSampler
+    from .pytorch.dataset import MmapDataset, collate
+    from .pytorch.loader import MmapLoader
+    from .pytorch.padding import PaddedCollate
+    from .pytorch.samplers import BlockShuffleSampler, LengthGroupedSampler, ShuffleSampler
+    from .read.reader import DatasetReader
+    from .write.conversion import convert
+    from .write.merge import merge
+    from .write.writer import Writer
 
 
 def __getattr__(name: str) -> Any:

@@ -40,7 +40,7 @@ from proctree import process_tree
 from torch.utils.data import DataLoader, Dataset
 
 from npz2mmap import MmapDataset, MmapLoader, collate
-from npz2mmap.reader import DatasetReader
+from npz2mmap.read.reader import DatasetReader
 
 BATCH = 64
 WARM_EPOCHS = 2  # the best of these is reported: the machine is shared and noisy
@@ -854,9 +854,9 @@ def synthesize_ragged(dataset: Path, count: int) -> None:
 
     Making 10 million NPZ files would take hours; the format is the same.
     """
-    from npz2mmap import publish, writer
-    from npz2mmap.plan import lay_out
-    from npz2mmap.spec import MIN_ALIGN
+    from npz2mmap.format.index import MIN_ALIGN
+    from npz2mmap.write import blob_writer, publish
+    from npz2mmap.write.plan import lay_out
 
     lengths = np.random.default_rng(2).integers(1, 17, size=count).reshape(-1, 1)
     plan = lay_out(
@@ -867,8 +867,8 @@ def synthesize_ragged(dataset: Path, count: int) -> None:
     with publish.output_lock(str(dataset)):
         staging = publish.make_staging_dir(str(dataset))
         try:
-            writer.create_blob(staging, plan.payload_nbytes)
-            writer.finish_dataset(staging, plan, [crcs])
+            blob_writer.create_blob(staging, plan.payload_nbytes)
+            blob_writer.finish_dataset(staging, plan, [crcs])
             publish.publish(staging, str(dataset), overwrite=True)
         finally:
             publish.remove_staging(staging)

@@ -411,7 +411,7 @@ def _data_loader_ceiling(dataset: Path) -> Iterator[Any]:
     from torch.utils.data import DataLoader, Dataset, get_worker_info
 
     from npz2mmap import MmapDataset
-    from npz2mmap.assemble import NewMemory
+    from npz2mmap.pytorch.assemble import NewMemory
 
     num_samples = len(MmapDataset(dataset, fields=_fields()))
 
@@ -700,7 +700,7 @@ class _Samples:
         self._reader: Any = None
 
     def __call__(self, i: int) -> dict[str, Any]:
-        from npz2mmap.reader import DatasetReader
+        from npz2mmap.read.reader import DatasetReader
 
         if self._reader is None:
             self._reader = DatasetReader(self.dataset)

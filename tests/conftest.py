@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from npz2mmap import spec
-from npz2mmap.converter import convert
+from npz2mmap.format import index
+from npz2mmap.write.conversion import convert
 
 
 def write_npz(path: Path, compressed: bool = False, **arrays: Any) -> Path:
@@ -58,18 +58,18 @@ def rewrite_index(dataset: Path, edit: Callable[[Any], Any] | bytes) -> bytes:
     if isinstance(edit, bytes):
         text = edit
     else:
-        document = json.loads((dataset / spec.INDEX_NAME).read_text())
+        document = json.loads((dataset / index.INDEX_NAME).read_text())
         edited = edit(document)
         text = json.dumps(document if edited is None else edited).encode()
-    (dataset / spec.INDEX_NAME).write_bytes(text)
-    rewrite_blob(dataset, 0, spec.blob_identity(spec.index_digest(text)))
+    (dataset / index.INDEX_NAME).write_bytes(text)
+    rewrite_blob(dataset, 0, index.blob_identity(index.index_digest(text)))
     return text
 
 
 def rewrite_blob(dataset: Path, payload_offset: int, data: bytes) -> None:
     """Overwrite bytes of the blob's payload in place."""
-    with open(dataset / spec.BLOB_NAME, "r+b") as fp:
-        fp.seek(spec.BLOB_HEADER_NBYTES + payload_offset)
+    with open(dataset / index.BLOB_NAME, "r+b") as fp:
+        fp.seek(index.BLOB_HEADER_NBYTES + payload_offset)
         fp.write(data)
 
 

@@ -33,7 +33,8 @@ from types import FrameType, TracebackType
 from typing import Any
 
 import npz2mmap
-from npz2mmap import fsutil, publish
+from npz2mmap import fsutil
+from npz2mmap.write import publish
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(npz2mmap.__file__)) + os.sep
 # The interrupt-anywhere tests try every step-th event; NPZ2MMAP_LONG=1 tries twice as many.

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from torch.utils.data import DataLoader
 
 from npz2mmap import MmapDataset
-from npz2mmap.cli import cli
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FormatError
 
 STEP_SECONDS = 30

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 from conftest import write_samples
 
-from npz2mmap import spec
-from npz2mmap.converter import convert
+from npz2mmap.format import index
+from npz2mmap.write.conversion import convert
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def all_mutants(base: Path, seed: int = 0, index_edits: int = 60) -> list[Mutant
 
 
 def blob_mutants(base: Path, rng: random.Random) -> Iterator[Mutant]:
-    size = (base / spec.BLOB_NAME).stat().st_size
+    size = (base / index.BLOB_NAME).stat().st_size
     offsets = sorted({*range(0, 200, 7), *rng.sample(range(size), min(size, 120))})
     for offset in offsets:
         yield Mutant(f"blob-flip-{offset}", _flip_blob_byte(offset))
@@ -69,7 +69,7 @@ def blob_mutants(base: Path, rng: random.Random) -> Iterator[Mutant]:
 
 def _flip_blob_byte(offset: int) -> Callable[[Path], None]:
     def mutate(dataset: Path) -> None:
-        with open(dataset / spec.BLOB_NAME, "r+b") as fp:
+        with open(dataset / index.BLOB_NAME, "r+b") as fp:
             fp.seek(offset)
             byte = fp.read(1)
             fp.seek(offset)
@@ -79,7 +79,7 @@ def _flip_blob_byte(offset: int) -> Callable[[Path], None]:
 
 
 def _resize_blob(new_size: int) -> Callable[[Path], None]:
-    return lambda dataset: os.truncate(dataset / spec.BLOB_NAME, new_size)
+    return lambda dataset: os.truncate(dataset / index.BLOB_NAME, new_size)
 
 
 # --- the index -----------------------------------------------------------------
@@ -130,7 +130,7 @@ def _deep_record(depth: int) -> Any:
 
 
 def index_mutants(base: Path, rng: random.Random, edits: int) -> Iterator[Mutant]:
-    document = json.loads((base / spec.INDEX_NAME).read_text())
+    document = json.loads((base / index.INDEX_NAME).read_text())
     paths = list(_value_paths(document))
     values = [*HOSTILE_VALUES, _deep_record(40), _deep_record(200), "9" * 5000]
     for k in range(edits):
@@ -189,10 +189,10 @@ def _swap_names(document: Any) -> None:
 
 def _rewrite_index(edit: Callable[[Any], None], forged: bool) -> Callable[[Path], None]:
     def mutate(dataset: Path) -> None:
-        document = json.loads((dataset / spec.INDEX_NAME).read_text())
+        document = json.loads((dataset / index.INDEX_NAME).read_text())
         edit(document)
         text = json.dumps(document, sort_keys=True, indent=1) + "\n"
-        (dataset / spec.INDEX_NAME).write_text(text)
+        (dataset / index.INDEX_NAME).write_text(text)
         if forged:
             forge_identity(dataset)
 
@@ -201,7 +201,7 @@ def _rewrite_index(edit: Callable[[Any], None], forged: bool) -> Callable[[Path]
 
 def _rewrite_index_text(change: Callable[[str], str]) -> Callable[[Path], None]:
     def mutate(dataset: Path) -> None:
-        path = dataset / spec.INDEX_NAME
+        path = dataset / index.INDEX_NAME
         path.write_text(change(path.read_text()))
 
     return mutate
@@ -209,17 +209,17 @@ def _rewrite_index_text(change: Callable[[str], str]) -> Callable[[Path], None]:
 
 def forge_identity(dataset: Path) -> None:
     """Make the blob name the index as it is now, as a forger would."""
-    digest = spec.index_digest((dataset / spec.INDEX_NAME).read_bytes())
-    with open(dataset / spec.BLOB_NAME, "r+b") as fp:
-        fp.seek(spec.BLOB_HEADER_NBYTES)
-        fp.write(spec.blob_identity(digest))
+    digest = index.index_digest((dataset / index.INDEX_NAME).read_bytes())
+    with open(dataset / index.BLOB_NAME, "r+b") as fp:
+        fp.seek(index.BLOB_HEADER_NBYTES)
+        fp.write(index.blob_identity(digest))
 
 
 # --- the file system ---------------------------------------------------------
 
 
 def file_mutants() -> Iterator[Mutant]:
-    for name in spec.DATASET_FILES:
+    for name in index.DATASET_FILES:
         yield Mutant(f"{name}-fifo", _replace(name, lambda p: os.mkfifo(p)))
         yield Mutant(f"{name}-dev-zero", _replace(name, lambda p: os.symlink("/dev/zero", p)))
         yield Mutant(f"{name}-directory", _replace(name, lambda p: p.mkdir()))

@@ -17,14 +17,16 @@ from conftest import write_npz, write_samples
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from npz2mmap import fsutil, provenance, publish, writer
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
+from npz2mmap import fsutil
+from npz2mmap.check.verify import verify
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import OutputError, SourceError
-from npz2mmap.npzfile import MemberHeader
-from npz2mmap.plan import build_plan
-from npz2mmap.reader import DatasetReader
-from npz2mmap.verify import verify
+from npz2mmap.format import provenance
+from npz2mmap.ingest.npz import MemberHeader
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write import blob_writer, publish
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.plan import build_plan
 
 BAD_FILES = {
     "zero-byte": (hostile.zero_byte, r"bad\.npz: not a valid zip/npz file \(File is not a zip file\)"),
@@ -220,17 +222,17 @@ def _header(shape: tuple[int, ...]) -> MemberHeader:
 
 
 def test_a_full_disk_found_late_says_the_sizes(tmp_path, good_sources, monkeypatch) -> None:
-    real_write_file = writer._write_file
+    real_write_file = blob_writer._write_file
 
     def full_disk(path: str, lines: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(writer, "_write_file", full_disk)
+    monkeypatch.setattr(blob_writer, "_write_file", full_disk)
     with pytest.raises(OutputError) as caught:
         convert([good_sources], tmp_path / "out", workers=1)
     message = str(caught.value)
     assert message.startswith(f"{tmp_path / 'out'}: cannot write the dataset (No space left on device): ")
-    monkeypatch.setattr(writer, "_write_file", real_write_file)
+    monkeypatch.setattr(blob_writer, "_write_file", real_write_file)
     convert([good_sources], tmp_path / "ref", workers=1)
     needed = int(message.split(" the dataset needs ")[1].split(" bytes")[0].replace(",", ""))
     assert written_nbytes(tmp_path / "ref") <= needed

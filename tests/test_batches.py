@@ -11,10 +11,10 @@ from conftest import assert_same_array, raises_from_dataloader, write_samples
 from torch.utils.data import DataLoader, default_collate
 
 from npz2mmap import BlockShuffleSampler, MmapDataset, MmapLoader, PaddedCollate, collate
-from npz2mmap.converter import convert
-from npz2mmap.dataset import GatheredBatch
 from npz2mmap.errors import FormatError
-from npz2mmap.reader import DatasetReader
+from npz2mmap.pytorch.dataset import GatheredBatch
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write.conversion import convert
 
 
 def sources_by_label(sources):
@@ -190,7 +190,7 @@ def test_mmap_loader_raises_errors_from_its_thread_and_stops_when_left(small_dat
         calls.append(name)
         raise FormatError("field 'label' sample 2: tables are corrupt")
 
-    monkeypatch.setattr("npz2mmap.reader.DatasetReader.gather", failing_gather)
+    monkeypatch.setattr("npz2mmap.read.reader.DatasetReader.gather", failing_gather)
     with pytest.raises(FormatError, match="tables are corrupt"):
         list(loader)
     assert calls

@@ -12,10 +12,10 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from npz2mmap.cli import cli
+from npz2mmap.check.verify import verify
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FormatError
-from npz2mmap.reader import DatasetReader
-from npz2mmap.verify import verify
+from npz2mmap.read.reader import DatasetReader
 
 GOLDEN = Path(__file__).parent / "data" / "golden" / "v2"
 HEADER_NBYTES = 128  # docs/FORMAT.md: the .npy header of data.npy is exactly 128 bytes

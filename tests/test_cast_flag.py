@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from test_workers import corrupt_far_past_the_header
 
 import npz2mmap
-from npz2mmap import converter
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
+from npz2mmap.check.verify import verify
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import SourceError
-from npz2mmap.merge import merge
-from npz2mmap.verify import verify
+from npz2mmap.write import conversion
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.merge import merge
 
 # Same-kind casts between these keep the small values below exactly.
 DTYPES = [
@@ -83,7 +83,7 @@ def test_convert_writes_cast_exactly_when_a_source_dtype_differs(
     ]
     write_samples(root / "src", samples)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(converter, "scan_batch_files", lambda num_files, workers: batch_files)
+        patch.setattr(conversion, "scan_batch_files", lambda num_files, workers: batch_files)
         convert([root / "src"], root / "out", casts={"x": target}, workers=workers, rows=rows)
     expected = any(differs_beyond_byte_order(d, target) for d in dtypes)
     assert stored_casts(root / "out") == {"x": expected, "y": False}

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import write_samples
 
-from npz2mmap.cli import cli
+from npz2mmap.cli.commands import cli
 
 SCRIPT = Path(sys.executable).parent / "npz2mmap"
 
@@ -156,7 +156,7 @@ def test_real_console_script_converts_with_a_pool(tmp_path, sources) -> None:
 def test_the_cli_never_imports_torch(tmp_path, sources) -> None:
     code = (
         "import sys\n"
-        "from npz2mmap.cli import main\n"
+        "from npz2mmap.cli.main import main\n"
         f"sys.argv = ['npz2mmap', 'convert', {str(sources)!r}, '-o', {str(tmp_path / 'o')!r}, '-q']\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         f"sys.argv = ['npz2mmap', 'verify', {str(tmp_path / 'o')!r}, '-q']\n"
@@ -311,14 +311,14 @@ def test_list_files_may_start_with_a_bom_and_a_huge_one_is_refused(tmp_path, mon
     write_samples(tmp_path / "src", [{"x": np.int64(1)}])
     (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfsrc/s00000.npz\n")
     assert run("convert", f"@{tmp_path / 'bom.txt'}", "-o", tmp_path / "out", "-q").exit_code == 0
-    monkeypatch.setattr("npz2mmap.inputs.MAX_LIST_CHARS", 10)
+    monkeypatch.setattr("npz2mmap.ingest.discover.MAX_LIST_CHARS", 10)
     result = run("convert", f"@{tmp_path / 'bom.txt'}", "-o", tmp_path / "out2", "-q")
     assert result.exit_code == 1
     assert result.output == f"Error: {tmp_path / 'bom.txt'}: list file is longer than 10 characters\n"
 
 
 def test_errors_of_huge_lines_are_cut_to_one_readable_line() -> None:
-    from npz2mmap.commands import MAX_LINE_CHARS, one_line
+    from npz2mmap.cli.commands import MAX_LINE_CHARS, one_line
 
     line = one_line("x" * 10_000_000 + "\n")
     assert len(line) < MAX_LINE_CHARS + 10 and " ... " in line and line.endswith("\\n")

@@ -13,12 +13,12 @@ import pytest
 from conftest import assert_same_array, blob_bytes, write_npz, write_samples
 from interrupts import Interrupt, left_beside, lock_is_free, moments, sigint_blocked
 
-from npz2mmap import publish, writer
-from npz2mmap.converter import convert
+from npz2mmap.check.verify import verify
 from npz2mmap.errors import OutputError, SourceError
-from npz2mmap.inputs import discover_sources
-from npz2mmap.reader import DatasetReader
-from npz2mmap.verify import verify
+from npz2mmap.ingest.discover import discover_sources
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write import blob_writer, publish
+from npz2mmap.write.conversion import convert
 
 
 def read_sources(dataset: Path) -> list[str]:
@@ -276,7 +276,7 @@ def test_a_crash_halfway_through_copying_leaves_the_old_dataset_intact(
 ) -> None:
     out, _ = small_dataset
     before = {name: (out / name).read_bytes() for name in ("data.npy", "index.json", "sources.jsonl")}
-    real_copy = writer._copy_file
+    real_copy = blob_writer._copy_file
     calls = []
 
     def crash_on_third(task, i, path, out, blob_path):
@@ -285,7 +285,7 @@ def test_a_crash_halfway_through_copying_leaves_the_old_dataset_intact(
             raise KeyboardInterrupt
         return real_copy(task, i, path, out, blob_path)
 
-    monkeypatch.setattr(writer, "_copy_file", crash_on_third)
+    monkeypatch.setattr(blob_writer, "_copy_file", crash_on_third)
     write_samples(tmp_path / "new", mixed_samples(6))
     with pytest.raises(KeyboardInterrupt):
         convert([tmp_path / "new"], out, overwrite=True, workers=1)

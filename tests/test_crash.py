@@ -15,23 +15,23 @@ import numpy as np
 import pytest
 from conftest import write_samples
 
-from npz2mmap import publish, writer
-from npz2mmap.converter import convert
+from npz2mmap.check.verify import verify
 from npz2mmap.errors import Npz2mmapError, OutputError
-from npz2mmap.reader import DatasetReader
-from npz2mmap.verify import verify
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write import blob_writer, publish
+from npz2mmap.write.conversion import convert
 
 SCRIPT = str(Path(sys.executable).parent / "npz2mmap")
 MAIN_PID = os.getpid()
 # Kills of the main process per phase; NPZ2MMAP_LONG=1 tries many more moments.
 KILLS_PER_PHASE = 6 if os.environ.get("NPZ2MMAP_LONG") == "1" else 1
-_real_write_batch = writer.write_batch
+_real_write_batch = blob_writer.write_batch
 
 
 def _die_in_worker_on_sample_five(
-    blob_path: str, task: writer.BatchTask, skip_bad: bool
-) -> writer.BatchResult:
-    """Stands in for writer.write_batch: a worker process is killed as the OOM killer would."""
+    blob_path: str, task: blob_writer.BatchTask, skip_bad: bool
+) -> blob_writer.BatchResult:
+    """Stands in for blob_writer.write_batch: a worker process is killed as the OOM killer would."""
     if os.getpid() != MAIN_PID and task.first_file <= 5 < task.first_file + len(task.paths):
         os.kill(os.getpid(), signal.SIGKILL)
     return _real_write_batch(blob_path, task, skip_bad)
@@ -155,7 +155,7 @@ def test_leftovers_of_a_killed_conversion_are_removed_by_the_next(tmp_path, sour
 
 
 def test_a_worker_killed_mid_conversion_is_an_error_not_a_hang(tmp_path, sources, monkeypatch) -> None:
-    monkeypatch.setattr(writer, "write_batch", _die_in_worker_on_sample_five)
+    monkeypatch.setattr(blob_writer, "write_batch", _die_in_worker_on_sample_five)
     with pytest.raises(Npz2mmapError, match="a worker process died \\(killed, or out of memory\\?\\)"):
         convert([sources], tmp_path / "out", workers=2)
     assert not (tmp_path / "out").exists()
@@ -285,7 +285,7 @@ def test_workers_hold_no_descriptor_of_the_output_lock(tmp_path, sources) -> Non
 
 LATE_CTRL_C = """
 import atexit, os, subprocess, sys, threading, time
-import npz2mmap.cli
+import npz2mmap.cli.main
 
 # A thread that can take a signal sent to the process, as numpy's BLAS threads can.
 threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
@@ -295,7 +295,7 @@ atexit.register(lambda: subprocess.Popen(
     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
 ))
 sys.argv = ["npz2mmap", "--version"]
-npz2mmap.cli.main()
+npz2mmap.cli.main.main()
 """
 
 
@@ -311,8 +311,8 @@ def test_ctrl_c_at_any_point_of_the_entry_point_exits_0_or_1_never_by_the_signal
     """A Ctrl-C at each line and opcode of ``main``, around a command that succeeded or was interrupted."""
     from interrupts import Interrupt
 
-    import npz2mmap.cli
-    import npz2mmap.commands
+    import npz2mmap.cli.commands
+    import npz2mmap.cli.main
 
     calls = []
 
@@ -327,13 +327,13 @@ def test_ctrl_c_at_any_point_of_the_entry_point_exits_0_or_1_never_by_the_signal
 
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, []) if hasattr(signal, "pthread_sigmask") else None
     for command, expected in [(succeeds, {0, 1}), (interrupted, {1})]:
-        monkeypatch.setattr(npz2mmap.commands, "cli", command)
+        monkeypatch.setattr(npz2mmap.cli.commands, "cli", command)
         k = 0
         while True:
             calls.clear()
             try:
                 with Interrupt(k) as interrupt:
-                    npz2mmap.cli.main()
+                    npz2mmap.cli.main.main()
             except SystemExit as ended:
                 assert ended.code in expected, interrupt.where
             except KeyboardInterrupt:  # only at main's very first steps, before its first try takes hold

@@ -20,12 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-import npz2mmap.parts
+import npz2mmap.read.parts
 from npz2mmap import MmapDataset
-from npz2mmap.converter import convert
 from npz2mmap.errors import FormatError
-from npz2mmap.merge import merge
-from npz2mmap.reader import normalise_index, normalise_indices
+from npz2mmap.read.reader import normalise_index, normalise_indices
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.merge import merge
 
 
 def load_source(path: Path, key: str) -> np.ndarray:
@@ -351,7 +351,7 @@ def test_threads_opening_the_dataset_at_once_share_one_mapping(small_dataset, mo
     constructed: list[str] = []
     others: list[threading.Thread] = []
     seen_by_other: list[object] = []
-    real_reader = npz2mmap.parts.DatasetReader
+    real_reader = npz2mmap.read.parts.DatasetReader
 
     def counting_reader(path, *args, **kwargs):
         constructed.append(str(path))
@@ -361,7 +361,7 @@ def test_threads_opening_the_dataset_at_once_share_one_mapping(small_dataset, mo
             others[0].join(timeout=1)  # it waits for us, when opening is locked
         return real_reader(path, *args, **kwargs)
 
-    monkeypatch.setattr(npz2mmap.parts, "DatasetReader", counting_reader)
+    monkeypatch.setattr(npz2mmap.read.parts, "DatasetReader", counting_reader)
     reader = ds.reader
     others[0].join()
     assert seen_by_other == [reader] and seen_by_other[0] is reader

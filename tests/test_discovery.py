@@ -24,13 +24,13 @@ from conftest import no_hang, write_npz
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from npz2mmap import publish
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
+from npz2mmap.check.verify import verify
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import Npz2mmapError, SourceError
-from npz2mmap.inputs import discover_sources, npy_with_sample_dirs
-from npz2mmap.reader import DatasetReader
-from npz2mmap.verify import verify
+from npz2mmap.ingest.discover import discover_sources, npy_with_sample_dirs
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write import publish
+from npz2mmap.write.conversion import convert
 
 WAY_OUT = (
     "not a source: join datasets with npz2mmap merge, or convert its sources again by naming the paths "

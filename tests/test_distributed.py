@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 from conftest import write_samples
 
-from npz2mmap.converter import convert
-from npz2mmap.merge import merge
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.merge import merge
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 

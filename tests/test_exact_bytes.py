@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import padded_record_dtypes
 
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
-from npz2mmap.reader import DatasetReader
-from npz2mmap.verify import verify
+from npz2mmap.check.verify import verify
+from npz2mmap.cli.commands import cli
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write.conversion import convert
 
 SCRIPT = str(Path(sys.executable).parent / "npz2mmap")
 Member = tuple[np.dtype, tuple[int, ...], bool, bytes]  # dtype, shape, fortran_order, raw data
@@ -257,7 +257,7 @@ def test_record_padding_is_copied_verbatim_and_values_swapped(tmp_path) -> None:
     ids=["long-string", "nested-record"],
 )
 def test_values_and_records_longer_than_a_chunk_are_swapped_in_pieces(tmp_path, monkeypatch, dtype) -> None:
-    for module in ("npzfile", "elements", "writer", "verify"):
+    for module in ("ingest.npz", "ingest.elements", "write.blob_writer", "check.verify"):
         monkeypatch.setattr(f"npz2mmap.{module}.CHUNK_NBYTES", 48)
     dtype = np.dtype(dtype)
     assert dtype.itemsize > 48
@@ -288,7 +288,7 @@ def padded_dataset(tmp_path: Path, name: str) -> Path:
 
 def test_every_read_returns_raw_byte_exact_copies_of_records(tmp_path) -> None:
     from npz2mmap import MmapDataset
-    from npz2mmap.parts import Parts, PartsReader
+    from npz2mmap.read.parts import Parts, PartsReader
 
     parts = [padded_dataset(tmp_path, "a"), padded_dataset(tmp_path, "b")]
     reader = DatasetReader(parts[0])
@@ -346,7 +346,7 @@ def test_batches_of_ragged_records_keep_every_byte_on_every_path(tmp_path, tenso
 @pytest.mark.parametrize("chunk_nbytes", [None, 48], ids=["default-chunks", "48-byte-chunks"])
 def test_property_records_are_stored_as_their_swapped_raw_bytes(monkeypatch, chunk_nbytes) -> None:
     if chunk_nbytes is not None:
-        for module in ("npzfile", "elements", "writer", "verify"):
+        for module in ("ingest.npz", "ingest.elements", "write.blob_writer", "check.verify"):
             monkeypatch.setattr(f"npz2mmap.{module}.CHUNK_NBYTES", chunk_nbytes)
     check_records_round_trip()
 

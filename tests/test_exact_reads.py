@@ -18,12 +18,14 @@ from conftest import convert_part_at, write_samples
 from torch.utils.data import DataLoader
 
 import npz2mmap
-from npz2mmap import MmapDataset, MmapLoader, PaddedCollate, collate, dataset, reader
-from npz2mmap.converter import convert
+from npz2mmap import MmapDataset, MmapLoader, PaddedCollate, collate
 from npz2mmap.errors import LargerThanMemoryWarning
-from npz2mmap.memory import MemoryLimit, fits_in_memory, memory_limit
-from npz2mmap.merge import merge
-from npz2mmap.spec import BLOB_HEADER_NBYTES
+from npz2mmap.format.index import BLOB_HEADER_NBYTES
+from npz2mmap.pytorch import dataset
+from npz2mmap.read import reader
+from npz2mmap.read.memory import MemoryLimit, fits_in_memory, memory_limit
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.merge import merge
 
 NUM_SAMPLES = 41
 FIELDS = ["input", "label", "tokens"]
@@ -105,7 +107,7 @@ MEMINFO = "MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n"
 )
 def test_memory_limit_is_the_smallest_the_process_is_under(tmp_path, monkeypatch, files, expected) -> None:
     root = fake_tree(tmp_path, files)
-    monkeypatch.setattr(npz2mmap.memory, "_physical_memory", lambda: None)
+    monkeypatch.setattr(npz2mmap.read.memory, "_physical_memory", lambda: None)
     found = memory_limit(str(root))
     if expected is None:
         assert found is None
@@ -216,13 +218,13 @@ def test_every_read_path_delivers_the_sources_bytes(monkeypatch, converted, samp
     ds = MmapDataset(converted, fields=FIELDS, reads=reads)
     assert ds.exact_reads == (reads == "exact")
     asked: list[int] = []
-    will_need = npz2mmap.parts.PartsReader.will_need
+    will_need = npz2mmap.read.parts.PartsReader.will_need
 
     def counted(self: Any, names: Any, indices: Any) -> int:
         asked.append(len(indices))
         return will_need(self, names, indices)
 
-    monkeypatch.setattr(npz2mmap.parts.PartsReader, "will_need", counted)
+    monkeypatch.setattr(npz2mmap.read.parts.PartsReader, "will_need", counted)
     for name, (loader, padded) in loaders(ds, order).items():
         asked.clear()
         batches = [order[k : k + 8] for k in range(0, NUM_SAMPLES, 8)]
@@ -385,8 +387,8 @@ def test_a_sampler_error_comes_in_its_turn_whatever_is_read_ahead(converted) -> 
 def test_inspect_and_warm_say_when_the_dataset_does_not_fit(monkeypatch, converted, command) -> None:
     from click.testing import CliRunner
 
-    from npz2mmap import commands
-    from npz2mmap.cli import cli
+    from npz2mmap.cli import commands
+    from npz2mmap.cli.commands import cli
 
     monkeypatch.setattr(commands, "memory_limit", lambda: MemoryLimit(4096, "the cgroup's memory.max (test)"))
     result = CliRunner().invoke(cli, [command[0], str(converted), *command[1:]])
@@ -420,7 +422,7 @@ def test_an_empty_field_list_is_refused_not_taken_for_every_field(converted) -> 
 def test_verify_sources_reports_a_label_that_is_no_file_name_in_one_line(tmp_path, label) -> None:
     from click.testing import CliRunner
 
-    from npz2mmap.cli import cli
+    from npz2mmap.cli.commands import cli
 
     with npz2mmap.Writer(tmp_path / "w") as w:
         w.append({"x": np.arange(3)}, source=label)

@@ -24,12 +24,13 @@ from conftest import write_samples
 from hypothesis import given
 from hypothesis import strategies as st
 
-from npz2mmap import fsutil, npzfile
-from npz2mmap.converter import convert
+from npz2mmap import fsutil
 from npz2mmap.errors import SourceError
+from npz2mmap.format.index import BLOB_HEADER_NBYTES
+from npz2mmap.ingest import npz as npzfile
 from npz2mmap.progress import SilentProgress
-from npz2mmap.reader import DatasetReader
-from npz2mmap.spec import BLOB_HEADER_NBYTES
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write.conversion import convert
 
 SHAPES = st.lists(st.integers(0, 10**19 - 1), max_size=4).map(tuple)  # longer numbers: the parser
 DESCRS = st.sampled_from(["<f8", ">i4", "|u1", "|S10", "<U3", "<M8[ns]", "|b1", ">c16", "|V7", "<m8[s]"])
@@ -226,7 +227,7 @@ def test_a_npy_header_rewritten_within_the_plan_is_refused(tmp_path, sample_dirs
 def test_a_npy_file_given_other_values_of_its_header_converts_as_it_reads_at_the_copy(tmp_path) -> None:
     """No checksum covers a .npy file's data: a same-size rewrite under the same header is copied
     exactly as it reads when copied (what the README promises), and verify --sources agrees."""
-    from npz2mmap.verify import verify
+    from npz2mmap.check.verify import verify
 
     target = tmp_path / "src" / "b.npy"
     target.parent.mkdir()

@@ -1,6 +1,6 @@
 """Fields nearly fixed (reported) and fields held fixed (--fixed, Writer(fixed=)).
 
-The oracle of the report is the rule of npz2mmap.shapes written again here
+The oracle of the report is the rule of npz2mmap.write.shapes written again here
 with a Counter over each source's shape; the oracle of --fixed with
 --skip-bad is a conversion of only the files that keep the first file's
 shape, compared byte for byte.
@@ -22,12 +22,9 @@ from hypothesis import strategies as st
 from strategies import shape_mixes
 
 import npz2mmap
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FixedShapeError, RaggedFieldWarning, UnknownKeyError
-from npz2mmap.plan import lay_out
-from npz2mmap.shapes import NearlyFixed, find_nearly_fixed
-from npz2mmap.spec import (
+from npz2mmap.format.index import (
     BLOB_HEADER_NBYTES,
     IDENTITY_NBYTES,
     INDEX_NAME,
@@ -35,6 +32,9 @@ from npz2mmap.spec import (
     SOURCES_NAME,
     load_index,
 )
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.plan import lay_out
+from npz2mmap.write.shapes import NearlyFixed, find_nearly_fixed
 
 IMAGE = (3, 96, 96)
 TRANSPOSED = (96, 96, 3)
@@ -301,7 +301,7 @@ def test_merge_warns_of_a_field_each_part_holds_fixed_in_another_shape(tmp_path)
         f"{parts[2]} has (4, 3); convert the parts again with one shape if it should be fixed"
     )
     with pytest.warns(RaggedFieldWarning) as caught:
-        result = npz2mmap.merge.merge(parts, tmp_path / "m", copy=True)
+        result = npz2mmap.write.merge.merge(parts, tmp_path / "m", copy=True)
     assert [str(w.message) for w in caught] == [line]
     assert result.ragged_across_parts == (line,)
     assert load_index(tmp_path / "m").field("image").ragged
@@ -313,7 +313,7 @@ def test_merge_warns_of_a_field_each_part_holds_fixed_in_another_shape(tmp_path)
             w.append({"image": np.zeros((3, 4), dtype=np.uint8), "label": np.int64(rank)})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        agreeing = npz2mmap.merge.merge(sorted((tmp_path / "agree").glob("part-*")), tmp_path / "a", copy=True)
+        agreeing = npz2mmap.write.merge.merge(sorted((tmp_path / "agree").glob("part-*")), tmp_path / "a", copy=True)
     assert agreeing.ragged_across_parts == ()
 
 
@@ -326,7 +326,7 @@ def test_merge_of_one_sample_parts_says_nothing_of_their_shapes(tmp_path) -> Non
     parts = sorted(str(p) for p in (tmp_path / "w").glob("part-*"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        result = npz2mmap.merge.merge(parts, tmp_path / "m", copy=True)
+        result = npz2mmap.write.merge.merge(parts, tmp_path / "m", copy=True)
     assert result.ragged_across_parts == ()
 
 
@@ -416,7 +416,7 @@ def test_reported_and_held_fixed_over_shape_mixes(tmp_path_factory, shapes, work
         convert([root / "src"], root / "parts", part=(i, num_parts), rows=rows, fixed=["x"], skip_bad=True).out_dir
         for i in range(num_parts)
     ]
-    npz2mmap.merge.merge(parts, root / "merged", copy=True)
+    npz2mmap.write.merge.merge(parts, root / "merged", copy=True)
     assert_same_dataset(root / "merged", root / "expected")
     if len(conforming) < len(paths):
         with pytest.raises(FixedShapeError) as caught:

@@ -21,8 +21,8 @@ from conftest import write_samples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from npz2mmap.converter import convert
-from npz2mmap.forkserver_socket import ForkserverSocket, remove_stale_dirs, start_time
+from npz2mmap.pytorch.forkserver_socket import ForkserverSocket, remove_stale_dirs, start_time
+from npz2mmap.write.conversion import convert
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; forkserver")
 

@@ -23,12 +23,12 @@ from conftest import rewrite_blob, rewrite_index
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from npz2mmap.check.summary import describe_dataset
+from npz2mmap.check.verify import verify
 from npz2mmap.errors import FormatError
-from npz2mmap.merge import merge
-from npz2mmap.parts import Parts, PartsReader
-from npz2mmap.reader import DatasetReader
-from npz2mmap.summary import describe_dataset
-from npz2mmap.verify import verify
+from npz2mmap.read.parts import Parts, PartsReader
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write.merge import merge
 
 GOLDEN = Path(__file__).parent / "data" / "golden" / "v2"
 VALID = json.loads((GOLDEN / "index.json").read_text())

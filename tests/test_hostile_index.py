@@ -22,12 +22,12 @@ from click.testing import CliRunner
 from conftest import raises_from_dataloader, rewrite_blob, rewrite_index, write_npz
 
 from npz2mmap import MmapDataset
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
+from npz2mmap.check.verify import verify
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FormatError, SourceError
-from npz2mmap.reader import DatasetReader
-from npz2mmap.spec import MAX_DTYPE_DEPTH, MAX_NBYTES, MAX_NDIM, parse_index
-from npz2mmap.verify import verify
+from npz2mmap.format.index import MAX_DTYPE_DEPTH, MAX_NBYTES, MAX_NDIM, parse_index
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write.conversion import convert
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 GOLDEN_TEXT = (GOLDEN / "v2" / "index.json").read_text()

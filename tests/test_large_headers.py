@@ -21,14 +21,14 @@ from hostile import npy_with_header
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from npz2mmap import writer
-from npz2mmap.appender import Writer
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
+from npz2mmap.check.verify import verify
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import SourceError
-from npz2mmap.npzfile import MAX_HEADER_SIZE_LIMIT, HeaderLimit, parse_npy_header
-from npz2mmap.reader import DatasetReader
-from npz2mmap.verify import verify
+from npz2mmap.ingest.npz import MAX_HEADER_SIZE_LIMIT, HeaderLimit, parse_npy_header
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write import blob_writer
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.writer import Writer
 
 VERSION_2_HEADER_NBYTES = 145_588  # numpy's test_version_2_0 header
 HUGE_HEADER_NBYTES = 178_996  # numpy's test_huge_header header
@@ -166,7 +166,7 @@ def test_a_record_of_thousands_of_fields_from_a_writer_opens(tmp_path) -> None:
 def test_an_index_too_large_to_open_is_refused_before_the_copy(tmp_path, monkeypatch) -> None:
     """Many keys of records of thousands of fields describe themselves in index.json; readers
     accept at most MAX_INDEX_NBYTES of it (lowered here, so that a small dataset reaches it)."""
-    monkeypatch.setattr(writer, "MAX_INDEX_NBYTES", 150_000)
+    monkeypatch.setattr(blob_writer, "MAX_INDEX_NBYTES", 150_000)
     path = save(tmp_path / "src" / "s.npz", version_2_0_array())
     with pytest.raises(SourceError) as raised:
         convert([path], tmp_path / "out", workers=1, max_header_size=VERSION_2_HEADER_NBYTES)

@@ -9,8 +9,8 @@ import pytest
 from conftest import write_npz
 
 from npz2mmap import fsutil
-from npz2mmap.converter import convert
 from npz2mmap.errors import OutputError
+from npz2mmap.write.conversion import convert
 
 
 def test_a_lock_file_removed_between_open_and_lock_is_retried_on_the_file_the_path_names(

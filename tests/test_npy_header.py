@@ -21,11 +21,11 @@ from conftest import write_npz
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from npz2mmap.cli import cli
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import SourceError
-from npz2mmap.npzfile import MemberHeader
-from npz2mmap.reader import DatasetReader
-from npz2mmap.sources import read_headers
+from npz2mmap.ingest.npz import MemberHeader
+from npz2mmap.ingest.sources import read_headers
+from npz2mmap.read.reader import DatasetReader
 
 SUPPLY_MAX_NBYTES = 1 << 20
 DATA_SIZE_REFUSAL = "header declares"

@@ -20,13 +20,13 @@ from corpus import little_endian_bytes, raw_array
 from hostile import npy_bytes, npy_with_header
 
 from npz2mmap import fsutil
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
+from npz2mmap.check.verify import verify
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import MismatchError, SourceError
+from npz2mmap.ingest.sources import open_source
 from npz2mmap.progress import SilentProgress
-from npz2mmap.reader import DatasetReader
-from npz2mmap.sources import open_source
-from npz2mmap.verify import verify
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write.conversion import convert
 
 RECORD = np.dtype({"names": ["a", "b"], "formats": [">i2", "<f8"], "offsets": [0, 4], "itemsize": 16})
 DTYPES = [np.dtype("<f4"), np.dtype(">i8"), np.dtype("U3"), RECORD]

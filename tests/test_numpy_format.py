@@ -25,14 +25,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import nested_dtypes
 
-from npz2mmap.appender import Writer
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
+from npz2mmap.check.verify import verify
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FormatError, Npz2mmapError
-from npz2mmap.npzfile import MAX_HEADER_SIZE_LIMIT
-from npz2mmap.reader import DatasetReader
-from npz2mmap.spec import dtype_from_json, dtype_nesting_problem, dtype_to_json
-from npz2mmap.verify import verify
+from npz2mmap.format.index import dtype_from_json, dtype_nesting_problem, dtype_to_json
+from npz2mmap.ingest.npz import MAX_HEADER_SIZE_LIMIT
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.writer import Writer
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)  # its marks are numpy's own
@@ -133,7 +133,7 @@ def check_opens_and_reads_back(
     out: Path, sources: dict[str, np.ndarray], max_header_size: int | None
 ) -> None:
     """Every reader opens the dataset, and its sample holds exactly ``expected_bytes`` of each source."""
-    from npz2mmap.dataset import MmapDataset
+    from npz2mmap.pytorch.dataset import MmapDataset
 
     reader = DatasetReader(out)
     sample = MmapDataset(out)[0]

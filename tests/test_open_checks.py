@@ -25,11 +25,11 @@ from conftest import convert_part_at, raises_from_dataloader, write_samples
 from torch.utils.data import DataLoader
 
 from npz2mmap import MmapDataset
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FormatError
-from npz2mmap.merge import merge
-from npz2mmap.spec import BLOB_HEADER_NBYTES
+from npz2mmap.format.index import BLOB_HEADER_NBYTES
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.merge import merge
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
 
@@ -82,7 +82,7 @@ def opened_path(case: Path, directory: str) -> Path:
 CLI_DRIVER = """
 import json, sys
 from click.testing import CliRunner
-from npz2mmap.cli import cli
+from npz2mmap.cli.commands import cli
 for args in json.loads(sys.argv[1]):
     print(json.dumps({"started": args}), flush=True)
     result = CliRunner().invoke(cli, args)

@@ -20,12 +20,12 @@ from corpus import Corpus, FieldSpec, Options, corpora, expected_samples, option
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from npz2mmap.converter import convert
-from npz2mmap.merge import merge
-from npz2mmap.parts import Parts, PartsReader
-from npz2mmap.reader import DatasetReader
-from npz2mmap.spec import DATASET_FILES
-from npz2mmap.verify import verify
+from npz2mmap.check.verify import verify
+from npz2mmap.format.index import DATASET_FILES
+from npz2mmap.read.parts import Parts, PartsReader
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.merge import merge
 
 EXAMPLES = int(os.environ.get("NPZ2MMAP_ORACLE_EXAMPLES", "150"))
 LONG_RUN = "NPZ2MMAP_ORACLE_EXAMPLES" in os.environ

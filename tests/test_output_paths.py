@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npz2mmap
-from npz2mmap.cli import cli
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import OutputError
-from npz2mmap.merge import merge
+from npz2mmap.write.merge import merge
 
 NOBODY = 65534
 

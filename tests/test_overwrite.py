@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 from conftest import write_samples
 
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
-from npz2mmap.merge import merge
-from npz2mmap.reader import DatasetReader
+from npz2mmap.cli.commands import cli
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.merge import merge
 
 
 def run(*args: object):

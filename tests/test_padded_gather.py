@@ -24,12 +24,12 @@ from hypothesis.extra import numpy as hnp
 from strategies import dtypes, padded_record_dtypes
 from torch.utils.data import DataLoader
 
-import npz2mmap.ragged as ragged
 from npz2mmap import MmapDataset, MmapLoader, PaddedCollate
-from npz2mmap.converter import convert
 from npz2mmap.errors import FormatError
-from npz2mmap.merge import merge
-from npz2mmap.reader import DatasetReader
+from npz2mmap.read import ragged
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.merge import merge
 
 
 @st.composite
@@ -252,8 +252,8 @@ def test_padding_a_batch_from_the_mapping_makes_no_per_sample_arrays(tokens, mon
     def forbidden(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a sample was read on its own")
 
-    monkeypatch.setattr("npz2mmap.reader._FieldView.sample", forbidden)
-    monkeypatch.setattr("npz2mmap.ragged.RaggedRows.copies", forbidden, raising=False)
+    monkeypatch.setattr("npz2mmap.read.reader._FieldView.sample", forbidden)
+    monkeypatch.setattr("npz2mmap.read.ragged.RaggedRows.copies", forbidden, raising=False)
     batch = PaddedCollate(mask=True)(ds.__getitems__([2, 0, 5]))
     assert np.array_equal(batch["tokens"].numpy(), padded_by_numpy([arrays[2], arrays[0], arrays[5]], 0))
 

@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 
 import npz2mmap
 from npz2mmap import MmapDataset
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
+from npz2mmap.check.verify import verify
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FormatError
-from npz2mmap.manifest import check_part_set
-from npz2mmap.merge import merge
-from npz2mmap.verify import verify
+from npz2mmap.format.manifest import check_part_set
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.merge import merge
 
 DATASET_FILES = ("data.npy", "index.json", "sources.jsonl", "skipped.jsonl")
 

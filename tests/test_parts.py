@@ -20,13 +20,13 @@ from hypothesis import strategies as st
 
 import npz2mmap
 from npz2mmap import MmapDataset, MmapLoader
-from npz2mmap.cli import cli
-from npz2mmap.converter import MAX_PARTS, convert, part_from_environment, resolve_part, select_part
+from npz2mmap.check.verify import verify
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FormatError
-from npz2mmap.merge import merge
-from npz2mmap.reader import DatasetReader
+from npz2mmap.read.reader import DatasetReader
 from npz2mmap.text import human_bytes
-from npz2mmap.verify import verify
+from npz2mmap.write.conversion import MAX_PARTS, convert, part_from_environment, resolve_part, select_part
+from npz2mmap.write.merge import merge
 
 BIN = Path(sys.executable).parent
 

@@ -23,10 +23,11 @@ import pytest
 from click.testing import CliRunner
 from conftest import convert_part_at, write_samples
 
-from npz2mmap import MmapDataset, MmapLoader, fsutil, parallel, publish
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
+from npz2mmap import MmapDataset, MmapLoader, fsutil, parallel
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import OutputError
+from npz2mmap.write import publish
+from npz2mmap.write.conversion import convert
 
 FACILITIES = (
     "fcntl",

@@ -13,10 +13,10 @@ from click.testing import CliRunner
 from conftest import convert_part_at, write_npz, write_samples
 
 from npz2mmap import progress as progress_module
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
+from npz2mmap.check.verify import verify
+from npz2mmap.cli.commands import cli
 from npz2mmap.progress import LogProgress
-from npz2mmap.verify import verify
+from npz2mmap.write.conversion import convert
 
 SIZES = (3, 5, 8)
 

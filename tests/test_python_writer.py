@@ -36,13 +36,14 @@ from hypothesis import strategies as st
 from interrupts import Interrupt, left_beside, lock_is_free, moments, sigint_blocked
 
 import npz2mmap
-from npz2mmap import appender, fsutil, parallel
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
+from npz2mmap import fsutil, parallel
+from npz2mmap.check.verify import verify
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import OutputError, SourceError
-from npz2mmap.merge import merge
-from npz2mmap.reader import DatasetReader
-from npz2mmap.verify import verify
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write import writer
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.merge import merge
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = int(os.environ.get("NPZ2MMAP_ORACLE_EXAMPLES", "150"))
@@ -454,7 +455,8 @@ KILLED_WRITER = """
 import sys, time
 import numpy as np
 import npz2mmap
-from npz2mmap import fsutil, publish
+from npz2mmap import fsutil
+from npz2mmap.write import publish
 
 def pause(name, real):
     def paused(*args, **kwargs):
@@ -659,7 +661,7 @@ def test_convert_names_a_first_file_without_arrays(tmp_path) -> None:
 def test_the_writer_is_exported_without_importing_torch(tmp_path) -> None:
     code = "import sys\nsys.modules['torch'] = None\nimport npz2mmap\nprint(npz2mmap.Writer.__module__)"
     result = run_script(code)
-    assert result.stdout == "npz2mmap.appender\n", result.stderr
+    assert result.stdout == "npz2mmap.write.writer\n", result.stderr
 
 
 def test_close_refuses_a_dataset_larger_than_the_free_space_and_writes_nothing(tmp_path, monkeypatch) -> None:
@@ -734,7 +736,7 @@ def writer_bytes(
 
 def test_a_write_error_in_any_spool_is_undone_in_every_spool(tmp_path, monkeypatch) -> None:
     """The failing write keeps a view of the spool's buffer alive in its traceback, as a real one does."""
-    monkeypatch.setattr(appender, "SPOOL_BUFFER_NBYTES", 1)  # every piece is written at once
+    monkeypatch.setattr(writer, "SPOOL_BUFFER_NBYTES", 1)  # every piece is written at once
     samples = three_field_samples(3)
     real_write_all_at = fsutil.write_all_at
     calls = []
@@ -814,7 +816,7 @@ def test_an_oserror_a_signal_handler_raises_in_a_write_comes_out_unchanged(
     """A handler raising while os.write waits (the signal.alarm timeout idiom) makes the
     write raise its exception, which has no errno: append and close let it through as it
     is, after the undo, where a disk error (with an errno) becomes OutputError."""
-    monkeypatch.setattr(appender, "SPOOL_BUFFER_NBYTES", 1)  # every piece is written at once
+    monkeypatch.setattr(writer, "SPOOL_BUFFER_NBYTES", 1)  # every piece is written at once
     real_write_all_at = fsutil.write_all_at
     samples = three_field_samples(3)
 
@@ -937,7 +939,7 @@ def test_a_ctrl_c_anywhere_in_append_leaves_the_sample_out_and_the_writer_usable
     leaves the writer as before and SIGINT unblocked, so the same writer takes the next
     try; the dataset at the end is byte for byte what a fresh writer given only the
     samples that got in writes."""
-    monkeypatch.setattr(appender, "SPOOL_BUFFER_NBYTES", 8)  # flushes inside append
+    monkeypatch.setattr(writer, "SPOOL_BUFFER_NBYTES", 8)  # flushes inside append
     monkeypatch.setattr(os, "fsync", lambda fd: None)  # durability is not under test: speed
     samples = cast_samples(3)
     head = [] if phase == "first sample" else [samples[0]]
@@ -1118,7 +1120,7 @@ def test_real_ctrl_c_at_random_moments_in_small_appends_loses_nothing(tmp_path, 
     KeyboardInterrupt out of append left its sample out (but for one that came as append
     returned, a few bytecodes: rare). (Now and then a SIGINT taken by another thread of
     this process never raises at all; those trials count as uninterrupted.)"""
-    monkeypatch.setattr(appender, "SPOOL_BUFFER_NBYTES", 64)
+    monkeypatch.setattr(writer, "SPOOL_BUFFER_NBYTES", 64)
     rng = np.random.default_rng(10)
     samples = [
         {"a": np.arange(k % 50 + 1, dtype=np.int16), "b": np.full((2, 3), k, ">f8"), "c": np.float64(k)}
@@ -1276,7 +1278,7 @@ def test_a_bad_part_is_refused_alike_by_convert_and_the_writer(tmp_path, part, e
 def test_part_auto_takes_only_plain_ascii_digits(environ) -> None:
     (rank, rank_value), (size, size_value) = environ.items()
     with pytest.raises(ValueError) as raised:
-        npz2mmap.converter.part_from_environment(environ)
+        npz2mmap.write.conversion.part_from_environment(environ)
     assert str(raised.value) == f"{rank}={rank_value!r} and {size}={size_value!r} are not integers"
 
 
@@ -1413,7 +1415,7 @@ def test_a_ctrl_c_raised_before_the_mask_is_restored_leaves_sigint_unblocked(
     samples = cast_samples(2)
     w = npz2mmap.Writer(tmp_path / "out", casts={"c": "float32"})
     w.append(samples[0])
-    monkeypatch.setattr(appender, "interrupts_blocked", exit_cut_short)
+    monkeypatch.setattr(writer, "interrupts_blocked", exit_cut_short)
     try:
         with pytest.raises(KeyboardInterrupt):
             if call == "append":
@@ -1469,7 +1471,7 @@ def test_a_ctrl_c_anywhere_in_creating_a_writer_leaves_out_free(tmp_path, interr
     init = inspect.unwrap(npz2mmap.Writer.__init__)
     lines, first = inspect.getsourcelines(init)
     last_statement = first + next(k for k, line in enumerate(lines) if "except BaseException" in line) - 1
-    tail = (f"appender.py:__init__:{last_statement} ", "parallel.py:with_mask_restored:")
+    tail = (f"write/writer.py:__init__:{last_statement} ", "parallel.py:with_mask_restored:")
     assert len(at_the_return) <= 3 and all(w.startswith(tail) for w in at_the_return), at_the_return
 
 
@@ -1481,7 +1483,7 @@ def test_closing_again_after_a_close_that_raised_says_nothing_was_written(tmp_pa
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(appender.writer, "finish_dataset", interrupted)
+    monkeypatch.setattr(writer.blob_writer, "finish_dataset", interrupted)
     with pytest.raises(KeyboardInterrupt):
         w.close()
     monkeypatch.undo()

@@ -14,8 +14,8 @@ from conftest import write_samples
 from torch.utils.data import DataLoader
 
 from npz2mmap import LengthGroupedSampler, MmapDataset, MmapLoader, PaddedCollate, collate
-from npz2mmap.converter import convert
-from npz2mmap.merge import merge
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.merge import merge
 
 LENGTHS = [5, 1, 9, 3, 0, 7, 2, 8, 4, 6, 3, 5]
 
@@ -42,8 +42,8 @@ def test_lengths_come_from_the_tables_without_reading_sample_data(ragged, monkey
     def forbidden(*args, **kwargs):
         raise AssertionError("sample data was read")
 
-    monkeypatch.setattr("npz2mmap.reader.DatasetReader.view", forbidden)
-    monkeypatch.setattr("npz2mmap.reader.DatasetReader.gather", forbidden)
+    monkeypatch.setattr("npz2mmap.read.reader.DatasetReader.view", forbidden)
+    monkeypatch.setattr("npz2mmap.read.reader.DatasetReader.gather", forbidden)
     assert ds.lengths("tokens").tolist() == LENGTHS
     assert ds.lengths("points").tolist() == [[n, 3] for n in LENGTHS]
     assert ds.lengths("label").shape == (12, 0)  # 0-d samples have no dimensions
@@ -183,7 +183,7 @@ def test_inspect_shows_the_length_distribution_of_ragged_fields(ragged) -> None:
 
     from click.testing import CliRunner
 
-    from npz2mmap.cli import cli
+    from npz2mmap.cli.commands import cli
 
     dataset, _ = ragged
     summary = json.loads(CliRunner().invoke(cli, ["inspect", str(dataset), "--json"]).output)
@@ -200,7 +200,7 @@ def test_inspect_stats_match_numpy_over_the_sources(ragged) -> None:
 
     from click.testing import CliRunner
 
-    from npz2mmap.cli import cli
+    from npz2mmap.cli.commands import cli
 
     dataset, samples = ragged
     result = CliRunner().invoke(cli, ["inspect", str(dataset), "--stats", "--json"])
@@ -263,8 +263,8 @@ def test_the_length_grouped_sampler_docstring_example_runs(ragged) -> None:
 
 
 def test_length_histogram_bins_are_whole_lengths_that_never_overlap() -> None:
-    from npz2mmap.render import _render_lengths
-    from npz2mmap.summary import length_distribution
+    from npz2mmap.check.summary import length_distribution
+    from npz2mmap.cli.render import _render_lengths
 
     stats = length_distribution(np.array([64, 100, 230, 231, 500, 2048], dtype=np.int64))
     assert sum(stats["histogram"]["counts"]) == 6 and stats["mean"] == 528.833
@@ -279,7 +279,7 @@ def test_inspect_shows_the_lengths_of_the_axis_that_varies(tmp_path) -> None:
 
     from click.testing import CliRunner
 
-    from npz2mmap.cli import cli
+    from npz2mmap.cli.commands import cli
 
     widths = [1, 3, 2, 3, 1]  # shapes (2, 1..3): axis 0 is always 2
     write_samples(tmp_path / "src", [{"x": np.zeros((2, w), np.float32)} for w in widths])

@@ -12,9 +12,9 @@ from click.testing import CliRunner
 from conftest import rewrite_index, write_samples
 
 from npz2mmap import MmapDataset, PaddedCollate
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FormatError
+from npz2mmap.write.conversion import convert
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from npz2mmap.converter import convert
+from npz2mmap.write.conversion import convert
 
 ROOT = Path(__file__).resolve().parent.parent
 SNIPPETS = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)

@@ -31,12 +31,12 @@ from npz2mmap import (
     MmapLoader,
     PaddedCollate,
     ShuffleSampler,
-    ring,
 )
-from npz2mmap.assemble import NewMemory
-from npz2mmap.converter import convert
 from npz2mmap.errors import WorkerError
-from npz2mmap.parts import PartsReader
+from npz2mmap.pytorch import ring
+from npz2mmap.pytorch.assemble import NewMemory
+from npz2mmap.read.parts import PartsReader
+from npz2mmap.write.conversion import convert
 
 NUM_SAMPLES = 37
 SHM_DIR = Path("/dev/shm")
@@ -488,7 +488,7 @@ def test_a_bad_index_of_the_order_is_raised_in_its_turn(dataset_dir) -> None:
 
 
 def test_the_default_slot_holds_twice_the_largest_batch(dataset_dir) -> None:
-    from npz2mmap.ring import default_slot_nbytes
+    from npz2mmap.pytorch.ring import default_slot_nbytes
 
     ds = MmapDataset(dataset_dir / "dataset")
     longest = max(len(ds[i]["tokens"]) for i in range(len(ds)))

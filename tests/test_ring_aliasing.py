@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import npz2mmap
-from npz2mmap import MmapDataset, MmapLoader, ring
+from npz2mmap import MmapDataset, MmapLoader
+from npz2mmap.pytorch import ring
 
 NUM_SAMPLES = 8
 BATCH_SIZE = 4

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from npz2mmap import MmapDataset, MmapLoader
-from npz2mmap.converter import convert
+from npz2mmap.write.conversion import convert
 
 NUM_SAMPLES = 24
 BATCH_SIZE = 8

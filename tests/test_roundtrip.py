@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import field_samples
 
-from npz2mmap.converter import convert
-from npz2mmap.reader import DatasetReader
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write.conversion import convert
 
 DTYPES = [
     "bool",
@@ -120,8 +120,8 @@ def test_big_endian_and_fortran_inputs_are_normalised(convert_samples, compresse
 
 
 def test_large_fortran_member_is_streamed_in_pieces(convert_samples, monkeypatch) -> None:
-    monkeypatch.setattr("npz2mmap.writer.CHUNK_NBYTES", 256)
-    monkeypatch.setattr("npz2mmap.npzfile.CHUNK_NBYTES", 256)
+    monkeypatch.setattr("npz2mmap.write.blob_writer.CHUNK_NBYTES", 256)
+    monkeypatch.setattr("npz2mmap.ingest.npz.CHUNK_NBYTES", 256)
     source = np.asfortranarray(np.arange(5 * 7 * 11, dtype=">i8").reshape(5, 7, 11))
     flat = np.arange(300, dtype=">f4")
     out = convert_samples([{"f": source, "flat": flat}])

@@ -9,10 +9,10 @@ import pytest
 from conftest import assert_same_array, write_npz
 
 from npz2mmap import MmapDataset
-from npz2mmap.converter import convert
+from npz2mmap.check.verify import verify
 from npz2mmap.errors import SourceError
-from npz2mmap.merge import merge
-from npz2mmap.verify import verify
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.merge import merge
 
 
 @pytest.fixture
@@ -148,7 +148,7 @@ def test_rows_whose_tables_cannot_fit_are_refused_naming_the_file(tmp_path) -> N
     """(2**50, 0): 2**50 samples need 4 PiB of checksum tables; planned in memory it was a MemoryError."""
     from click.testing import CliRunner
 
-    from npz2mmap.cli import cli
+    from npz2mmap.cli.commands import cli
 
     path = write_npz(tmp_path / "src" / "huge.npz", x=np.zeros((2**50, 0), np.float32))
     result = CliRunner().invoke(cli, ["convert", str(path), "-o", str(tmp_path / "out"), "--rows", "-q"])

@@ -21,14 +21,14 @@ from conftest import write_npz, write_samples
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from npz2mmap import converter, writer
-from npz2mmap.cli import cli
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import SourceError
-from npz2mmap.npzfile import MemberHeader, MemberLocation
+from npz2mmap.format.index import MIN_ALIGN
+from npz2mmap.ingest.npz import MemberHeader, MemberLocation
 from npz2mmap.parallel import _serial_map
-from npz2mmap.plan import Plan, PlanBuilder
 from npz2mmap.progress import SilentProgress
-from npz2mmap.spec import MIN_ALIGN
+from npz2mmap.write import blob_writer, conversion
+from npz2mmap.write.plan import Plan, PlanBuilder
 
 DTYPES = ["|u1", "<i4", ">i4", "<f8", "<f4"]
 
@@ -61,7 +61,7 @@ def fake_files(draw: st.DrawFn, rows: bool) -> list[dict[str, MemberHeader] | st
 
 
 def fake_scanner(files: list[dict[str, MemberHeader] | str]):
-    def scan_source(path: str, keys: tuple[str, ...] | None, limit: object = None) -> converter.Scanned:
+    def scan_source(path: str, keys: tuple[str, ...] | None, limit: object = None) -> conversion.Scanned:
         k = int(path.removeprefix("f"))
         if isinstance(files[k], str):
             raise SourceError(f"{path}: {files[k]}")
@@ -72,10 +72,10 @@ def fake_scanner(files: list[dict[str, MemberHeader] | str]):
     return scan_source
 
 
-def plan_one_by_one(scan_source, paths, scan: converter.Scan) -> tuple[Plan, list, list]:
+def plan_one_by_one(scan_source, paths, scan: conversion.Scan) -> tuple[Plan, list, list]:
     """The oracle: every file scanned and added in order, by the serial rules."""
     builder = PlanBuilder(scan.align, scan.casts, scan.rows, scan.max_payload_nbytes)
-    usable, skipped, found = [], [], writer.MemberLocations()
+    usable, skipped, found = [], [], blob_writer.MemberLocations()
     for path in paths:
         try:
             headers, locations = scan_source(path, None)
@@ -90,9 +90,9 @@ def plan_one_by_one(scan_source, paths, scan: converter.Scan) -> tuple[Plan, lis
     return builder.finish(usable, allow_empty=True), skipped, list(found.values)
 
 
-def plan_in_batches(paths, scan: converter.Scan, batch_files: int) -> tuple[Plan, list, list]:
+def plan_in_batches(paths, scan: conversion.Scan, batch_files: int) -> tuple[Plan, list, list]:
     skipped: list[tuple[str, str]] = []
-    found = writer.MemberLocations()
+    found = blob_writer.MemberLocations()
     plan = scan.run(paths, _serial_map, batch_files, SilentProgress(), skipped, (0, 1), found)
     return plan, skipped, list(found.values)
 
@@ -115,7 +115,7 @@ def outcome(make) -> tuple:
     rows=st.booleans(),
     cast=st.sampled_from([None, None, "<f8", "<i4"]),
     space=st.one_of(st.none(), st.integers(0, 120)),
-    batch_samples=st.sampled_from([0, 1, 2, 5, converter.MAX_BATCH_SAMPLES]),
+    batch_samples=st.sampled_from([0, 1, 2, 5, conversion.MAX_BATCH_SAMPLES]),
 )
 def test_a_batched_scan_plans_and_fails_exactly_as_one_file_at_a_time(
     data, batch_files, skip_bad, rows, cast, space, batch_samples
@@ -123,13 +123,13 @@ def test_a_batched_scan_plans_and_fails_exactly_as_one_file_at_a_time(
     files = data.draw(fake_files(rows))
     scan_source = fake_scanner(files)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(converter, "scan_source", scan_source)
+        patch.setattr(conversion, "scan_source", scan_source)
         casts = {} if cast is None else {"a": np.dtype(cast)}
-        scan = converter.Scan(None, skip_bad, casts, rows, MIN_ALIGN, space, batch_samples)
+        scan = conversion.Scan(None, skip_bad, casts, rows, MIN_ALIGN, space, batch_samples)
         check_batched_against_one_by_one(scan_source, files, batch_files, scan)
 
 
-def check_batched_against_one_by_one(scan_source, files, batch_files, scan: converter.Scan) -> None:
+def check_batched_against_one_by_one(scan_source, files, batch_files, scan: conversion.Scan) -> None:
     paths = [f"f{k}" for k in range(len(files))]
     expected = outcome(lambda: plan_one_by_one(scan_source, paths, scan))
     event("error" if isinstance(expected[0], type) else "plan")
@@ -142,8 +142,8 @@ def test_a_file_that_disagrees_within_a_later_batch_is_named_with_the_first_file
     header = {"a": MemberHeader("a", np.dtype("<i4"), (2,), False, 128, 8)}
     other = {"a": MemberHeader("a", np.dtype("<f4"), (2,), False, 128, 8)}
     files = [header] * 5 + [other]
-    monkeypatch.setattr(converter, "scan_source", fake_scanner(files))
-    scan = converter.Scan(None, False, {}, False, MIN_ALIGN, None)
+    monkeypatch.setattr(conversion, "scan_source", fake_scanner(files))
+    scan = conversion.Scan(None, False, {}, False, MIN_ALIGN, None)
     with pytest.raises(SourceError) as raised:
         plan_in_batches([f"f{k}" for k in range(len(files))], scan, batch_files)
     assert str(raised.value).startswith("f5[a]: dtype float32 differs from int32 in f0;")
@@ -153,8 +153,8 @@ def test_a_file_that_disagrees_within_a_later_batch_is_named_with_the_first_file
 def test_a_batch_of_many_rows_comes_back_file_by_file(monkeypatch, max_batch_samples, merged) -> None:
     """A message never holds every row's shape of a batch of large --rows files."""
     header = {"a": MemberHeader("a", np.dtype("<i4"), (3, 2), False, 128, 24)}
-    monkeypatch.setattr(converter, "scan_source", fake_scanner([header] * 3))
-    scan = converter.Scan(None, False, {}, True, MIN_ALIGN, None, max_batch_samples)
+    monkeypatch.setattr(conversion, "scan_source", fake_scanner([header] * 3))
+    scan = conversion.Scan(None, False, {}, True, MIN_ALIGN, None, max_batch_samples)
     batch = scan.scan_batch(["f0", "f1", "f2"])
     if merged:
         assert batch.plan is not None and batch.plan.num_samples == 9 and batch.files == []

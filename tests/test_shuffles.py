@@ -21,9 +21,11 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 import npz2mmap
-from npz2mmap import BlockShuffleSampler, MmapDataset, ShuffleSampler, dataset, reader, samplers
-from npz2mmap.memory import MemoryLimit
-from npz2mmap.samplers import READ_CHUNK
+from npz2mmap import BlockShuffleSampler, MmapDataset, ShuffleSampler
+from npz2mmap.pytorch import dataset, samplers
+from npz2mmap.pytorch.samplers import READ_CHUNK
+from npz2mmap.read import reader
+from npz2mmap.read.memory import MemoryLimit
 
 sampler_settings = st.fixed_dictionaries(
     {

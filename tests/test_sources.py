@@ -21,14 +21,15 @@ import pytest
 from click.testing import CliRunner, Result
 from conftest import no_hang, write_npz
 
-from npz2mmap import fsutil, publish
-from npz2mmap.cli import cli
+from npz2mmap import fsutil
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import SourceError
-from npz2mmap.npzfile import MemberHeader
-from npz2mmap.plan import MAX_NUM_SAMPLES, build_plan, lay_out
-from npz2mmap.reader import DatasetReader
-from npz2mmap.sources import scan_source
-from npz2mmap.spec import MAX_NBYTES, MAX_PAYLOAD_NBYTES, checked_nbytes, representable_nbytes
+from npz2mmap.format.index import MAX_NBYTES, MAX_PAYLOAD_NBYTES, checked_nbytes, representable_nbytes
+from npz2mmap.ingest.npz import MemberHeader
+from npz2mmap.ingest.sources import scan_source
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write import publish
+from npz2mmap.write.plan import MAX_NUM_SAMPLES, build_plan, lay_out
 
 
 def digest(directory: Path) -> dict[str, str]:
@@ -253,11 +254,12 @@ def test_real_deflated_members_at_a_high_ratio_convert(tmp_path) -> None:
 
 SWAP_AFTER_SCAN = """
 import os, resource, sys
-from npz2mmap import cli, converter
+from npz2mmap.cli.main import main
+from npz2mmap.write import conversion
 
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # a read without bound fails, not the host
 victim, replacement = sys.argv[1], sys.argv[2]
-scan = converter.Scan.run
+scan = conversion.Scan.run
 
 def scan_then_swap(*args, **kwargs):
     plan = scan(*args, **kwargs)
@@ -268,9 +270,9 @@ def scan_then_swap(*args, **kwargs):
         os.symlink(replacement, victim)
     return plan
 
-converter.Scan.run = scan_then_swap
+conversion.Scan.run = scan_then_swap
 sys.argv = ["npz2mmap", *sys.argv[3:]]
-cli.main()
+main()
 """
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from npz2mmap import spec
-from npz2mmap.converter import convert
 from npz2mmap.errors import FormatError
-from npz2mmap.reader import DatasetReader
+from npz2mmap.format import index
+from npz2mmap.read.reader import DatasetReader
+from npz2mmap.write.conversion import convert
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 
@@ -27,7 +27,7 @@ def without_tool_version(index_text: str) -> dict:
 
 
 def without_digest(blob: bytes) -> bytes:
-    digest_at = spec.BLOB_HEADER_NBYTES + len(spec.IDENTITY_MAGIC) + 4
+    digest_at = index.BLOB_HEADER_NBYTES + len(index.IDENTITY_MAGIC) + 4
     return blob[:digest_at] + blob[digest_at + 32 :]
 
 
@@ -39,7 +39,7 @@ def test_converting_the_golden_sources_reproduces_the_golden_bytes(tmp_path) -> 
     assert without_tool_version(index_text.decode()) == without_tool_version(
         (GOLDEN / "v2" / "index.json").read_text()
     )
-    identity = blob[spec.BLOB_HEADER_NBYTES : spec.BLOB_HEADER_NBYTES + spec.IDENTITY_NBYTES]
+    identity = blob[index.BLOB_HEADER_NBYTES : index.BLOB_HEADER_NBYTES + index.IDENTITY_NBYTES]
     assert identity == b"npz2mmap-blob\0\0\0" + (2).to_bytes(4, "little") + hashlib.sha256(
         index_text
     ).digest() + bytes(12)
@@ -82,8 +82,8 @@ def test_numpy_alone_opens_the_blob() -> None:
 
 @pytest.mark.parametrize("payload_nbytes", [0, 1, 512, 10**12, 2**63 - 1])
 def test_blob_header_is_128_bytes_and_what_numpy_reads(tmp_path, payload_nbytes) -> None:
-    header = spec.blob_header(payload_nbytes)
-    assert len(header) == spec.BLOB_HEADER_NBYTES == 128
+    header = index.blob_header(payload_nbytes)
+    assert len(header) == index.BLOB_HEADER_NBYTES == 128
     path = tmp_path / "h.npy"
     path.write_bytes(header)
     with open(path, "rb") as fp:
@@ -205,13 +205,13 @@ def test_dtypes_survive_the_json_round_trip() -> None:
         ],
     ]:
         dtype = np.dtype(dtype)
-        assert spec.dtype_from_json(json.loads(json.dumps(spec.dtype_to_json(dtype))), "test") == dtype
+        assert index.dtype_from_json(json.loads(json.dumps(index.dtype_to_json(dtype))), "test") == dtype
 
 
 def test_corrupt_ragged_tables_raise_on_access_instead_of_reading_out_of_bounds(tmp_path) -> None:
     dataset = golden_copy(tmp_path)
     blob = bytearray((dataset / "data.npy").read_bytes())
-    offsets_at = spec.BLOB_HEADER_NBYTES + 448  # the golden 'points' offsets table
+    offsets_at = index.BLOB_HEADER_NBYTES + 448  # the golden 'points' offsets table
     blob[offsets_at + 16 : offsets_at + 24] = (10**6).to_bytes(8, "little")
     (dataset / "data.npy").write_bytes(bytes(blob))
     reader = DatasetReader(dataset)

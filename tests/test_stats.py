@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from strategies import extreme_arrays, numeric_dtypes
 
 import npz2mmap
-from npz2mmap import summary
-from npz2mmap.render import render_json
-from npz2mmap.summary import field_statistics
+from npz2mmap.check import summary
+from npz2mmap.check.summary import field_statistics
+from npz2mmap.cli.render import render_json
 
 SCRIPT = Path(sys.executable).parent / "npz2mmap"
 SMALLEST_SUBNORMAL = 5e-324

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from conftest import write_npz
 
+from npz2mmap.check.verify import verify
 from npz2mmap.errors import FormatError
-from npz2mmap.reader import DatasetReader
-from npz2mmap.spec import BLOB_HEADER_NBYTES
-from npz2mmap.verify import verify
+from npz2mmap.format.index import BLOB_HEADER_NBYTES
+from npz2mmap.read.reader import DatasetReader
 
 GOLDEN = Path(__file__).parent / "data" / "golden" / "v2"
 

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from strategies import nested_dtypes
 
 import npz2mmap
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
-from npz2mmap.verify import value_byte_mask, verify
+from npz2mmap.check.verify import value_byte_mask, verify
+from npz2mmap.cli.commands import cli
+from npz2mmap.write.conversion import convert
 
 
 def plain_npy(path: Path) -> None:

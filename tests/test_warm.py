@@ -10,12 +10,13 @@ import pytest
 from click.testing import CliRunner
 from conftest import convert_part_at, write_samples
 
-from npz2mmap import cache, fsutil
-from npz2mmap.cli import cli
-from npz2mmap.converter import convert
+from npz2mmap import fsutil
+from npz2mmap.check import warm
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FormatError
-from npz2mmap.merge import merge
 from npz2mmap.text import human_bytes
+from npz2mmap.write.conversion import convert
+from npz2mmap.write.merge import merge
 
 
 class RecordingProgress:
@@ -41,7 +42,7 @@ def test_warm_reads_every_part_exactly_once_and_reports_it_resident(tmp_path, da
         convert_part_at([tmp_path / "src"], tmp_path / "parts" / f"p{part}", (part, 2), workers=1)
     merge([tmp_path / "parts" / "p0", tmp_path / "parts" / "p1"], tmp_path / "parts")
     progress = RecordingProgress()
-    result = cache.warm(tmp_path / "parts", progress)
+    result = warm.warm(tmp_path / "parts", progress)
     blobs = [tmp_path / "parts" / f"p{part}" / "data.npy" for part in range(2)]
     assert result.blob_paths == tuple(str(blob) for blob in blobs)
     assert progress.nbytes == result.blob_nbytes == sum(blob.stat().st_size for blob in blobs)
@@ -51,7 +52,7 @@ def test_warm_reads_every_part_exactly_once_and_reports_it_resident(tmp_path, da
 def test_warm_reads_only_the_blob_it_checked_never_what_replaced_it(monkeypatch, dataset) -> None:
     """A blob replaced after the dataset was opened is checked again, not read blindly to its end."""
     blob = dataset / "data.npy"
-    real_parts = cache.Parts
+    real_parts = warm.Parts
 
     def parts_then_replace_the_blob(path):
         parts = real_parts(path)
@@ -63,10 +64,10 @@ def test_warm_reads_only_the_blob_it_checked_never_what_replaced_it(monkeypatch,
             blob.symlink_to(bigger)
         return parts
 
-    monkeypatch.setattr(cache, "Parts", parts_then_replace_the_blob)
+    monkeypatch.setattr(warm, "Parts", parts_then_replace_the_blob)
     progress = RecordingProgress()
     with pytest.raises(FormatError, match="bytes, but the index expects"):
-        cache.warm(dataset, progress)
+        warm.warm(dataset, progress)
     assert progress.nbytes == 0
 
 
@@ -84,7 +85,7 @@ def test_warm_where_posix_fadvise_is_missing_still_reads_the_whole_blob(monkeypa
     monkeypatch.delattr(os, "posix_fadvise", raising=False)
     monkeypatch.setattr(fsutil, "posix_fadvise", None)
     progress = RecordingProgress()
-    result = cache.warm(dataset, progress)
+    result = warm.warm(dataset, progress)
     assert progress.nbytes == result.blob_nbytes == (dataset / "data.npy").stat().st_size
     assert result.resident_nbytes == result.blob_nbytes
 

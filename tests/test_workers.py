@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 from conftest import write_samples
 
-from npz2mmap.cli import cli
-from npz2mmap.reader import DatasetReader
+from npz2mmap.cli.commands import cli
+from npz2mmap.read.reader import DatasetReader
 
 
 def corrupt_far_past_the_header(path: Path, key: str) -> None:

@@ -30,10 +30,12 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from npz2mmap import DatasetReader, fsutil, npzfile, zipdir
-from npz2mmap.cli import cli
+from npz2mmap import DatasetReader, fsutil
+from npz2mmap.cli.commands import cli
 from npz2mmap.errors import SourceError
-from npz2mmap.sources import open_source, scan_source
+from npz2mmap.ingest import npz as npzfile
+from npz2mmap.ingest import zip_directory
+from npz2mmap.ingest.sources import open_source, scan_source
 
 LONG = os.environ.get("NPZ2MMAP_LONG") == "1"
 EXAMPLES = 1500 if LONG else 60
@@ -74,16 +76,16 @@ def ours(data: bytes, whole: bool = True) -> list[tuple[object, ...]]:
         reads.append((offset, nbytes))
         return real_read_at(fd, nbytes, offset)
 
-    limit = zipdir.WHOLE_FILE_MAX_NBYTES if whole else 0
+    limit = zip_directory.WHOLE_FILE_MAX_NBYTES if whole else 0
     with (
         opened(data) as fd,
         mock.patch.object(fsutil, "read_at", bounded_read_at),
-        mock.patch.object(zipdir, "WHOLE_FILE_MAX_NBYTES", limit),
-        mock.patch.object(zipdir, "MIN_READ_NBYTES", zipdir.MIN_READ_NBYTES if whole else 64),
-        mock.patch.object(zipdir, "TAIL_NBYTES", zipdir.TAIL_NBYTES if whole else 100),
+        mock.patch.object(zip_directory, "WHOLE_FILE_MAX_NBYTES", limit),
+        mock.patch.object(zip_directory, "MIN_READ_NBYTES", zip_directory.MIN_READ_NBYTES if whole else 64),
+        mock.patch.object(zip_directory, "TAIL_NBYTES", zip_directory.TAIL_NBYTES if whole else 100),
     ):
         try:
-            entries = zipdir.read_entries(zipdir.FileView(fd, len(data), "a.npz"))
+            entries = zip_directory.read_entries(zip_directory.FileView(fd, len(data), "a.npz"))
         finally:
             assert all(
                 0 <= offset and 0 <= nbytes and offset + nbytes <= len(data) for offset, nbytes in reads
@@ -217,7 +219,7 @@ def zipfile_with_zip64_end(path: Path, num_members: int) -> bytes:
 
 
 def test_many_members_are_read_from_zipfiles_own_zip64_end_record(tmp_path) -> None:
-    num_members = zipdir.MAX_ENTRIES if LONG else 300
+    num_members = zip_directory.MAX_ENTRIES if LONG else 300
     data = zipfile_with_zip64_end(tmp_path / "many.npz", num_members)
     assert data[-22 - 20 : -22].startswith(b"PK\x06\x07")  # zipfile wrote a ZIP64 end record
     assert ours(data) == oracle(data)
@@ -482,7 +484,7 @@ def test_converting_and_verifying_sources_never_use_zipfile(tmp_path) -> None:
         "import zipfile\n"
         "def refuse(*args, **kwargs): raise AssertionError('zipfile.ZipFile was used')\n"
         "zipfile.ZipFile = refuse\n"
-        "from npz2mmap.cli import cli\n"
+        "from npz2mmap.cli.commands import cli\n"
         f"cli(['convert', {str(tmp_path / 'src')!r}, '-o', {str(tmp_path / 'out')!r}, '-q', '--workers', '1'], standalone_mode=False)\n"
         f"cli(['verify', {str(tmp_path / 'out')!r}, '--sources'], standalone_mode=False)\n"
     )
@@ -497,9 +499,9 @@ def test_a_header_longer_than_one_window_is_read_from_a_large_file(tmp_path) -> 
     array = np.frombuffer(np.random.default_rng(1).bytes(200 * 1500), dtype)
     path = tmp_path / "large.npz"
     np.savez(path, x=array)
-    assert path.stat().st_size > zipdir.WHOLE_FILE_MAX_NBYTES
+    assert path.stat().st_size > zip_directory.WHOLE_FILE_MAX_NBYTES
     headers, locations = scan_source(str(path))
-    assert headers["x"].header_nbytes > zipdir.MIN_READ_NBYTES
+    assert headers["x"].header_nbytes > zip_directory.MIN_READ_NBYTES
     assert (headers["x"].dtype, headers["x"].shape) == (array.dtype, array.shape)
     with zipfile.ZipFile(path) as zf:
         stored = path.read_bytes()[locations["x"].offset :][: locations["x"].stored_nbytes]
@@ -790,7 +792,7 @@ def test_a_sparse_file_whose_directory_claims_the_whole_file_is_refused_without_
         f.truncate(file_nbytes - len(end))
         f.seek(file_nbytes - len(end))
         f.write(end)
-    with reads_at_most(zipdir.DIRECTORY_WINDOW_NBYTES):
+    with reads_at_most(zip_directory.DIRECTORY_WINDOW_NBYTES):
         message = scan_refusal(path)
     assert message == (
         f"{path}: not a valid zip/npz file (a central directory of {file_nbytes - 98} bytes "
@@ -800,16 +802,16 @@ def test_a_sparse_file_whose_directory_claims_the_whole_file_is_refused_without_
 
 def test_a_large_directory_not_starting_with_an_entry_is_refused_before_it_is_read(tmp_path) -> None:
     count = 10_000
-    dir_nbytes = count * zipdir.MAX_CENTRAL_ENTRY_NBYTES  # as large as 10,000 entries can be: 1.97 GB
+    dir_nbytes = count * zip_directory.MAX_CENTRAL_ENTRY_NBYTES  # as large as 10,000 entries can be: 1.97 GB
     path = tmp_path / "sparse.npz"
     with open(path, "wb") as f:
         f.truncate(dir_nbytes)
         f.seek(dir_nbytes)
         f.write(zip64_end(count, dir_nbytes, 0))
-    with reads_at_most(zipdir.TAIL_NBYTES) as sizes:
+    with reads_at_most(zip_directory.TAIL_NBYTES) as sizes:
         message = scan_refusal(path)
     assert message == f"{path}: not a valid zip/npz file (Bad magic number for central directory)"
-    assert sum(sizes) <= zipdir.TAIL_NBYTES + zipdir.MIN_READ_NBYTES
+    assert sum(sizes) <= zip_directory.TAIL_NBYTES + zip_directory.MIN_READ_NBYTES
 
 
 def test_a_directory_larger_than_a_window_is_read_in_windows_as_zipfile_reads_it(tmp_path) -> None:
@@ -818,8 +820,8 @@ def test_a_directory_larger_than_a_window_is_read_in_windows_as_zipfile_reads_it
         for i in range(2000):
             zf.writestr(f"{i:04d}" + "n" * 700, b"")  # a directory of 1.5 MB
     data = buffer.getvalue()
-    assert len(data) - data.index(b"PK\x01\x02") > 1.4 * zipdir.DIRECTORY_WINDOW_NBYTES
-    with reads_at_most(zipdir.DIRECTORY_WINDOW_NBYTES):
+    assert len(data) - data.index(b"PK\x01\x02") > 1.4 * zip_directory.DIRECTORY_WINDOW_NBYTES
+    with reads_at_most(zip_directory.DIRECTORY_WINDOW_NBYTES):
         assert ours(data) == oracle(data)
 
 
@@ -841,7 +843,7 @@ def refusal_and_peak_memory(path: Path) -> tuple[str, int]:
 
 def test_more_entries_than_an_npz_file_may_have_are_refused_before_any_is_read(tmp_path) -> None:
     path = tmp_path / "many.npz"
-    path.write_bytes(tiny_entries(zipdir.MAX_ENTRIES + 1))
+    path.write_bytes(tiny_entries(zip_directory.MAX_ENTRIES + 1))
     message, peak = refusal_and_peak_memory(path)
     assert message == f"{path}: holds 65,536 zip entries, more than the 65,535 an NPZ file may have"
     assert peak < 1 << 20
@@ -870,7 +872,7 @@ def test_the_cli_refuses_a_hostile_directory_in_one_line_and_converts_the_rest_w
     sources = tmp_path / "src"
     sources.mkdir()
     np.savez(sources / "a.npz", x=np.arange(3))
-    (sources / "b.npz").write_bytes(tiny_entries(zipdir.MAX_ENTRIES + 1))
+    (sources / "b.npz").write_bytes(tiny_entries(zip_directory.MAX_ENTRIES + 1))
     out = tmp_path / "out"
     for options in ([], ["--skip-bad"]):
         result = CliRunner().invoke(

@@ -8,12 +8,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .manifest import is_manifest_dir
+from ..format.index import BLOB_NAME, FORMAT_NAME, FORMAT_VERSION
+from ..format.manifest import is_manifest_dir
+from ..progress import Progress, SilentProgress
+from ..read.parts import FieldInfo, Parts, PartsReader, describe_parts
+from ..read.reader import DatasetReader
 from .moments import FLOAT_KINDS, INTEGER_KINDS, running_statistics
-from .parts import FieldInfo, Parts, PartsReader, describe_parts
-from .progress import Progress, SilentProgress
-from .reader import DatasetReader
-from .spec import BLOB_NAME, FORMAT_NAME, FORMAT_VERSION
 
 
 def describe_dataset(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -15,18 +15,18 @@ from typing import Any
 
 import numpy as np
 
-from . import provenance
-from .elements import ByteReader, Piece, stored_pieces
-from .errors import FormatError, SourceError
-from .manifest import is_manifest_dir, resolve_parts
-from .npzfile import CHUNK_NBYTES, HeaderLimit, MemberHeader, header_limit
-from .parts import Parts
-from .plan import can_cast
-from .progress import Progress, SilentProgress
-from .reader import DatasetReader, identity_problem
-from .sources import Source, open_source
-from .spec import BLOB_HEADER_NBYTES, IDENTITY_NBYTES, Field, Index, load_index, storage_dtype
-from .text import plural
+from ..errors import FormatError, SourceError
+from ..format import provenance
+from ..format.index import BLOB_HEADER_NBYTES, IDENTITY_NBYTES, Field, Index, load_index, storage_dtype
+from ..format.manifest import is_manifest_dir, resolve_parts
+from ..ingest.elements import ByteReader, Piece, stored_pieces
+from ..ingest.npz import CHUNK_NBYTES, HeaderLimit, MemberHeader, header_limit
+from ..ingest.sources import Source, open_source
+from ..progress import Progress, SilentProgress
+from ..read.parts import Parts
+from ..read.reader import DatasetReader, identity_problem
+from ..text import plural
+from ..write.plan import can_cast
 
 MAX_SAMPLES_NAMED = 10
 WHOLE_FILE = -1  # a problem offset for a source that holds no sample (a shard of zero rows)

@@ -6,12 +6,12 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import fsutil
-from .errors import FormatError
-from .parts import Parts
-from .progress import Progress, SilentProgress
-from .reader import open_blob
-from .spec import BLOB_NAME, Index
+from .. import fsutil
+from ..errors import FormatError
+from ..format.index import BLOB_NAME, Index
+from ..progress import Progress, SilentProgress
+from ..read.parts import Parts
+from ..read.reader import open_blob
 
 
 @dataclass(frozen=True)

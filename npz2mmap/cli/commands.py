@@ -19,23 +19,23 @@ import click
 import numpy as np
 from click.core import ParameterSource
 
-from ._version import __version__
-from .cache import warm as warm_dataset
-from .converter import cast_dtype, resolve_part
-from .converter import convert as convert_files
-from .errors import Npz2mmapError, RaggedFieldWarning, UnknownKeyError
-from .inputs import npy_with_sample_dirs
-from .memory import fits_in_memory, larger_than_memory, memory_limit
-from .merge import merge as merge_parts
-from .npzfile import CLI_HEADER_OPTION, MAX_HEADER_SIZE_LIMIT, MAX_NPY_HEADER_CHARS, HeaderLimit
-from .progress import PROGRESS_MODES, showing_progress
+from .._version import __version__
+from ..check.summary import describe_dataset, describe_sample, field_statistics
+from ..check.verify import verify as verify_dataset
+from ..check.warm import warm as warm_dataset
+from ..errors import Npz2mmapError, RaggedFieldWarning, UnknownKeyError
+from ..format.index import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
+from ..ingest.discover import npy_with_sample_dirs
+from ..ingest.npz import CLI_HEADER_OPTION, MAX_HEADER_SIZE_LIMIT, MAX_NPY_HEADER_CHARS, HeaderLimit
+from ..ingest.sources import is_npy_path
+from ..progress import PROGRESS_MODES, showing_progress
+from ..read.memory import fits_in_memory, larger_than_memory, memory_limit
+from ..text import human_bytes, plural
+from ..write.conversion import cast_dtype, resolve_part
+from ..write.conversion import convert as convert_files
+from ..write.merge import merge as merge_parts
+from ..write.shapes import NearlyFixed, describe_nearly_fixed
 from .render import render_json, render_sample, render_summary
-from .shapes import NearlyFixed, describe_nearly_fixed
-from .sources import is_npy_path
-from .spec import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
-from .summary import describe_dataset, describe_sample, field_statistics
-from .text import human_bytes, plural
-from .verify import verify as verify_dataset
 
 F = TypeVar("F", bound=Callable[..., Any])
 

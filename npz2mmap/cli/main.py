@@ -12,7 +12,6 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from typing import Any
 
 ABORTED_EXIT_CODE = 1
 
@@ -71,20 +70,6 @@ def ignore_late_interrupts() -> None:
     """
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def __getattr__(name: str) -> Any:
-    """The click group and helpers of ``commands`` (``npz2mmap.cli.cli``), imported on first use.
-
-    Dunder names are never delegated: the import system probes ``__path__``
-    and the like, and must not import the commands while doing so.
-    """
-    if not name.startswith("__"):
-        from . import commands
-
-        if hasattr(commands, name):
-            return getattr(commands, name)
-    raise AttributeError(f"module 'npz2mmap.cli' has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .text import human_bytes
+from ..text import human_bytes
 
 
 def render_summary(summary: dict[str, Any]) -> str:

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from . import fsutil
-from .errors import FormatError, Npz2mmapError
+from .. import fsutil
+from ..errors import FormatError, Npz2mmapError
 
 FORMAT_NAME = "npz2mmap"
 FORMAT_VERSION = 2

@@ -12,8 +12,8 @@ import json
 import os
 from collections.abc import Sequence
 
-from .errors import FormatError
-from .spec import INDEX_NAME, brief, decode_json, read_regular_file
+from ..errors import FormatError
+from .index import INDEX_NAME, brief, decode_json, read_regular_file
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "npz2mmap-parts"

@@ -15,8 +15,8 @@ from typing import Any, BinaryIO, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
-from .errors import FormatError
-from .spec import SKIPPED_NAME, SOURCES_NAME, Index, open_regular
+from ..errors import FormatError
+from .index import SKIPPED_NAME, SOURCES_NAME, Index, open_regular
 
 MAX_LINE_NBYTES = 1 << 16
 

@@ -13,12 +13,9 @@ import stat
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
-from . import fsutil
-from .errors import FormatError, SourceError
-from .manifest import MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_NBYTES
-from .npzfile import NPY_SUFFIX
-from .sources import holds_npy_files, is_hidden, is_npy_path
-from .spec import (
+from .. import fsutil
+from ..errors import FormatError, SourceError
+from ..format.index import (
     BLOB_HEADER_NBYTES,
     BLOB_NAME,
     FORMAT_NAME,
@@ -29,6 +26,9 @@ from .spec import (
     decode_json,
     read_regular_file,
 )
+from ..format.manifest import MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_NBYTES
+from .npz import NPY_SUFFIX
+from .sources import holds_npy_files, is_hidden, is_npy_path
 
 NPZ_SUFFIX = ".npz"
 LIST_PREFIX = "@"

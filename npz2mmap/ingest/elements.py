@@ -21,9 +21,9 @@ from typing import Literal
 
 import numpy as np
 
-from .errors import MismatchError, SourceError
-from .npzfile import CHUNK_NBYTES, MemberHeader
-from .spec import storage_dtype
+from ..errors import MismatchError, SourceError
+from ..format.index import storage_dtype
+from .npz import CHUNK_NBYTES, MemberHeader
 
 Piece = bytes | bytearray | memoryview
 MAX_VALUE_CHARS = 60

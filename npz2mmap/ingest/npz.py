@@ -26,10 +26,17 @@ from typing import Any, NamedTuple, NoReturn, Protocol
 
 import numpy as np
 
-from . import fsutil
-from .errors import DatasetInputError, SourceError
-from .spec import IDENTITY_MAGIC, NPY_MAGIC, brief, checked_nbytes, representable_nbytes, storage_dtype
-from .zipdir import FileView, ZipEntry
+from .. import fsutil
+from ..errors import DatasetInputError, SourceError
+from ..format.index import (
+    IDENTITY_MAGIC,
+    NPY_MAGIC,
+    brief,
+    checked_nbytes,
+    representable_nbytes,
+    storage_dtype,
+)
+from .zip_directory import FileView, ZipEntry
 
 NPY_SUFFIX = ".npy"
 # .npy version -> (bytes of the header length, header text encoding), as numpy reads them.

@@ -19,9 +19,10 @@ import zlib
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO, Protocol
 
-from . import fsutil
-from .errors import MismatchError, SourceError
-from .npzfile import (
+from .. import fsutil
+from ..errors import MismatchError, SourceError
+from ..format.index import IDENTITY_MAGIC, storage_dtype
+from .npz import (
     CHUNK_NBYTES,
     IN_SAMPLE_DIR,
     NO_CRC32,
@@ -44,8 +45,7 @@ from .npzfile import (
     refuse_blob_data,
     source_errors,
 )
-from .spec import IDENTITY_MAGIC, storage_dtype
-from .zipdir import FileView, ZipEntry, directory_entries
+from .zip_directory import FileView, ZipEntry, directory_entries
 
 NPY_FILE_KEY = "arr_0"
 

@@ -23,8 +23,8 @@ import struct
 from collections.abc import Iterator
 from typing import Any, NamedTuple, NoReturn
 
-from . import fsutil
-from .errors import SourceError
+from .. import fsutil
+from ..errors import SourceError
 
 # A file up to this size is read whole at once: one read costs less than the hops between its parts.
 WHOLE_FILE_MAX_NBYTES = 256 << 10

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from .ragged import RaggedRows, check_padded_size, lengths_key, mask_key
+from ..read.ragged import RaggedRows, check_padded_size, lengths_key, mask_key
 
 if TYPE_CHECKING:
-    from .parts import PartsReader
+    from ..read.parts import PartsReader
 
 
 class Destination(Protocol):

@@ -27,12 +27,12 @@ from torch.utils.data._utils.collate import (
     default_collate_fn_map,
 )
 
+from ..errors import LargerThanMemoryWarning
+from ..read.memory import fits_in_memory, larger_than_memory, memory_limit
+from ..read.parts import Parts, PartsReader
+from ..read.ragged import RaggedRows
+from ..read.reader import ADVICE, as_raw, copy_bytes
 from .assemble import NewMemory, place_fixed, place_listed, torch_dtype
-from .errors import LargerThanMemoryWarning
-from .memory import fits_in_memory, larger_than_memory, memory_limit
-from .parts import Parts, PartsReader
-from .ragged import RaggedRows
-from .reader import ADVICE, as_raw, copy_bytes
 
 READS = ("auto", "exact", "mapped")
 _warned_larger_than_memory: set[tuple[str, ...]] = set()
@@ -73,7 +73,7 @@ class MmapDataset(Dataset[Any]):
     read-around (right when it does not fit: nothing is read for nothing, and
     the disk has many reads in flight); ``"auto"`` (the default), ``"exact"``
     when the dataset's blobs do not fit in the memory this process may use
-    (npz2mmap.memory), with a LargerThanMemoryWarning naming both sizes, once.
+    (npz2mmap.read.memory), with a LargerThanMemoryWarning naming both sizes, once.
     Raises FormatError if the dataset is invalid, KeyError for unknown fields.
     """
 

@@ -33,11 +33,11 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from ..errors import FormatError
+from ..read.reader import normalise_indices
 from .batch_plan import BatchPlan, InMemory, plan_batches
 from .dataset import MmapDataset
-from .errors import FormatError
 from .padding import PaddedCollate
-from .reader import normalise_indices
 from .ring import RingWorkers, default_slot_nbytes, resolve_context
 from .samplers import _state_int
 

@@ -9,6 +9,16 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from ..read.ragged import (
+    RaggedRows,
+    check_padded_keys,
+    check_padded_size,
+    lengths_key,
+    mask_key,
+    pad_element,
+    raw_unit,
+    valid_mask_of,
+)
 from .assemble import NewMemory, Padding, place_padded
 from .dataset import (
     GatheredBatch,
@@ -19,16 +29,6 @@ from .dataset import (
     check_same_keys,
     stack_bytes,
     torch_dtype,
-)
-from .ragged import (
-    RaggedRows,
-    check_padded_keys,
-    check_padded_size,
-    lengths_key,
-    mask_key,
-    pad_element,
-    raw_unit,
-    valid_mask_of,
 )
 
 

@@ -45,12 +45,12 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from . import parallel
+from .. import parallel
+from ..errors import WorkerError
+from ..read.ragged import RaggedRows
 from .batch_plan import BatchPlan, InMemory
 from .dataset import MmapDataset, SampleList, collate, torch_dtype
-from .errors import WorkerError
 from .forkserver_socket import ForkserverSocket
-from .ragged import RaggedRows
 
 # Every array in a slot starts at a multiple of 64 bytes: aligned for any
 # dtype's view, and no two arrays share a cache line.

@@ -12,7 +12,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from .memory import memory_limit
+from ..read.memory import memory_limit
 
 T = TypeVar("T")
 

@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .text import human_bytes
+from ..text import human_bytes
 
 # A dataset fits when its blobs take at most this share of the limit: the processes' own
 # memory and every other file read count against the same limit.

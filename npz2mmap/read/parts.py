@@ -16,8 +16,16 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .errors import FormatError
-from .manifest import PathLike, check_part_set, resolve_listed
+from ..errors import FormatError
+from ..format.index import (
+    BLOB_NAME,
+    SKIPPED_NAME,
+    SOURCES_NAME,
+    Index,
+    load_index,
+    open_regular,
+)
+from ..format.manifest import PathLike, check_part_set, resolve_listed
 from .ragged import RaggedRows
 from .reader import (
     DatasetReader,
@@ -25,14 +33,6 @@ from .reader import (
     check_blob,
     normalise_index,
     normalise_indices,
-)
-from .spec import (
-    BLOB_NAME,
-    SKIPPED_NAME,
-    SOURCES_NAME,
-    Index,
-    load_index,
-    open_regular,
 )
 
 

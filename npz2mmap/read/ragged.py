@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .spec import representable_nbytes
+from ..format.index import representable_nbytes
 
 # Mean elements per sample from which one memcpy per sample beats building
 # an element index for the whole batch (measured: a memcpy through memoryviews

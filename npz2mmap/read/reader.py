@@ -18,10 +18,9 @@ from typing import SupportsIndex
 import numpy as np
 from numpy.typing import NDArray
 
-from . import fsutil
-from .errors import FormatError
-from .ragged import RaggedRows
-from .spec import (
+from .. import fsutil
+from ..errors import FormatError
+from ..format.index import (
     BLOB_HEADER_NBYTES,
     BLOB_NAME,
     CRC_DTYPE,
@@ -39,6 +38,7 @@ from .spec import (
     representable_nbytes,
     representable_row_nbytes,
 )
+from .ragged import RaggedRows
 
 ADVICE = {
     name: getattr(mmap, f"MADV_{name.upper()}")

@@ -19,21 +19,11 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from . import fsutil, provenance
-from ._version import __version__
-from .elements import ByteReader, Piece, stored_pieces
-from .errors import MismatchError, SourceError
-from .npzfile import (
-    CHUNK_NBYTES,
-    LOCATION_FIELDS,
-    SCANNED_LIMIT,
-    MemberHeader,
-    MemberLocation,
-    parse_npy_header,
-)
-from .plan import FieldPlan, Plan, can_cast
-from .sources import kind_scanned, open_source
-from .spec import (
+from .. import fsutil
+from .._version import __version__
+from ..errors import MismatchError, SourceError
+from ..format import provenance
+from ..format.index import (
     BLOB_HEADER_NBYTES,
     BLOB_NAME,
     CRC_DTYPE,
@@ -53,6 +43,17 @@ from .spec import (
     index_to_json,
     storage_dtype,
 )
+from ..ingest.elements import ByteReader, Piece, stored_pieces
+from ..ingest.npz import (
+    CHUNK_NBYTES,
+    LOCATION_FIELDS,
+    SCANNED_LIMIT,
+    MemberHeader,
+    MemberLocation,
+    parse_npy_header,
+)
+from ..ingest.sources import kind_scanned, open_source
+from .plan import FieldPlan, Plan, can_cast
 
 # A batch of the copy pass holds at most this many source bytes (unless one file alone is larger).
 BATCH_NBYTES = 32 << 20

@@ -19,17 +19,19 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import fsutil, provenance, publish, writer
-from .errors import DatasetInputError, FixedShapeError, MismatchError, OutputError, SourceError
-from .inputs import discover_sources
-from .npzfile import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, MemberLocation, header_limit
-from .parallel import Mapper, keeps_signal_mask, worker_map
+from .. import fsutil
+from ..errors import DatasetInputError, FixedShapeError, MismatchError, OutputError, SourceError
+from ..format import provenance
+from ..format.index import BLOB_HEADER_NBYTES, BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
+from ..ingest.discover import discover_sources
+from ..ingest.npz import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, MemberLocation, header_limit
+from ..ingest.sources import is_field_name, is_npy_path, scan_source
+from ..parallel import Mapper, keeps_signal_mask, worker_map
+from ..progress import Progress, progress_display
+from ..text import human_bytes
+from . import blob_writer, publish
 from .plan import CLI_HINTS, Plan, PlanBuilder, drop_files
-from .progress import Progress, progress_display
 from .shapes import HeldShape, NearlyFixed, describe_unfixed, find_nearly_fixed, find_unfixed, held_shapes
-from .sources import is_field_name, is_npy_path, scan_source
-from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
-from .text import human_bytes
 
 # The copy pass sends at most this many consecutive files to a worker at once.
 MAX_BATCH_FILES = 256
@@ -84,7 +86,7 @@ def convert(
     files that break ``fixed``, are left out and listed in the dataset's
     ``skipped.jsonl`` instead of ending the conversion. ``nearly_fixed`` of the
     result names each ragged field that only a few files keep from being
-    fixed (see npz2mmap.shapes for the rule). With
+    fixed (see npz2mmap.write.shapes for the rule). With
     ``part=(i, n)`` (or ``"I/N"``, or ``"auto"`` from torchrun's or Slurm's
     environment), only the i-th of n contiguous slices of the sorted inputs
     is converted, into a complete dataset of its own at OUT/part-IIIII (or
@@ -121,7 +123,7 @@ def convert(
         worker_map(workers or os.cpu_count() or 1, len(sources), close_in_workers=(lock_fd,)) as imap,
     ):
         space = free_nbytes(out)
-        found = writer.MemberLocations()
+        found = blob_writer.MemberLocations()
         scan = Scan(
             chosen_keys,
             skip_bad,
@@ -142,7 +144,7 @@ def convert(
         locations = found.table(len(plan.sources), len(plan.fields))
         earlier = earlier_held_shapes(sources_before_part(all_sources, part), scan)
         plan, locations = hold_fixed(plan, locations, fixed_keys, skip_bad, skipped, part, earlier)
-        writer.check_index_nbytes(out, plan, len(skipped) + len(plan.sources), part)
+        blob_writer.check_index_nbytes(out, plan, len(skipped) + len(plan.sources), part)
         needed = dataset_nbytes(plan, skipped, part)
         check_free_space(out, needed, space)
         sources_nbytes = _total_file_nbytes(plan.sources) if sample_dirs else _scanned_file_nbytes(locations)
@@ -377,7 +379,7 @@ def dataset_nbytes(plan: Plan, skipped: Sequence[tuple[str, str]], part: tuple[i
     """
     skipped_nbytes = sum(len(line.encode("utf-8")) for line in provenance.skipped_lines(skipped))
     text_nbytes = provenance.source_lines_nbytes(plan) + skipped_nbytes
-    index_nbytes = writer.index_nbytes_bound(plan, len(skipped) + len(plan.sources), part)
+    index_nbytes = blob_writer.index_nbytes_bound(plan, len(skipped) + len(plan.sources), part)
     return BLOB_HEADER_NBYTES + plan.payload_nbytes + text_nbytes + index_nbytes
 
 
@@ -526,7 +528,7 @@ class Scan:
         progress: Progress,
         skipped: list[tuple[str, str]],
         part: tuple[int, int] | None,
-        found: writer.MemberLocations,
+        found: blob_writer.MemberLocations,
     ) -> Plan:
         """The plan of the usable sources; ``skipped`` and ``found`` (where members lie) filled in.
 
@@ -569,7 +571,7 @@ class Scan:
         """
         builder: PlanBuilder | None = PlanBuilder(self.align, self.casts, self.rows, self.max_payload_nbytes)
         skipped: list[tuple[int, str]] = []
-        found = writer.MemberLocations()
+        found = blob_writer.MemberLocations()
         files: list[Scanned | str] = []
         for k, path in enumerate(fsutil.read_ahead(paths)):
             try:
@@ -609,7 +611,7 @@ def _add_one_by_one(
     builder: PlanBuilder,
     usable: list[str],
     skipped: list[tuple[str, str]],
-    found: writer.MemberLocations,
+    found: blob_writer.MemberLocations,
 ) -> None:
     for path, scanned in scans:
         if isinstance(scanned, str):
@@ -654,7 +656,7 @@ class _Copy:
             crc32s, failed = self._copy_samples()
             if not failed:
                 sort_in_input_order(skipped, sources)  # as parts merge them
-                return self.plan, writer.finish_dataset(self.staging, self.plan, crc32s, skipped, part)
+                return self.plan, blob_writer.finish_dataset(self.staging, self.plan, crc32s, skipped, part)
             skipped.extend((self.plan.sources[k], reason) for k, reason in failed)
             kept = np.ones(len(self.plan.sources), dtype=bool)
             kept[[k for k, _ in failed]] = False
@@ -665,14 +667,14 @@ class _Copy:
     def _copy_samples(self) -> tuple[list[np.ndarray], list[tuple[int, str]]]:
         plan = self.plan
         self.progress.stage("copy", len(plan.sources), plan.data_nbytes, unit="files")
-        blob_path = writer.create_blob(self.staging, plan.payload_nbytes)
+        blob_path = blob_writer.create_blob(self.staging, plan.payload_nbytes)
         crc32s = [np.zeros(plan.num_samples, dtype=np.uint32) for _ in plan.fields]
         failed: list[tuple[int, str]] = []
         copy_batch = functools.partial(_copy_batch, blob_path, self.skip_bad)
         # Several batches per worker, so the last ones finish together; at most MAX_BATCH_FILES each.
         per_worker = -(-len(plan.sources) // (self.workers * 4)) if self.workers > 1 else MAX_BATCH_FILES
         files_per_batch = max(1, min(MAX_BATCH_FILES, per_worker))
-        tasks = writer.batch_tasks(plan, self.locations, files_per_batch)
+        tasks = blob_writer.batch_tasks(plan, self.locations, files_per_batch)
         for result in self.imap(copy_batch, tasks, per_message=1):
             first = int(plan.file_starts[result.first_file])
             for table, crcs in zip(crc32s, result.crc32s, strict=True):
@@ -695,5 +697,5 @@ def sort_in_input_order(skipped: list[tuple[str, str]], sources: Sequence[str]) 
     skipped.sort(key=lambda item: position[item[0]])
 
 
-def _copy_batch(blob_path: str, skip_bad: bool, task: writer.BatchTask) -> writer.BatchResult:
-    return writer.write_batch(blob_path, task, skip_bad)
+def _copy_batch(blob_path: str, skip_bad: bool, task: blob_writer.BatchTask) -> blob_writer.BatchResult:
+    return blob_writer.write_batch(blob_path, task, skip_bad)

@@ -15,13 +15,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import fsutil, provenance, publish, writer
-from .errors import FormatError, OutputError, RaggedFieldWarning
-from .manifest import MANIFEST_NAME, PathLike, check_part_set, manifest_text, read_manifest, resolve_parts
-from .parts import Parts, PartsReader
+from .. import fsutil
+from ..errors import FormatError, OutputError, RaggedFieldWarning
+from ..format import provenance
+from ..format.index import BLOB_HEADER_NBYTES, INDEX_NAME
+from ..format.manifest import (
+    MANIFEST_NAME,
+    PathLike,
+    check_part_set,
+    manifest_text,
+    read_manifest,
+    resolve_parts,
+)
+from ..progress import Progress, SilentProgress
+from ..read.parts import Parts, PartsReader
+from . import blob_writer, publish
 from .plan import Plan, lay_out
-from .progress import Progress, SilentProgress
-from .spec import BLOB_HEADER_NBYTES, INDEX_NAME
 
 COPY_CHUNK_NBYTES = 8 << 20
 
@@ -162,13 +171,13 @@ def _merge_by_copy(parts: Parts, out: str, overwrite: bool, progress: Progress) 
         staging = publish.make_staging_dir(out)
         try:
             progress.stage("merge", len(parts.paths), plan.data_nbytes, unit="parts")
-            blob_path = writer.create_blob(staging, plan.payload_nbytes)
+            blob_path = blob_writer.create_blob(staging, plan.payload_nbytes)
             _copy_data(reader, plan, blob_path, progress)
             crcs = [
                 np.concatenate([part.table(f.name, "sample_crc32") for part in reader.readers])
                 for f in plan.fields
             ]
-            writer.finish_dataset(staging, plan, crcs, skipped)
+            blob_writer.finish_dataset(staging, plan, crcs, skipped)
             publish.publish(staging, out, overwrite)
         except OSError as exc:
             fsutil.reraise_if_from_a_handler(exc)

@@ -19,9 +19,8 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from .errors import MismatchError, SourceError, UnknownKeyError
-from .npzfile import MemberHeader
-from .spec import (
+from ..errors import MismatchError, SourceError, UnknownKeyError
+from ..format.index import (
     BLOB_HEADER_NBYTES,
     CRC_DTYPE,
     IDENTITY_NBYTES,
@@ -37,6 +36,7 @@ from .spec import (
     representable_nbytes,
     storage_dtype,
 )
+from ..ingest.npz import MemberHeader
 
 # Every sample has an int64 entry in a ragged field's offsets table, which lives in the payload.
 MAX_NUM_SAMPLES = MAX_PAYLOAD_NBYTES // OFFSET_DTYPE.itemsize - 1

@@ -15,11 +15,11 @@ import secrets
 import shutil
 from collections.abc import Iterator
 
-from . import fsutil
-from .errors import FormatError, OutputError
-from .manifest import MANIFEST_NAME, read_manifest
-from .parallel import interrupts_blocked
-from .spec import DATASET_FILES, INDEX_NAME, load_index
+from .. import fsutil
+from ..errors import FormatError, OutputError
+from ..format.index import DATASET_FILES, INDEX_NAME, load_index
+from ..format.manifest import MANIFEST_NAME, read_manifest
+from ..parallel import interrupts_blocked
 
 STAGING_MARK = ".npz2mmap-tmp-"
 RETIRED_MARK = ".npz2mmap-old-"

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from ..text import plural
 from .plan import FieldPlan, Hints, Plan
-from .text import plural
 
 MAX_SHAPES = 4
 MAX_ODD_PERCENT = 1

@@ -28,8 +28,21 @@ from typing import Any, NamedTuple, overload
 
 import numpy as np
 
-from . import fsutil, publish, writer
-from .converter import (
+from .. import fsutil
+from ..errors import FixedShapeError, OutputError, RaggedFieldWarning, SourceError
+from ..format.index import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN, brief, escape_controls
+from ..format.provenance import MAX_LINE_NBYTES
+from ..ingest.elements import Piece, stored_pieces
+from ..ingest.npz import CHUNK_NBYTES, MemberHeader
+from ..parallel import (
+    SIGNAL_MASK_FRAMES,
+    interrupts_blocked,
+    keeps_signal_mask,
+    restore_signal_mask,
+    signal_mask,
+)
+from . import blob_writer, publish
+from .conversion import (
     PartOption,
     check_align,
     check_free_space,
@@ -40,20 +53,8 @@ from .converter import (
     parse_fixed,
     resolve_part,
 )
-from .elements import Piece, stored_pieces
-from .errors import FixedShapeError, OutputError, RaggedFieldWarning, SourceError
-from .npzfile import CHUNK_NBYTES, MemberHeader
-from .parallel import (
-    SIGNAL_MASK_FRAMES,
-    interrupts_blocked,
-    keeps_signal_mask,
-    restore_signal_mask,
-    signal_mask,
-)
 from .plan import WRITER_HINTS, PendingSource, Plan, PlanBuilder, check_field_name
-from .provenance import MAX_LINE_NBYTES
 from .shapes import NearlyFixed, describe_nearly_fixed, find_nearly_fixed, unfixed_problem
-from .spec import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN, brief, escape_controls
 
 SPOOL_BUFFER_NBYTES = 1 << 20
 
@@ -72,7 +73,7 @@ class Writer:
     ``overwrite`` are ``convert``'s. Each key in ``fixed`` must keep the first
     sample's shape: ``append`` refuses a sample that differs. At close, a
     ``RaggedFieldWarning`` names each ragged field that only a few samples
-    keep from being fixed (see npz2mmap.shapes), as ``nearly_fixed`` does
+    keep from being fixed (see npz2mmap.write.shapes), as ``nearly_fixed`` does
     from then on. With ``part=(i, n)``, ``"I/N"`` or
     ``"auto"`` (from torchrun's or Slurm's environment), the dataset is part i
     of n and goes to OUT/part-IIIII (or OUT with ``{part}`` replaced), as
@@ -374,15 +375,15 @@ class Writer:
         if not self._builder.num_sources and self.part is None:
             raise SourceError(f"{self.out_dir}: no sample was appended; a dataset needs at least one")
         plan = self._builder.finish(self._names, allow_empty=True)
-        writer.check_index_nbytes(self.out_dir, plan, 0, self.part)
+        blob_writer.check_index_nbytes(self.out_dir, plan, 0, self.part)
         found = find_nearly_fixed(plan)
         check_free_space(self.out_dir, dataset_nbytes(plan, (), self.part), free_nbytes(self.out_dir))
         staging = make_staging_dir(self.out_dir)  # removed with the spools' directory, however this ends
         try:
-            writer.create_blob(staging, plan.payload_nbytes)
+            blob_writer.create_blob(staging, plan.payload_nbytes)
             self._copy_spools(plan, os.path.join(staging, BLOB_NAME))
             crc32s = [np.frombuffer(table, dtype=np.uint32) for table in self._crc32s]
-            writer.finish_dataset(staging, plan, crc32s, (), self.part)
+            blob_writer.finish_dataset(staging, plan, crc32s, (), self.part)
             with interrupts_blocked():  # OUT is never left between the old dataset and the new
                 publish.publish(staging, self.out_dir, self._overwrite)
                 self._published = True

@@ -1,0 +1,1 @@
+"""Looking at what was written: ``verify``, what ``inspect`` shows, statistics, ``warm``."""

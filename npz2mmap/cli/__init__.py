@@ -1,0 +1,1 @@
+"""The ``npz2mmap`` command line: the entry point (``main``), the commands, their text output."""
