@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Set up the environment and run the checks: ruff, mypy, then the test suite.
+# Set up the environment and run the checks: ruff, mypy, the import layers, then the test suite.
 # Extra arguments go to pytest, e.g. scripts/test.sh -k roundtrip -x
 set -euo pipefail
 EXTRAS=test source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$ROOT"
 "$VENV/bin/ruff" check npz2mmap tests scripts
 "$VENV/bin/mypy"
+"$VENV/bin/lint-imports" --no-cache
 "$VENV/bin/python" -m pytest "$@"
