@@ -9,6 +9,8 @@ dtype (record padding kept), or an error; a key some samples lack is refused.
 
 from __future__ import annotations
 
+import copy
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -259,3 +261,95 @@ def test_padded_collate_names_the_field_it_cannot_collate(ragged_dataset, value,
         sample["idx"] = value
     with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
         PaddedCollate()(batch)
+
+
+# --- a collated batch is the user's: edits of it never reach the samples ----------------------
+
+COLLATES = {"default_collate": torch.utils.data.default_collate, "collate": npz2mmap.collate}
+
+
+def sources_of(ragged_dataset: Path, indices: list[int]) -> dict[str, list[np.ndarray]]:
+    """The oracle: each field of the samples as np.load reads their source files."""
+    loaded = [np.load(ragged_dataset.parent / "src" / f"{i}.npz") for i in indices]
+    return {name: [file[name] for file in loaded] for name in ("idx", "tok")}
+
+
+def scaled_in_place(batch: dict[str, Any]) -> None:
+    """What a training step does to its batch: normalise, mixup, augment, in place."""
+    for value in batch.values():
+        for tensor in value if isinstance(value, list) else [value]:
+            tensor.mul_(10)
+
+
+def assert_is_the_sources(batch: dict[str, Any], expected: dict[str, list[np.ndarray]]) -> None:
+    assert batch["idx"].tolist() == [int(v) for v in expected["idx"]]
+    assert [t.tolist() for t in batch["tok"]] == [v.tolist() for v in expected["tok"]]
+
+
+@pytest.mark.parametrize(
+    "collate_name, again",
+    [
+        (name, again)
+        for name in sorted(COLLATES)
+        for again in ["the batch", "its samples rearranged", "a deep copy", "a pickled copy"]
+        # collate takes a list of one's own as plain samples, whose ragged fields it refuses
+        if (name, again) != ("collate", "its samples rearranged")
+    ],
+)
+def test_a_collated_batch_edited_in_place_leaves_the_samples_as_read(
+    ragged_dataset, collate_name, again
+) -> None:
+    """As with any Dataset: the batch a collate makes is new to its user, so scaling it in place
+    changes neither the samples nor anything collated from them afterwards."""
+    collate_fn = COLLATES[collate_name]
+    indices = [3, 0, 2, 1]
+    samples = MmapDataset(ragged_dataset).__getitems__(indices)
+    first = collate_fn(samples)
+    scaled_in_place(first)
+    perm = [2, 0, 3, 1]
+    if again == "the batch":
+        second, expected_order = collate_fn(samples), indices
+    elif again == "its samples rearranged":
+        second, expected_order = collate_fn([samples[k] for k in perm]), [indices[k] for k in perm]
+    else:
+        copied = copy.deepcopy(samples) if again == "a deep copy" else pickle.loads(pickle.dumps(samples))
+        second, expected_order = collate_fn(copied), indices
+    assert_is_the_sources(second, sources_of(ragged_dataset, expected_order))
+    assert first["idx"].tolist() == [10 * i for i in indices]  # the first batch keeps its own edit
+
+
+@pytest.mark.parametrize("collate_name", sorted(COLLATES))
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_an_edit_of_a_copied_batchs_sample_is_collated(ragged_dataset, collate_name, how) -> None:
+    """A batch collated once, then copied (as DataLoader workers send what a collate_fn returns):
+    an edit of the copy's samples reaches the copy's collate."""
+    collate_fn = COLLATES[collate_name]
+    samples = MmapDataset(ragged_dataset).__getitems__([1, 2, 3])
+    collate_fn(samples)
+    copied = copy.deepcopy(samples) if how == "deepcopy" else pickle.loads(pickle.dumps(samples))
+    copied[0]["idx"][...] = 7
+    copied[1]["tok"][...] = 9
+    out = collate_fn(copied)
+    assert out["idx"].tolist() == [7, 2, 3]
+    assert out["tok"][1].tolist() == [9] * 5
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_samples_sent_back_by_workers_collate_as_edited(ragged_dataset, num_workers) -> None:
+    def batch_and_samples(samples: Any) -> Any:
+        return torch.utils.data.default_collate(samples), samples
+
+    ds = MmapDataset(ragged_dataset)
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_size=2,
+        num_workers=num_workers,
+        collate_fn=batch_and_samples,
+        multiprocessing_context="fork" if num_workers else None,
+    )
+    for batch, samples in loader:
+        scaled_in_place(batch)
+        samples[0]["idx"][...] = 7
+        again = torch.utils.data.default_collate(samples)
+        assert again["idx"][0] == 7 and again["idx"][1] == int(samples[1]["idx"])
+        assert int(samples[1]["idx"]) < 4  # the batch's edit did not reach the samples

@@ -8,13 +8,14 @@ operating system's page cache instead of holding copies.
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Sequence as SequenceABC
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import numpy as np
 import torch
@@ -197,7 +198,8 @@ class MmapDataset(Dataset[Any]):
             else:
                 fields[name] = held
         single = self.fields[0] if self.single else None
-        return GatheredBatch(fields, single, len(idx), self.ragged_fields, shared)
+        regather = functools.partial(_read_again, reader, idx)
+        return GatheredBatch(fields, single, len(idx), self.ragged_fields, shared, regather)
 
     def lengths(self, field: str) -> np.ndarray:
         """Per-sample lengths of a field (int64 (N,) for 1-d samples, shapes (N, ndim) otherwise).
@@ -219,6 +221,13 @@ class MmapDataset(Dataset[Any]):
         return f"MmapDataset({self.path!r}, samples={len(self)}{parts}, fields={list(self.fields)})"
 
 
+def _read_again(reader: PartsReader, indices: NDArray[np.int64], name: str) -> np.ndarray | RaggedRows:
+    """A batch's field read from the mapping once more: gathered anew, or (ragged) located."""
+    if reader.field(name).shape is None:
+        return reader.ragged_rows(name, indices)
+    return cast(np.ndarray, reader.gather(name, indices))  # a fixed field gathers into one array
+
+
 class GatheredBatch(SequenceABC[Any]):
     """Samples gathered field by field: ``arrays[field]`` holds the whole batch.
 
@@ -227,6 +236,12 @@ class GatheredBatch(SequenceABC[Any]):
     not yet read (RaggedRows): ``PaddedCollate`` pads it straight from the
     mapping, and anything else reading the field gets its per-sample copies,
     made once, on first use. Pickling sends the copies, never the mapping.
+
+    A collated batch is its user's, as with any Dataset: the memory a collate
+    hands out as a field's tensor leaves the samples, which read that field
+    again (from the mapping, with ``regather``; else from a copy taken as it
+    is handed out) if they are used afterwards. Sample dicts taken before the
+    collate still view the batch's memory.
     """
 
     def __init__(
@@ -236,12 +251,16 @@ class GatheredBatch(SequenceABC[Any]):
         length: int,
         ragged: frozenset[str] = frozenset(),
         shared: Mapping[str, torch.Tensor] | None = None,
+        regather: Callable[[str], np.ndarray | RaggedRows] | None = None,
+        private: bool = False,
     ) -> None:
-        self._fields = dict(arrays)
+        self._fields: dict[str, Any] = dict(arrays)  # or _HANDED_OUT, once a collate has
         self.single = single
         self.length = length
         self.ragged = ragged
         self._shared = dict(shared or {})  # fixed fields gathered into shared memory, by name
+        self._regather = regather  # reads a field again from the mapping, once its memory is handed out
+        self._private = private  # made by a collate for itself: its memory is nobody else's
         # Each dict sample handed out, with the values (and their layouts) it was handed out with:
         # a collate_fn may edit it (s["y"] = s["y"] + 1, s["extra"] = ..., s["x"].shape = ...)
         # before collating.
@@ -273,28 +292,48 @@ class GatheredBatch(SequenceABC[Any]):
     def field(self, name: str) -> np.ndarray | list[np.ndarray]:
         """One field of the batch (see ``arrays``), read from the mapping now if it was only located."""
         value = self._fields[name]
+        if value is _HANDED_OUT:  # set only where the field can be read again (see _hand_out)
+            value = self._fields[name] = cast(Callable[[str], Any], self._regather)(name)
         if isinstance(value, RaggedRows):
             value = self._fields[name] = value.copies()
         return value
 
     def tensor(self, name: str) -> Any:
-        """A fixed field as one tensor sharing its memory (numpy where torch lacks the dtype).
+        """A fixed field as one tensor of the batch's memory (numpy where torch lacks the dtype),
+        handed out: the samples read the field again if used afterwards (see the class).
 
         Inside a DataLoader worker it is the shared-memory tensor the field was
         gathered into, which crosses to the trainer with no further copy.
         """
-        shared = self._shared.get(name)
-        return shared if shared is not None else as_tensors(self.field(name))
+        shared = self._shared.pop(name, None)
+        tensor = shared if shared is not None else as_tensors(self.field(name))
+        self._hand_out(name)
+        return tensor
 
     def listed(self, name: str) -> list[Any]:
         """A ragged field as a list of per-sample tensors (numpy where torch lacks the dtype):
         packed from the mapping into one buffer, in shared memory inside a DataLoader worker."""
         rows = self.ragged_rows(name)
         if rows is None:
-            return as_tensors(self.field(name))
+            listed = as_tensors(self.field(name))
+            self._hand_out(name)
+            return listed
         samples, fill = place_listed(rows, NewMemory(shared=get_worker_info() is not None))
         fill()
         return samples()
+
+    def _hand_out(self, name: str) -> None:
+        """The field's memory is now a batch's: the samples will read the field again."""
+        if self._private:
+            return
+        value = self._fields[name]
+        if self._regather is not None:
+            self._fields[name] = _HANDED_OUT
+        elif isinstance(value, list):
+            self._fields[name] = [array.copy() for array in value]
+        elif isinstance(value, np.ndarray):
+            self._fields[name] = value.copy()
+        self._handed.clear()  # the sample dicts handed out so far view the batch's memory
 
     def ragged_rows(self, name: str) -> RaggedRows | None:
         """The field's samples as located in the mapping, if not read yet (see RaggedRows)."""
@@ -305,6 +344,9 @@ class GatheredBatch(SequenceABC[Any]):
         state = self.__dict__.copy()
         state["_fields"] = self.arrays
         state["_shared"] = {}  # the arrays view the same memory, and travel by value
+        state["_regather"] = None  # the mapping stays here; the copy owns its arrays
+        if not self.samples_edited:  # views of the arrays, which would arrive as copies of their own
+            state["_handed"] = {}
         return state
 
     def __len__(self) -> int:
@@ -343,6 +385,9 @@ class GatheredBatch(SequenceABC[Any]):
         if name in self.ragged:
             return array.view(RaggedSample)
         return array.view(NumpyOnlySample) if torch_dtype(array.dtype) is None else array
+
+
+_HANDED_OUT = object()  # a field whose memory a collate handed out, to be read again when used
 
 
 def _layout(value: Any) -> Any:

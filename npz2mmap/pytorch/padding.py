@@ -84,9 +84,9 @@ class PaddedCollate:
     def __call__(self, batch: Any) -> dict[str, Any]:
         ragged = frozenset(self.ragged or ()) | getattr(batch, "ragged", frozenset()) | _marked_ragged(batch)
         if isinstance(batch, GatheredBatch) and batch.samples_edited:  # by the samples as edited
-            batch = GatheredBatch(_by_field(list(batch)), None, len(batch))
+            batch = GatheredBatch(_by_field(list(batch)), None, len(batch), private=True)
         elif not isinstance(batch, GatheredBatch):
-            batch = GatheredBatch(_by_field(batch), None, len(batch))
+            batch = GatheredBatch(_by_field(batch), None, len(batch), private=True)
         self.check_keys(batch.field_names, ragged)
         out: dict[str, Any] = {}
         for name in batch.field_names:
