@@ -215,6 +215,11 @@ def test_merge_and_readers_accept_a_list_of_parts_exactly_when_the_rule_does(poo
         read = -1
     sizes = [json.loads((path / "index.json").read_text())["num_samples"] for path in paths]
     assert read == (sum(sizes) if expected else -1)
+    try:  # the same parts given as a list (one part alone always opens: a part is a dataset)
+        read_listed = len(MmapDataset(paths))
+    except FormatError:
+        read_listed = -1
+    assert read_listed == (sum(sizes) if expected or len(paths) == 1 else -1)
     assert verify(listing).ok == expected
     if expected and all(label_of(key) is not None for key in keys):  # a whole run of one input list
         copied = tmp_path / f"c{len(os.listdir(tmp_path))}"
@@ -289,3 +294,18 @@ def test_writer_parts_naming_one_source_each_once_are_refused(tmp_path) -> None:
     parts = sorted((tmp_path / "w").glob("part-*"))
     with pytest.raises(FormatError, match=r"s9 is a source of both .*part-00000 and .*part-00001"):
         merge(parts, tmp_path / "merged")
+
+
+def test_a_list_of_parts_with_one_out_of_place_is_refused_as_its_manifest_is(tmp_path) -> None:
+    src, out = seven_files(tmp_path), tmp_path / "L"
+    convert_parts(src, out, 3, range(3))
+    parts = sorted(out.glob("part-*"))
+    with pytest.raises(FormatError) as refused:
+        MmapDataset([parts[1], parts[0], parts[2]])
+    assert str(refused.value) == (
+        f"parts {parts[1]} to {parts[2]}: listed out of order: {parts[1]}, part 1 of 3, before {parts[0]}, "
+        "part 0 of 3; list the parts in increasing order (as part-* sorts them), then merge"
+    )
+    with pytest.raises(FormatError, match="part 1 of 3 is missing"):
+        MmapDataset([parts[0], parts[2]])
+    assert len(MmapDataset(parts[1])) == len(MmapDataset([parts[1]])) == 2  # a part alone is a dataset

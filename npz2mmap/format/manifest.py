@@ -111,6 +111,11 @@ def read_manifest(directory: str) -> list[str]:
 PartLabel = tuple[int, int] | None  # an index's provenance.part: (i, n), or None
 
 
+def naming_parts(parts: Sequence[str]) -> str:
+    """Parts given in a list, for a message: 'parts A to B', or 'part A'."""
+    return f"parts {parts[0]} to {parts[-1]}" if len(parts) > 1 else f"part {parts[0]}"
+
+
 def check_part_set(labelled: Sequence[tuple[str, PartLabel]], where: str) -> None:
     """FormatError unless the parts that record a part (i, n) are one whole run, listed in order.
 

@@ -25,7 +25,7 @@ from ..format.index import (
     load_index,
     open_regular,
 )
-from ..format.manifest import PathLike, check_part_set, resolve_listed
+from ..format.manifest import PathLike, check_part_set, naming_parts, resolve_listed
 from .ragged import RaggedRows
 from .reader import (
     DatasetReader,
@@ -61,7 +61,8 @@ class Parts:
 
     Empty parts (no samples, no fields: an empty slice of ``convert --part``)
     contribute nothing and are left out, unless every part is empty. The parts
-    of each manifest are checked to be one whole run (see check_part_set).
+    of each manifest, and the directories a list gives itself (two or more),
+    are checked to be one whole run (see check_part_set), as merge checks them.
     """
 
     def __init__(self, source: PathLike | Sequence[PathLike]) -> None:
@@ -75,6 +76,9 @@ class Parts:
         for manifest, parts in listed:
             if manifest is not None:
                 check_part_set([(part, labels[part]) for part in parts], manifest)
+        given = [parts[0] for manifest, parts in listed if manifest is None]
+        if len(given) > 1:  # one directory alone is a dataset, whatever part it records
+            check_part_set([(part, labels[part]) for part in given], naming_parts(given))
         self.paths, self.indexes = _contributing(self.all_paths, self.all_indexes)
         self.fields = _agreeing_fields(self.paths, self.indexes)
         sizes = np.array([index.num_samples for index in self.indexes], dtype=np.int64)

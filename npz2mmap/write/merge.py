@@ -24,6 +24,7 @@ from ..format.manifest import (
     PathLike,
     check_part_set,
     manifest_text,
+    naming_parts,
     read_manifest,
     resolve_parts,
 )
@@ -64,8 +65,8 @@ def merge(
     given = resolve_parts(list(parts))
     opened = Parts(given)  # without empty parts, which contribute nothing
     labels = [index.part for index in opened.all_indexes]  # empty parts' too
-    check_part_set(list(zip(given, labels, strict=True)), _naming(given))
-    _check_disjoint_sources(opened, _naming(given))
+    check_part_set(list(zip(given, labels, strict=True)), naming_parts(given))
+    _check_disjoint_sources(opened, naming_parts(given))
     out = os.fspath(out_dir)
     ragged = ragged_across_parts(opened)
     if copy:
@@ -124,11 +125,6 @@ def _check_disjoint_sources(parts: Parts, where: str) -> None:
                     "their conversions (a part converted again alone), or two Writers were given one "
                     "source=; convert every part of the run again, or give each sample its own source"
                 )
-
-
-def _naming(parts: list[str]) -> str:
-    """The parts given to merge, for a message: 'parts A to B', or 'part A'."""
-    return f"parts {parts[0]} to {parts[-1]}" if len(parts) > 1 else f"part {parts[0]}"
 
 
 def _write_manifest(parts: list[str], out: str, overwrite: bool) -> None:
