@@ -110,10 +110,17 @@ def test_usage_errors_exit_2(tmp_path, sources) -> None:
             ("convert", sources, "-o", tmp_path / "o", "--cast", "input=float33"),
             "'float33' is not a numpy dtype",
         ),
+        (
+            ("convert", sources, "-o", tmp_path / "o", "--cast", "input=int64", "--cast", "input=int32"),
+            "'input=int64' and 'input=int32' cast 'input' two ways; give one",
+        ),
     ]:
         result = run(*args)
         assert result.exit_code == 2, args
         assert message in result.output
+        assert not (tmp_path / "o").exists()
+    agreeing = run("convert", sources, "-o", tmp_path / "o", "--cast", "input=f4", "--cast", "input=float32", "-q")
+    assert agreeing.exit_code == 0, agreeing.output  # one cast, said twice
 
 
 def test_inspect_sample_out_of_range_is_a_usage_error(tmp_path, sources) -> None:

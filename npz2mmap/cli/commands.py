@@ -165,15 +165,19 @@ def _parse_keys(ctx: click.Context, param: click.Parameter, value: str | None) -
 
 
 def _parse_casts(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> dict[str, np.dtype]:
-    casts = {}
+    casts: dict[str, np.dtype] = {}
+    given: dict[str, str] = {}
     for value in values:
         key, sep, dtype = value.partition("=")
         if not sep or not key or not dtype:
             raise click.BadParameter(f"{value!r} is not KEY=DTYPE, e.g. input=float32")
         try:
-            casts[key] = cast_dtype(dtype)
+            cast = cast_dtype(dtype)
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
+        if key in casts and casts[key] != cast:
+            raise click.BadParameter(f"{given[key]!r} and {value!r} cast {key!r} two ways; give one")
+        casts[key], given[key] = cast, value
     return casts
 
 
