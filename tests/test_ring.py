@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import multiprocessing
 import os
@@ -1635,3 +1636,39 @@ def test_order_options_that_would_be_ignored_are_refused(dataset_dir, options) -
     ds = MmapDataset(dataset_dir / "dataset", fields="label")
     with pytest.raises(ValueError, match="cannot be used with"):
         MmapLoader(ds, 4, **options)
+
+
+TORCH_PICKLES_NOT = ["uint16", "uint32", "uint64", "complex32", "float8_e4m3fn"]
+
+
+def labels_as(dtype_name: str) -> Callable[[Any], Any]:
+    return functools.partial(_labels_as, dtype_name)
+
+
+def _labels_as(dtype_name: str, samples: Any) -> dict[str, torch.Tensor]:
+    labels = torch.tensor([int(s["label"]) for s in samples])
+    return {
+        "label": labels.to(getattr(torch, dtype_name)),
+        "empty": torch.zeros((0, 2), dtype=getattr(torch, dtype_name)),
+    }
+
+
+@pytest.mark.parametrize("dtype_name", TORCH_PICKLES_NOT)
+def test_a_batch_larger_than_its_slot_of_a_dtype_torch_cannot_pickle_arrives_exact(
+    dataset_dir, dtype_name
+) -> None:
+    """Such a batch travels pickled; torch's own pickling refuses these dtypes, so their bytes go."""
+    ds = MmapDataset(dataset_dir / "dataset", fields=["label"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # complex32 is experimental; a batch larger than its slot warns
+        with MmapLoader(ds, 5, num_workers=1, collate_fn=labels_as(dtype_name), slot_nbytes=1) as loader:
+            got = list(loader)
+        expected = [
+            labels_as(dtype_name)([ds[i] for i in range(s, min(s + 5, len(ds)))])
+            for s in range(0, len(ds), 5)
+        ]
+    assert len(got) == len(expected)
+    for batch, want in zip(got, expected, strict=True):
+        for key in ("label", "empty"):
+            assert batch[key].dtype == want[key].dtype and batch[key].shape == want[key].shape
+            assert batch[key].view(torch.uint8).tolist() == want[key].view(torch.uint8).tolist()

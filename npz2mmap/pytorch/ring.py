@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -646,8 +647,37 @@ def _make_into_slot(
 
 
 def _layout(tree: Any) -> bytes:
-    """A slot's descriptor tree, pickled apart, so the trainer can tell a layout it has seen by its bytes."""
-    return pickle.dumps(tree, pickle.HIGHEST_PROTOCOL)
+    """A slot's descriptor tree (or a whole batch), pickled apart, so the trainer can tell a layout
+    it has seen by its bytes."""
+    data = io.BytesIO()
+    _TensorPickler(data, pickle.HIGHEST_PROTOCOL).dump(tree)
+    return data.getvalue()
+
+
+# Dtypes whose tensors torch's own pickling refuses ("UntypedStorage has no attribute dtype").
+_BY_BYTES_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in ("uint16", "uint32", "uint64", "complex32", "float8_e4m3fn", "float8_e5m2")
+    if hasattr(torch, name)
+)
+
+
+class _TensorPickler(pickle.Pickler):
+    """Pickle, with the plain tensors of dtypes torch cannot pickle sent as their bytes."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor and obj.dtype in _BY_BYTES_DTYPES and obj.layout == torch.strided:
+            raw = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            return _tensor_from_bytes, (raw, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
+        return NotImplemented
+
+
+def _tensor_from_bytes(raw: bytes, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor _TensorPickler sent as its bytes."""
+    dtype = getattr(torch, dtype_name)
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
 def _pickled_or_none(exc: BaseException) -> bytes | None:
