@@ -18,8 +18,12 @@ import tqdm
 
 from .text import human_bytes
 
-# No monitor thread: the converter forks its workers.
-tqdm.tqdm.monitor_interval = 0
+
+class _Bar(tqdm.tqdm):
+    """tqdm's bar without its monitor thread (the converter forks its workers), leaving tqdm's
+    own setting, which other libraries' bars use, as it was."""
+
+    monitor_interval = 0
 
 
 class Progress(Protocol):
@@ -60,9 +64,9 @@ class BarProgress:
         self.close()
         self.done, self.total, self.unit = 0, total_files, unit
         if total_nbytes:
-            self.bar = tqdm.tqdm(total=total_nbytes, desc=name, unit="B", unit_scale=True, dynamic_ncols=True)
+            self.bar = _Bar(total=total_nbytes, desc=name, unit="B", unit_scale=True, dynamic_ncols=True)
         else:
-            self.bar = tqdm.tqdm(total=total_files, desc=name, unit=f" {unit}", dynamic_ncols=True)
+            self.bar = _Bar(total=total_files, desc=name, unit=f" {unit}", dynamic_ncols=True)
 
     def advance(self, files: int, nbytes: int) -> None:
         if self.bar is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -240,3 +242,14 @@ def test_convert_refuses_another_progress_naming_what_it_takes(
         f"advance() methods, got {wrong!r}"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_importing_npz2mmap_leaves_tqdms_own_settings_as_they_were() -> None:
+    code = (
+        "import tqdm; before = tqdm.tqdm.monitor_interval\n"
+        "import npz2mmap.progress, npz2mmap.write.conversion\n"
+        "assert tqdm.tqdm.monitor_interval == before != 0, tqdm.tqdm.monitor_interval\n"
+        "assert npz2mmap.progress._Bar.monitor_interval == 0\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
