@@ -489,7 +489,7 @@ def test_a_bad_index_of_the_order_is_raised_in_its_turn(dataset_dir) -> None:
 
 
 def test_the_default_slot_holds_twice_the_largest_batch(dataset_dir) -> None:
-    from npz2mmap.pytorch.ring import default_slot_nbytes
+    from npz2mmap.pytorch.slots import default_slot_nbytes
 
     ds = MmapDataset(dataset_dir / "dataset")
     longest = max(len(ds[i]["tokens"]) for i in range(len(ds)))

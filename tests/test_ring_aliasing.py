@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import npz2mmap
 from npz2mmap import MmapDataset, MmapLoader
-from npz2mmap.pytorch import ring
+from npz2mmap.pytorch import slots
 
 NUM_SAMPLES = 8
 BATCH_SIZE = 4
@@ -310,7 +310,7 @@ def test_any_views_of_one_buffer_rebuilt_from_a_slot_share_and_lay_out_as_the_or
             made[data.draw(st.integers(0, len(made) - 1))] for _ in range(data.draw(st.integers(1, 8)))
         ]
     }
-    slot_ring = ring.Ring.allocate(2, 1 << 16)
-    descriptor = ring.SlotWriter(slot_ring, 1).write(tree)
+    slot_ring = slots.Ring.allocate(2, 1 << 16)
+    descriptor = slots.SlotWriter(slot_ring, 1).write(tree)
     rebuilt = slot_ring.materialise(1, pickle.loads(pickle.dumps(descriptor)))
     assert_same_batch(rebuilt, tree)

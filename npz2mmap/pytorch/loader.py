@@ -38,8 +38,10 @@ from ..read.reader import normalise_indices
 from .batch_plan import BatchPlan, InMemory, plan_batches
 from .dataset import MmapDataset
 from .padding import PaddedCollate
-from .ring import RingWorkers, default_slot_nbytes, resolve_context
+from .ring import RingWorkers
 from .samplers import _state_int
+from .slots import default_slot_nbytes
+from .workers import resolve_context
 
 _END = object()
 

@@ -1,0 +1,582 @@
+"""The ring's memory: one shared block of slots, what a worker writes into a slot, and how the
+trainer reads it back as views.
+
+A slot holds a batch's arrays one after another, each aligned; the batch
+itself travels as a small descriptor tree (leaves of dtype, shape, offset,
+strides), which the trainer turns into tensors viewing the slot. The block
+is a mapping of its own (``RingBlock``), unmapped in the trainer only once no
+tensor views it any more (see ring.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.heap
+import multiprocessing.reduction
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from ..errors import WorkerError
+from ..read.ragged import RaggedRows
+from .dataset import MmapDataset, SampleList, collate, torch_dtype
+
+# Every array in a slot starts at a multiple of 64 bytes: aligned for any
+# dtype's view, and no two arrays share a cache line.
+SLOT_ALIGN = 64
+SLOT_SPARE_NBYTES = 1 << 20
+# A dataset with a huge ragged sample would otherwise ask for a huge ring;
+# batches larger than this travel pickled unless slot_nbytes says otherwise.
+MAX_DEFAULT_SLOT_NBYTES = 256 << 20
+
+
+def default_slot_nbytes(dataset: MmapDataset, batch_size: int) -> int:
+    """Room for the largest batch the dataset can give untransformed, twice, plus 1 MiB (256 MiB at most).
+
+    The largest sample of a ragged field comes from its shape table (checked
+    whole, once). Twice leaves room for a transform or collate that widens
+    dtypes or pads; a batch that still does not fit travels pickled.
+    """
+    reader = dataset.reader
+    total = 0
+    for name in dataset.fields:
+        field = reader.field(name)
+        if field.shape is not None:
+            largest = math.prod(field.shape)
+        else:  # every row is a shape numpy can make (checked), so its product fits an int64
+            shapes = reader.shapes(name)
+            largest = int(shapes.prod(axis=1).max()) if len(shapes) else 0
+        total += batch_size * (largest * field.dtype.itemsize + SLOT_ALIGN)
+    return aligned(min(2 * total + SLOT_SPARE_NBYTES, MAX_DEFAULT_SLOT_NBYTES))
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """Where one array of a batch lies in its slot; ``tensor`` says torch tensor or numpy array."""
+
+    offset: int
+    dtype: Any  # torch.dtype for a tensor, np.dtype for an array
+    shape: tuple[int, ...]
+    tensor: bool
+
+
+@dataclass(frozen=True, eq=False)
+class RowsLeaf:
+    """A ragged field's samples packed one after another from ``offset``, read back as a list."""
+
+    offset: int
+    dtype: Any  # as Leaf's
+    tensor: bool
+    shapes: np.ndarray  # int64 (n, ndim)
+
+    def offsets(self) -> np.ndarray:
+        """Each sample's offset in the slot (a multiple of its itemsize: the region starts aligned)."""
+        nbytes = np.prod(self.shapes, axis=1, dtype=np.int64) * self.dtype.itemsize
+        return self.offset + np.cumsum(nbytes) - nbytes
+
+
+@dataclass(frozen=True, eq=False)
+class ViewLeaf:
+    """One tensor or array a batch function made: a strided view into a region of the slot.
+
+    Leaves that viewed overlapping memory in the worker share one region (the
+    same tuple), so the trainer's views of it share memory as they did; the
+    same ViewLeaf twice in a tree is one object there too.
+    """
+
+    region: tuple[int, int]  # (offset in the slot, nbytes)
+    offset: int  # bytes from the region's start to the first item
+    dtype: Any  # as Leaf's
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in bytes, as numpy counts them
+    tensor: bool
+    writeable: bool = True  # numpy's flag (a broadcast array is read-only)
+
+
+class SlotFull(Exception):
+    """A batch needs more bytes than its slot has (it then travels pickled).
+
+    ``batch`` is the batch when it was already made in the worker's own memory.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.nbytes = nbytes
+        self.batch: Any = None
+
+
+class RingBlock(multiprocessing.heap.Arena):
+    """One ring's shared memory, a mapping of its own: never a piece of ``multiprocessing``'s heap.
+
+    The heap hands the bytes of a freed block (and of any arena under 4 MiB)
+    to its next allocation, another loader's ring included, while tensors of
+    a batch the user kept may still view them. This mapping is unmapped only
+    when the last memoryview of it (each tensor handed out holds one) is
+    gone. It pickles as its descriptor, passed to spawn and forkserver workers.
+    """
+
+    def _choose_dir(self, size: int) -> str:
+        """/dev/shm where it has room, else the temporary directory (the file is unlinked at once).
+
+        Not ``multiprocessing``'s own ``pymp-*`` directory, its fallback:
+        that one is left behind when the trainer is killed.
+        """
+        for directory in getattr(self, "_dir_candidates", []):
+            stat = os.statvfs(directory)
+            if stat.f_bavail * stat.f_frsize >= size:
+                return str(directory)
+        return tempfile.gettempdir()
+
+
+if os.name == "posix":  # the heap registers this reduction for Arena alone, not for its subclasses
+    multiprocessing.reduction.register(RingBlock, multiprocessing.heap.reduce_arena)
+
+
+class Ring:
+    """The shared block as slots; both the trainer and the workers view it through this."""
+
+    def __init__(self, block: multiprocessing.heap.Arena, num_slots: int, slot_nbytes: int) -> None:
+        self.block = block  # what workers are given: it pickles as the memory's descriptor
+        self.num_slots = num_slots
+        self.slot_nbytes = slot_nbytes
+        self.memory = memoryview(block.buffer)  # every view of the ring holds the mapping through this
+        self.bytes_np = np.frombuffer(self.memory, dtype=np.uint8)
+
+    @classmethod
+    def allocate(cls, num_slots: int, slot_nbytes: int) -> Ring:
+        """A new block (not touched here: pages are committed as batches are first written)."""
+        return cls(RingBlock(num_slots * slot_nbytes), num_slots, slot_nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.slot_nbytes
+
+    def address(self) -> int:
+        return int(self.bytes_np.ctypes.data)
+
+    def slot_bytes(self, slot: int) -> np.ndarray:
+        """The slot as a writable uint8 array."""
+        return self.bytes_np[slot * self.slot_nbytes : (slot + 1) * self.slot_nbytes]
+
+    def view(self, slot: int, leaf: Leaf) -> Any:
+        """The tensor or array ``leaf`` describes, sharing the slot's memory."""
+        return self._view(slot, leaf.dtype, leaf.tensor, leaf.offset, leaf.shape)
+
+    def _view(self, slot: int, dtype: Any, tensor: bool, offset: int, shape: Sequence[int]) -> Any:
+        numel = math.prod(shape)
+        start = slot * self.slot_nbytes + offset
+        if tensor:
+            flat = self._tensor(dtype, start, numel)
+            return flat if len(shape) == 1 else flat.view(shape)
+        return self.bytes_np[start : start + numel * dtype.itemsize].view(dtype).reshape(shape)
+
+    def _tensor(self, dtype: torch.dtype, start: int, numel: int) -> torch.Tensor:
+        """``numel`` items from byte ``start`` of the block, in a storage of exactly their bytes.
+
+        A slice of one tensor over the block would share the block's storage:
+        torch.save, pickle or deepcopy of one small tensor would then write
+        the whole ring, other batches included.
+        """
+        if numel == 0:  # frombuffer refuses a count of 0
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(self.memory, dtype=dtype, count=numel, offset=start)
+
+    def rows(self, slot: int, leaf: RowsLeaf) -> list[Any]:
+        """The samples ``leaf`` describes, each a view of the slot with a storage of its own bytes."""
+        dtype, tensor, shapes = leaf.dtype, leaf.tensor, leaf.shapes
+        return [
+            self._view(slot, dtype, tensor, offset, shape)
+            for offset, shape in zip(leaf.offsets().tolist(), shapes.tolist(), strict=True)
+        ]
+
+    def materialise(self, slot: int, tree: Any) -> Any:
+        """A descriptor tree with every leaf replaced by its views (new tensors, of the same memory)."""
+        return BatchViews(self, slot).build(tree)
+
+    def region_bytes(self, slot: int, region: tuple[int, int]) -> np.ndarray:
+        start = slot * self.slot_nbytes + region[0]
+        return self.bytes_np[start : start + region[1]]
+
+    def region_storage(self, slot: int, region: tuple[int, int]) -> torch.UntypedStorage:
+        """A storage of exactly the region's bytes (see ``_tensor``: never one of the whole block)."""
+        if region[1] == 0:
+            return torch.UntypedStorage(0)
+        start = slot * self.slot_nbytes + region[0]
+        flat = torch.frombuffer(self.memory, dtype=torch.uint8, count=region[1], offset=start)
+        return flat.untyped_storage()
+
+
+class BatchViews:
+    """One batch's descriptor tree made views of its slot; ViewLeafs of one region share its storage."""
+
+    def __init__(self, ring: Ring, slot: int) -> None:
+        self.ring = ring
+        self.slot = slot
+        self.made: dict[ViewLeaf, Any] = {}  # by identity (eq=False): a leaf twice is one object twice
+        self.storages: dict[tuple[int, int], torch.UntypedStorage] = {}
+
+    def build(self, tree: Any) -> Any:
+        if isinstance(tree, Leaf):
+            return self.ring.view(self.slot, tree)
+        if isinstance(tree, RowsLeaf):
+            return self.ring.rows(self.slot, tree)
+        if isinstance(tree, ViewLeaf):
+            made = self.made.get(tree)
+            if made is None:
+                made = self.made[tree] = self.tensor(tree) if tree.tensor else self.array(tree)
+            return made
+        return map_tree(tree, self.build)
+
+    def array(self, leaf: ViewLeaf) -> np.ndarray:
+        buffer = self.ring.region_bytes(self.slot, leaf.region)
+        array: np.ndarray = np.ndarray(
+            leaf.shape, leaf.dtype, buffer=buffer, offset=leaf.offset, strides=leaf.strides
+        )
+        array.flags.writeable = leaf.writeable
+        return array
+
+    def tensor(self, leaf: ViewLeaf) -> torch.Tensor:
+        """The tensor over its region's storage; over one of its own items where torch cannot place it there.
+
+        A storage offset counts items: a leaf whose first byte is not a whole
+        number of its items from the region's start (a float viewing bytes of
+        a byte tensor, say) gets a storage of its own bytes, still aliasing them.
+        """
+        itemsize = leaf.dtype.itemsize
+        strides = [stride // itemsize for stride in leaf.strides]
+        empty = torch.empty(0, dtype=leaf.dtype)
+        if leaf.offset % itemsize == 0:
+            storage = self.storages.get(leaf.region)
+            if storage is None:
+                storage = self.storages[leaf.region] = self.ring.region_storage(self.slot, leaf.region)
+            return empty.set_(storage, leaf.offset // itemsize, leaf.shape, strides)
+        nbytes = span_nbytes(leaf.shape, leaf.strides, itemsize)
+        own = self.ring.region_storage(self.slot, (leaf.region[0] + leaf.offset, nbytes))
+        return empty.set_(own, 0, leaf.shape, strides)
+
+
+# Values that cannot change in place: a tree may share them between batches.
+IMMUTABLE_ATOMS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def is_bare_layout(tree: Any) -> bool:
+    """Only leaves, immutable atoms and the containers ``materialise`` rebuilds: safe to reuse.
+
+    Anything else in a tree is a value handed out as it is, so a cached
+    tree would give the same object to every batch of that layout.
+    """
+    if isinstance(tree, (Leaf, RowsLeaf, ViewLeaf)) or type(tree) in IMMUTABLE_ATOMS:
+        return True
+    if type(tree) is dict:
+        return all(type(key) in IMMUTABLE_ATOMS and is_bare_layout(value) for key, value in tree.items())
+    if type(tree) is list or isinstance(tree, tuple):
+        return all(is_bare_layout(value) for value in tree)
+    return False
+
+
+def map_tree(tree: Any, fn: Callable[[Any], Any]) -> Any:
+    """``fn`` applied to the items of a dict, list or tuple (named ones kept), else ``tree`` itself."""
+    if type(tree) is dict:
+        return {key: fn(value) for key, value in tree.items()}
+    if type(tree) is list:
+        return [fn(value) for value in tree]
+    if isinstance(tree, tuple):
+        items = [fn(value) for value in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    return tree
+
+
+class SlotWriter:
+    """Places arrays one after another in one slot, each aligned; raises SlotFull past its end."""
+
+    def __init__(self, ring: Ring, slot: int) -> None:
+        self.ring = ring
+        self.slot = slot
+        self.used = 0
+
+    def place(self, dtype: Any, shape: tuple[int, ...], tensor: bool) -> tuple[Leaf, Any]:
+        leaf = Leaf(self.reserve(math.prod(shape) * dtype.itemsize), dtype, shape, tensor)
+        return leaf, self.ring.view(self.slot, leaf)
+
+    def reserve(self, nbytes: int) -> int:
+        """The offset of ``nbytes`` more bytes in the slot (the next place starts aligned after them)."""
+        offset = self.used
+        self.used = aligned(self.used + nbytes)
+        if self.used > self.ring.slot_nbytes:
+            raise SlotFull(self.used)
+        return offset
+
+    def place_rows(self, rows: RaggedRows) -> tuple[RowsLeaf, np.ndarray]:
+        """Room for a ragged field's samples one after another; the leaf and the samples' offsets."""
+        tensor_dtype = torch_dtype(rows.dtype)
+        dtype = rows.dtype if tensor_dtype is None else tensor_dtype
+        leaf = RowsLeaf(
+            self.reserve(int(rows.row_nbytes().sum())), dtype, tensor_dtype is not None, rows.shapes
+        )
+        return leaf, leaf.offsets()
+
+    def write(self, tree: Any) -> Any:
+        """Copy every tensor and array of ``tree`` into the slot; return the descriptor tree.
+
+        Leaves are grouped by the memory they view: each region of
+        overlapping leaves is copied once, whole, at its start's alignment
+        modulo SLOT_ALIGN, and each leaf is described as a view into it with
+        its own strides, so the trainer's batch shares memory, layout and
+        identity as this one does. Every place is taken before any byte is
+        copied. Anything else (numbers, strings, nested or sparse tensors,
+        object arrays, and what a view of bare bytes would lose: a tensor's
+        requires_grad, subclass, quantization or conj/neg bit, an itemless
+        dtype) stays in the tree and travels pickled with it.
+        """
+        regions = plan_regions(tree)
+        described: dict[int, ViewLeaf] = {}
+        copies = []
+        for region in regions:
+            offset = self.reserve_at_alignment_of(region.nbytes, region.start)
+            slot_region = (offset, region.nbytes)
+            copies.append((offset, region))
+            for leaf in region.leaves:
+                described[id(leaf)] = describe_leaf(leaf, slot_region, region.start)
+        address = self.ring.address() + self.slot * self.ring.slot_nbytes
+        for offset, region in copies:
+            if region.nbytes:
+                ctypes.memmove(address + offset, region.start, region.nbytes)
+        return _described(tree, described)
+
+    def reserve_at_alignment_of(self, nbytes: int, address: int) -> int:
+        """Room for ``nbytes`` starting at ``address`` modulo SLOT_ALIGN: every item keeps its alignment."""
+        slot_address = self.ring.address() + self.slot * self.ring.slot_nbytes
+        self.used = aligned(self.used)
+        self.used += (address - slot_address - self.used) % SLOT_ALIGN
+        return self.reserve(nbytes)
+
+
+def _is_plain(value: Any) -> bool:
+    """A tensor a slot view gives back whole: plain, strided, on the CPU, with no autograd or view bits."""
+    return (
+        type(value) is torch.Tensor
+        and value.layout == torch.strided
+        and not value.is_quantized  # its scale and zero point are not bytes of the slot
+        and value.device.type == "cpu"
+        and not value.is_nested
+        and not value.requires_grad
+        and not value.is_conj()
+        and not value.is_neg()
+    )
+
+
+def _is_plain_array(value: Any) -> bool:
+    """A numpy array (no subclass) whose items are bytes a slot view gives back: no objects, not itemless."""
+    return type(value) is np.ndarray and not value.dtype.hasobject and value.dtype.itemsize > 0
+
+
+@dataclass
+class Region:
+    """Bytes ``[start, start + nbytes)`` of the worker's memory that some leaves of a batch view."""
+
+    start: int  # an address
+    nbytes: int
+    leaves: list[Any]
+
+
+def leaves_of(tree: Any) -> list[Any]:
+    """The distinct tensors and arrays a slot can hold in ``tree`` (each once, however often it appears)."""
+    found: dict[int, Any] = {}
+
+    def visit(value: Any) -> Any:
+        if _is_plain(value) or _is_plain_array(value):
+            found.setdefault(id(value), value)
+        else:
+            map_tree(value, visit)
+        return value
+
+    visit(tree)
+    return list(found.values())
+
+
+def leaf_layout(leaf: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
+    """A tensor's or array's address, shape, strides in bytes and itemsize."""
+    if isinstance(leaf, torch.Tensor):
+        itemsize = leaf.element_size()
+        return leaf.data_ptr(), tuple(leaf.shape), tuple(s * itemsize for s in leaf.stride()), itemsize
+    return leaf.__array_interface__["data"][0], leaf.shape, leaf.strides, leaf.dtype.itemsize
+
+
+def leaf_span(leaf: Any) -> tuple[int, int]:
+    """The addresses ``[lo, hi)`` from the leaf's lowest item to past its highest (empty when it has none)."""
+    address, shape, strides, itemsize = leaf_layout(leaf)
+    if 0 in shape:
+        return address, address
+    lo = address + sum(stride * (n - 1) for n, stride in zip(shape, strides, strict=True) if stride < 0)
+    return lo, lo + span_nbytes(shape, strides, itemsize)
+
+
+def span_nbytes(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> int:
+    """Bytes from the lowest item of a strided view to past its highest (0 when it has no items)."""
+    if 0 in shape:
+        return 0
+    return itemsize + sum(abs(stride) * (n - 1) for n, stride in zip(shape, strides, strict=True))
+
+
+def plan_regions(tree: Any) -> list[Region]:
+    """The leaves of ``tree`` grouped into regions of overlapping memory, by address.
+
+    Views that overlap lie in one allocation, so every byte of a region is
+    memory the worker may read. A leaf with no items is a region of its own, of no bytes.
+    """
+    regions: list[Region] = []
+    empty: list[Region] = []
+    for (lo, hi), leaf in sorted(((leaf_span(leaf), leaf) for leaf in leaves_of(tree)), key=lambda s: s[0]):
+        if hi == lo:
+            empty.append(Region(lo, 0, [leaf]))
+        elif regions and lo < regions[-1].start + regions[-1].nbytes:
+            last = regions[-1]
+            last.nbytes = max(last.nbytes, hi - last.start)
+            last.leaves.append(leaf)
+        else:
+            regions.append(Region(lo, hi - lo, [leaf]))
+    return regions + empty
+
+
+def describe_leaf(leaf: Any, slot_region: tuple[int, int], region_start: int) -> ViewLeaf:
+    address, shape, strides, _ = leaf_layout(leaf)
+    offset = address - region_start if slot_region[1] else 0
+    if isinstance(leaf, torch.Tensor):
+        return ViewLeaf(slot_region, offset, leaf.dtype, shape, strides, True)
+    return ViewLeaf(slot_region, offset, leaf.dtype, shape, strides, False, bool(leaf.flags.writeable))
+
+
+def _described(tree: Any, described: dict[int, ViewLeaf]) -> Any:
+    leaf = described.get(id(tree))
+    if leaf is not None:
+        return leaf
+    return map_tree(tree, lambda value: _described(value, described))
+
+
+def tree_nbytes(tree: Any) -> int:
+    """The slot bytes ``tree`` would need at most (for the message when it does not fit)."""
+    return sum(aligned(region.nbytes + SLOT_ALIGN) for region in plan_regions(tree))
+
+
+class SlotDestination:
+    """A ring slot as a batch plan's destination: each array placed after the last, aligned;
+    the batch holds descriptors (leaves), read back in the trainer as views of the slot.
+
+    A batch that does not fit raises SlotFull; one already made in this
+    process's memory (``hold``, ``collated``) goes with it, so it is not made twice.
+    """
+
+    pin_memory = False  # a worker pins nothing: the trainer pins the ring
+
+    def __init__(self, writer: SlotWriter) -> None:
+        self.writer = writer
+
+    def array(self, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, Any]:
+        leaf, target = _place_array(self.writer, dtype, shape)
+        return target, leaf
+
+    def rows(self, rows: RaggedRows) -> tuple[NDArray[np.uint8], NDArray[np.int64], Callable[[], Any]]:
+        leaf, offsets = self.writer.place_rows(rows)
+        return self.writer.ring.slot_bytes(self.writer.slot), offsets, lambda: leaf
+
+    def hold(self, batch: Any) -> Any:
+        try:
+            return self.writer.write(batch)
+        except SlotFull as full:
+            full.batch = batch
+            raise
+
+    def collated(self, samples: Sequence[Any]) -> Any:
+        try:
+            return write_collated(samples, self.writer)
+        except SlotFull as full:
+            full.batch = collate(samples)
+            raise
+
+
+def write_collated(samples: Sequence[Any], writer: SlotWriter) -> Any:
+    """Transformed samples collated as ``npz2mmap.collate`` does, each stacked straight into the slot.
+
+    A field whose values are arrays of one shape and dtype is stacked there
+    with no intermediate tensor; anything else is collated by ``collate`` and
+    then copied in. Raises SlotFull when the slot is too small.
+    """
+    if not isinstance(samples, SampleList) or not samples or not isinstance(samples[0], dict):
+        return writer.write(collate(samples))
+    out = {}
+    for name in samples[0]:
+        values = [sample[name] for sample in samples]
+        if name not in samples.ragged and _stackable(values):
+            leaf, target = _place_array(writer, values[0].dtype, (len(values), *values[0].shape))
+            np.stack(values, out=target)
+            out[name] = leaf
+        else:
+            out[name] = writer.write(collate(SampleList([{name: v} for v in values], samples.ragged))[name])
+    return out
+
+
+def _stackable(values: list[Any]) -> bool:
+    """Plain numpy arrays of one shape and of one dtype that torch has (which collate would stack).
+
+    A negative stride is left to ``collate``, which refuses it as it does without workers.
+    """
+    first = values[0]
+    if type(first) is not np.ndarray or not first.dtype.isnative or torch_dtype(first.dtype) is None:
+        return False
+    return all(
+        type(v) is np.ndarray
+        and v.shape == first.shape
+        and v.dtype == first.dtype
+        and min(v.strides, default=0) >= 0
+        for v in values
+    )
+
+
+def _place_array(writer: SlotWriter, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[Leaf, np.ndarray]:
+    """A numpy target in the slot; its leaf is read back as a tensor where torch has the dtype."""
+    leaf, target = writer.place(dtype, shape, False)
+    tensor_dtype = torch_dtype(dtype)
+    if tensor_dtype is not None:
+        leaf = Leaf(leaf.offset, tensor_dtype, leaf.shape, True)
+    return leaf, target
+
+
+def allocate_ring(num_slots: int, slot_nbytes: int) -> Ring:
+    """The loader's shared block; WorkerError naming its size when the system cannot give it."""
+    try:
+        return Ring.allocate(num_slots, slot_nbytes)
+    except (OSError, MemoryError, OverflowError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+        raise WorkerError(
+            f"MmapLoader could not allocate its ring of {num_slots * slot_nbytes} bytes "
+            f"({num_slots} slots of slot_nbytes={slot_nbytes}): {reason}; pass a smaller slot_nbytes"
+        ) from None
+
+
+def pin_ring(ring: Ring) -> Callable[[], None]:
+    """Register the ring page-locked with CUDA (once per loader); return the function undoing it.
+
+    Host-to-device copies from a pinned slot run asynchronously. Raises
+    WorkerError when CUDA refuses.
+    """
+    cudart = torch.cuda.cudart()
+    address, nbytes = ring.address(), ring.nbytes
+    status = cudart.cudaHostRegister(address, nbytes, 0)
+    if int(status) != 0:
+        raise WorkerError(
+            f"CUDA could not page-lock the loader's ring of {nbytes} bytes (error {int(status)})"
+        )
+    return lambda: cudart.cudaHostUnregister(address)
