@@ -1,6 +1,6 @@
-"""The README as a new user meets it: every Python snippet runs, and torch is optional.
+"""The README and docs/ as a new user meets them: every Python snippet runs, and torch is optional.
 
-Each ```python block of README.md runs in its own interpreter, in a temporary
+Each ```python block of README.md and of the pages of docs/ runs in its own interpreter, in a temporary
 directory holding the README's own example (scripts/example.py, converted) at
 every path the snippets name. A prelude defines the names the README leaves
 to the reader; an epilogue iterates the snippet's ``loader`` to the end, since
@@ -21,7 +21,12 @@ import pytest
 from npz2mmap.write.conversion import convert
 
 ROOT = Path(__file__).resolve().parent.parent
-SNIPPETS = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SNIPPETS = [
+    (document.relative_to(ROOT).as_posix(), snippet)
+    for document in DOCUMENTS
+    for snippet in re.findall(r"^```python\n(.*?)^```", document.read_text(), re.S | re.M)
+]
 DATASET_NAMES = ("data.mmap", "seq.mmap")  # the paths the snippets open
 
 PRELUDE = """\
@@ -79,15 +84,17 @@ def example_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_readme_has_the_snippets_this_test_runs() -> None:
     assert len(SNIPPETS) >= 4
-    assert 'DataLoader(MmapDataset("data.mmap"), batch_size=64, shuffle=True, num_workers=8)' in SNIPPETS[0]
+    assert SNIPPETS[0][0] == "README.md"
+    assert 'DataLoader(MmapDataset("data.mmap"), batch_size=64, shuffle=True, num_workers=8)' in SNIPPETS[0][1]
+    assert {document for document, _ in SNIPPETS} >= {"README.md", "docs/pytorch.md", "docs/python.md"}
 
 
-@pytest.mark.parametrize("number", range(len(SNIPPETS)))
-def test_readme_snippet_runs_on_the_example(example_dir: Path, number: int) -> None:
-    snippet = SNIPPETS[number]
+@pytest.mark.parametrize("number", range(len(SNIPPETS)), ids=[f"{d}-{k}" for k, (d, _) in enumerate(SNIPPETS)])
+def test_documented_snippet_runs_on_the_example(example_dir: Path, number: int) -> None:
+    document, snippet = SNIPPETS[number]
     prelude = PRELUDE + (TORCHRUN_PRELUDE if "init_process_group" in snippet else "")
     result = run_python(prelude + snippet + EPILOGUE, example_dir)
-    assert result.returncode == 0, f"README snippet {number + 1}:\n{snippet}\n{result.stderr}"
+    assert result.returncode == 0, f"{document}, snippet {number + 1}:\n{snippet}\n{result.stderr}"
     if "loader" in snippet:
         assert re.search(r"^batches: [1-9]", result.stdout, re.M), result.stdout
 
