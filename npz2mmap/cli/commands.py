@@ -24,7 +24,7 @@ from ..check.summary import describe_dataset, describe_sample, field_statistics
 from ..check.verify import verify as verify_dataset
 from ..check.warm import warm as warm_dataset
 from ..errors import Npz2mmapError, RaggedFieldWarning, UnknownKeyError
-from ..format.index import MAX_ALIGN, MIN_ALIGN, SKIPPED_NAME
+from ..format.index import ALIGN_RULE, MIN_ALIGN, SKIPPED_NAME, is_valid_align
 from ..ingest.discover import npy_with_sample_dirs
 from ..ingest.npz import CLI_HEADER_OPTION, MAX_HEADER_SIZE_LIMIT, MAX_NPY_HEADER_CHARS, HeaderLimit
 from ..ingest.sources import is_npy_path
@@ -188,8 +188,8 @@ def _parse_fixed(ctx: click.Context, param: click.Parameter, values: tuple[str, 
 
 
 def _check_align(ctx: click.Context, param: click.Parameter, value: int) -> int:
-    if not MIN_ALIGN <= value <= MAX_ALIGN or value & (value - 1):
-        raise click.BadParameter(f"must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, got {value}")
+    if not is_valid_align(value):
+        raise click.BadParameter(f"must be {ALIGN_RULE}, got {value}")
     return value
 
 

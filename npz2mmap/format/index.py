@@ -35,6 +35,12 @@ DATASET_FILES = (INDEX_NAME, BLOB_NAME, SOURCES_NAME, SKIPPED_NAME)
 # 64 bytes is numpy's ARRAY_ALIGN and a cache line: any dtype view is aligned.
 MIN_ALIGN = 64
 MAX_ALIGN = 1 << 30
+ALIGN_RULE = f"a power of two from {MIN_ALIGN} to {MAX_ALIGN}"
+
+
+def is_valid_align(align: int) -> bool:
+    """Whether ``align`` may be a dataset's alignment (ALIGN_RULE): its one home."""
+    return MIN_ALIGN <= align <= MAX_ALIGN and not align & (align - 1)
 
 OFFSET_DTYPE = np.dtype("<i8")
 SHAPE_DTYPE = np.dtype("<i8")
@@ -564,10 +570,8 @@ def parse_index(document: Any, where: str) -> Index:
     doc.require_keys({"format", "version", "num_samples", "align", "payload_nbytes", "fields", "provenance"})
     num_samples = doc.get("num_samples", int, minimum=0)
     align = doc.get("align", int, minimum=MIN_ALIGN)
-    if align > MAX_ALIGN or align & (align - 1):
-        raise FormatError(
-            f"{where}: align must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, found {align}"
-        )
+    if not is_valid_align(align):
+        raise FormatError(f"{where}: align must be {ALIGN_RULE}, found {align}")
     payload_nbytes = doc.get("payload_nbytes", int, minimum=0, maximum=MAX_PAYLOAD_NBYTES)
     provenance = _Obj(doc.get("provenance", dict), f"{where}: provenance")
     provenance.require_keys({"tool", "tool_version", "mode", "num_sources", "num_skipped", "part"})

@@ -22,7 +22,14 @@ import numpy as np
 from .. import fsutil
 from ..errors import DatasetInputError, FixedShapeError, MismatchError, OutputError, SourceError
 from ..format import provenance
-from ..format.index import BLOB_HEADER_NBYTES, BLOB_NAME, MAX_ALIGN, MIN_ALIGN, Index
+from ..format.index import (
+    ALIGN_RULE,
+    BLOB_HEADER_NBYTES,
+    BLOB_NAME,
+    MIN_ALIGN,
+    Index,
+    is_valid_align,
+)
 from ..ingest.discover import discover_sources
 from ..ingest.npz import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, MemberLocation, header_limit
 from ..ingest.sources import is_field_name, is_npy_path, scan_source
@@ -425,9 +432,9 @@ def make_staging_dir(out: str) -> str:
 
 
 def check_align(align: int) -> None:
-    """ValueError unless ``align`` is a power of two from MIN_ALIGN to MAX_ALIGN."""
-    if not MIN_ALIGN <= align <= MAX_ALIGN or align & (align - 1):
-        raise ValueError(f"align must be a power of two from {MIN_ALIGN} to {MAX_ALIGN}, got {align}")
+    """ValueError unless ``align`` is one a dataset may have (index.ALIGN_RULE)."""
+    if not is_valid_align(align):
+        raise ValueError(f"align must be {ALIGN_RULE}, got {align}")
 
 
 def parse_inputs(inputs: PathOrPaths) -> list[str | os.PathLike[str]]:
