@@ -445,7 +445,7 @@ def test_resume_skips_batches_without_loading_them_and_restores_sampler_state(da
         "shuffle": False,
         "drop_last": False,
         "sampler_settings": {"sampler": {"type": "BlockShuffleSampler"}},
-        "sampler": {"epoch": 1, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8},
+        "sampler": {"epoch": 1, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8, "interleave": 1, "num_replicas": 1, "rank": 0, "drop_last": 0},
     }
     resumed = MmapLoader(ds, 4, sampler=sampler(), prefetch=0, batch_transform=counting)
     resumed.load_state_dict(state)
@@ -805,6 +805,10 @@ def test_state_dict_between_passes_carries_the_sampler_state(dataset_dir) -> Non
         "yielded": 0,
         "num_samples": 37,
         "block_size": 8,
+        "interleave": 1,
+        "num_replicas": 1,
+        "rank": 0,
+        "drop_last": 0,
     }
     first.set_epoch(2)
     list(first)
@@ -818,7 +822,7 @@ def test_state_dict_between_passes_carries_the_sampler_state(dataset_dir) -> Non
         "shuffle": False,
         "drop_last": False,
         "sampler_settings": {"sampler": {"type": "BlockShuffleSampler"}},
-        "sampler": {"epoch": 2, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8},
+        "sampler": {"epoch": 2, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8, "interleave": 1, "num_replicas": 1, "rank": 0, "drop_last": 0},
     }
     next_pass = [b.tolist() for b in first]  # no set_epoch: the same epoch again
     resumed = loader_of(BlockShuffleSampler(len(ds), 8, seed=3))
@@ -827,7 +831,7 @@ def test_state_dict_between_passes_carries_the_sampler_state(dataset_dir) -> Non
     assert next_pass != [b.tolist() for b in loader_of(BlockShuffleSampler(len(ds), 8, seed=3))]
     first.set_epoch(3)  # after a pass, before the next: that epoch, from its start
     state = first.state_dict()
-    assert state["sampler"] == {"epoch": 3, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8}
+    assert state["sampler"] == {"epoch": 3, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8, "interleave": 1, "num_replicas": 1, "rank": 0, "drop_last": 0}
     resumed = loader_of(BlockShuffleSampler(len(ds), 8, seed=3))
     resumed.load_state_dict(state)
     resumed.set_epoch(3)

@@ -92,8 +92,8 @@ def test_a_resume_is_dropped_when_another_epoch_is_chosen() -> None:
         ({"epoch": 1.5, "seed": 3, "yielded": 0}, "'epoch' must be an integer, found 1.5"),
         ({"epoch": -1, "seed": 3, "yielded": 0}, "sampler state: epoch -1 is negative"),
         (
-            {"epoch": 1, "seed": 3, "yielded": 0, "num_replicas": 1},  # a ShuffleSampler's
-            "sampler state has 'num_replicas', which BlockShuffleSampler does not write",
+            {"epoch": 1, "seed": 3, "yielded": 0, "pool": 4},  # a LengthGroupedSampler's
+            "sampler state has 'pool', which BlockShuffleSampler does not write",
         ),
     ],
 )
@@ -241,3 +241,32 @@ def test_sampler_arguments_are_checked_with_a_message_naming_them(make, message)
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         make()
     assert list(BlockShuffleSampler(np.int64(4), np.int64(2), np.int64(1))) != []  # numpy's integers are counts
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"interleave": 8},
+        {"num_replicas": 2, "rank": 0},
+        {"drop_last": True},
+    ],
+    ids=["interleave", "replicas", "drop_last"],
+)
+def test_a_block_sampler_state_of_default_settings_is_refused_by_one_of_others(other) -> None:
+    """Both ways: a state's settings are all written, so none is taken as the loading sampler's."""
+    default = BlockShuffleSampler(NUM_SAMPLES, 5, seed=3)
+    changed = BlockShuffleSampler(NUM_SAMPLES, 5, seed=3, **other)
+    key = next(iter(other))
+    for saved, loading in ((default, changed), (changed, default)):
+        with pytest.raises(ValueError, match=f"^sampler state has {key} "):
+            loading.load_state_dict(saved.state_dict())
+
+
+def test_a_first_version_block_sampler_state_resumes_only_its_own_settings() -> None:
+    """States written before interleave and DDP existed hold num_samples and block_size alone."""
+    old = {"epoch": 0, "seed": 3, "yielded": 10, "num_samples": NUM_SAMPLES, "block_size": 5}
+    default = BlockShuffleSampler(NUM_SAMPLES, 5, seed=3)
+    default.load_state_dict(old)
+    assert list(default) == list(BlockShuffleSampler(NUM_SAMPLES, 5, seed=3))[10:]
+    with pytest.raises(ValueError, match="^sampler state has interleave 1, this sampler has 8"):
+        BlockShuffleSampler(NUM_SAMPLES, 5, seed=3, interleave=8).load_state_dict(old)

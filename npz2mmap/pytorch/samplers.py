@@ -51,13 +51,19 @@ class _Resumable:
         """What besides seed and epoch makes the order; the subclass's."""
         return {}
 
+    def _earlier_settings(self) -> dict[str, int]:
+        """The settings a state of an earlier version could only have had where it lacks them
+        (the subclass's: those it did not write had one value then)."""
+        return {}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next pass continue the saved epoch after its yielded items.
 
         Raises ValueError for a state this sampler did not write: a missing or
         non-integer epoch, seed or count, entries it does not write, another seed
-        or other settings, a count past the epoch's end. Settings a state of an
-        earlier version lacks are taken as this sampler's.
+        or other settings, a count past the epoch's end. A setting a state of an
+        earlier version lacks is the one it could only have had then
+        (``_earlier_settings``), or else taken as this sampler's.
         """
         if not isinstance(state, dict):
             raise ValueError(f"sampler state must be a dict, not {type(state).__name__}")
@@ -72,12 +78,12 @@ class _Resumable:
             raise ValueError(f"sampler state: epoch {epoch} is negative")
         if seed != self.seed:
             raise ValueError(f"sampler state has seed {seed}, this sampler has seed {self.seed}")
+        earlier = self._earlier_settings()
         for key, value in self._order_settings().items():
-            if (
-                key in state and state[key] != value
-            ):  # a state without them, from an earlier version, is taken
+            saved = state.get(key, earlier.get(key, value))  # a state without it: an earlier version's
+            if saved != value:
                 raise ValueError(
-                    f"sampler state has {key} {state[key]!r}, this sampler has {value!r}: its order would be "
+                    f"sampler state has {key} {saved!r}, this sampler has {value!r}: its order would be "
                     "another; resume with the sampler the state was saved from"
                 )
         if not 0 <= yielded <= len(self):
@@ -156,12 +162,18 @@ class BlockShuffleSampler(_Resumable, Sampler[int]):
         self.num_replicas, self.rank = _replicas_and_rank(num_replicas, rank)
 
     def _order_settings(self) -> dict[str, int]:
-        settings = {"num_samples": self.num_samples, "block_size": self.block_size}
-        # One block at a time, one rank: states as before; an auto window always says what it chose.
-        if self.interleave != 1 or self.num_replicas != 1 or self.auto_interleave:
-            settings.update(interleave=self.interleave, num_replicas=self.num_replicas, rank=self.rank)
-            settings.update(drop_last=int(self.drop_last))
-        return settings
+        return {
+            "num_samples": self.num_samples,
+            "block_size": self.block_size,
+            "interleave": self.interleave,
+            "num_replicas": self.num_replicas,
+            "rank": self.rank,
+            "drop_last": int(self.drop_last),
+        }
+
+    def _earlier_settings(self) -> dict[str, int]:
+        # The first version's states wrote only num_samples and block_size: it had no other settings.
+        return {"interleave": 1, "num_replicas": 1, "rank": 0, "drop_last": 0}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """As ``_Resumable.load_state_dict``; with ``interleave="auto"``, the state's own
