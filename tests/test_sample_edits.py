@@ -353,3 +353,36 @@ def test_samples_sent_back_by_workers_collate_as_edited(ragged_dataset, num_work
         again = torch.utils.data.default_collate(samples)
         assert again["idx"][0] == 7 and again["idx"][1] == int(samples[1]["idx"])
         assert int(samples[1]["idx"]) < 4  # the batch's edit did not reach the samples
+
+
+@pytest.mark.parametrize("collate_name", sorted(COLLATES))
+@pytest.mark.parametrize("fields", [None, "idx", "tok"], ids=["dicts", "bare fixed", "bare ragged"])
+def test_a_collate_fns_edits_of_its_samples_stay_theirs_after_a_collate(
+    ragged_dataset, collate_name, fields
+) -> None:
+    """Edited in place before collating, the samples hold their edits after it too, and so does
+    every later collate of them; the batch's own edits reach neither."""
+    collate_fn = COLLATES[collate_name]
+    indices = [2, 0, 3]
+    samples = MmapDataset(ragged_dataset, fields=fields).__getitems__(indices)
+    expected = sources_of(ragged_dataset, indices)
+    first = samples[0]
+    if fields is None:
+        first["idx"] += 1000
+        first["tok"][...] = 5
+        expected["idx"][0] = expected["idx"][0] + 1000
+        expected["tok"][0] = np.full_like(expected["tok"][0], 5)
+    else:
+        first[...] = 7
+        expected[fields][0] = np.full_like(expected[fields][0], 7)
+    batch = collate_fn(samples)
+    scaled_in_place(batch if isinstance(batch, dict) else {"x": batch})
+    again = collate_fn(samples)
+    if fields is None:
+        assert samples[0] is first
+        assert int(samples[0]["idx"]) == int(expected["idx"][0])
+        assert_is_the_sources(again, expected)
+    elif fields == "idx":
+        assert again.tolist() == [int(v) for v in expected["idx"]]
+    else:
+        assert [t.tolist() for t in again] == [v.tolist() for v in expected["tok"]]

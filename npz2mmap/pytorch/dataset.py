@@ -265,6 +265,9 @@ class GatheredBatch(SequenceABC[Any]):
         # a collate_fn may edit it (s["y"] = s["y"] + 1, s["extra"] = ..., s["x"].shape = ...)
         # before collating.
         self._handed: dict[int, tuple[dict[str, Any], dict[str, tuple[Any, Any]]]] = {}
+        self._viewed: set[int] = set()  # bare samples handed out (``single``), which a user may edit
+        # Per field handed out: the rows its samples held then (their edits), for when it is read again.
+        self._kept: dict[str, dict[int, np.ndarray]] = {}
 
     @property
     def samples_edited(self) -> bool:
@@ -294,8 +297,25 @@ class GatheredBatch(SequenceABC[Any]):
         value = self._fields[name]
         if value is _HANDED_OUT:  # set only where the field can be read again (see _hand_out)
             value = self._fields[name] = cast(Callable[[str], Any], self._regather)(name)
+            kept = self._kept.pop(name, {})
+            if kept:
+                value = self._fields[name] = self._with_kept_rows(name, value, kept)
         if isinstance(value, RaggedRows):
             value = self._fields[name] = value.copies()
+        return value
+
+    def _with_kept_rows(self, name: str, value: Any, kept: dict[int, np.ndarray]) -> Any:
+        """The field read again, with the rows its samples held when it was handed out (a
+        collate_fn's edits of them), and those samples viewing it again."""
+        if isinstance(value, RaggedRows):
+            value = value.copies()
+        for j, row in kept.items():
+            np.copyto(value[j] if isinstance(value, list) else value[j, ...], row, casting="no")
+            handed = self._handed.get(j)
+            if handed is not None and handed[0].get(name) is row:
+                view = self._sample(name, j, value)
+                handed[0][name] = view
+                handed[1][name] = (view, _layout(view))
         return value
 
     def tensor(self, name: str) -> Any:
@@ -323,17 +343,33 @@ class GatheredBatch(SequenceABC[Any]):
         return samples()
 
     def _hand_out(self, name: str) -> None:
-        """The field's memory is now a batch's: the samples will read the field again."""
+        """The field's memory is now a batch's: the samples read the field again when used, and
+        the samples handed out so far keep what they hold (their edits), in rows of their own."""
         if self._private:
             return
         value = self._fields[name]
+        kept = self._keep_handed_rows(name, value)
         if self._regather is not None:
             self._fields[name] = _HANDED_OUT
+            self._kept[name] = kept
         elif isinstance(value, list):
-            self._fields[name] = [array.copy() for array in value]
+            self._fields[name] = self._with_kept_rows(name, [array.copy() for array in value], kept)
         elif isinstance(value, np.ndarray):
-            self._fields[name] = value.copy()
-        self._handed.clear()  # the sample dicts handed out so far view the batch's memory
+            self._fields[name] = self._with_kept_rows(name, value.copy(), kept)
+
+    def _keep_handed_rows(self, name: str, value: Any) -> dict[int, np.ndarray]:
+        """Copies of the rows of ``name`` the samples handed out hold; each sample dict holds its copy."""
+        kept: dict[int, np.ndarray] = {}
+        for j, (sample, layouts) in self._handed.items():
+            if name in sample and name in layouts and sample[name] is layouts[name][0]:
+                row = np.array(sample[name], copy=True, subok=True)
+                sample[name] = row
+                layouts[name] = (row, _layout(row))
+                kept[j] = row
+        if self.single == name:
+            for j in self._viewed:
+                kept[j] = np.array(value[j] if isinstance(value, list) else value[j, ...], copy=True)
+        return kept
 
     def ragged_rows(self, name: str) -> RaggedRows | None:
         """The field's samples as located in the mapping, if not read yet (see RaggedRows)."""
@@ -362,7 +398,9 @@ class GatheredBatch(SequenceABC[Any]):
         if isinstance(j, slice):
             return [self[k] for k in range(*j.indices(self.length))]
         if self.single is not None:
-            return self._sample(self.single, j)
+            bare = self._sample(self.single, j)  # an IndexError for j out of range
+            self._viewed.add(operator.index(j) % self.length)
+            return bare
         j = operator.index(j)
         j = j + self.length if j < 0 else j
         if not 0 <= j < self.length:
@@ -374,13 +412,13 @@ class GatheredBatch(SequenceABC[Any]):
             handed = self._handed[j] = (sample, layouts)
         return handed[0]
 
-    def _sample(self, name: str, j: int) -> np.ndarray:
+    def _sample(self, name: str, j: int, value: Any = None) -> np.ndarray:
         """One sample's array, 0-d for a 0-d field as ``ds[i]`` gives it (never a numpy scalar).
 
         A ragged field's is marked so torch's default collate lists it, one of
         a dtype torch lacks so that it stacks it as numpy (as ``collate`` does).
         """
-        value = self.field(name)
+        value = self.field(name) if value is None else value
         array = value[j] if isinstance(value, list) else value[j, ...]
         if name in self.ragged:
             return array.view(RaggedSample)
@@ -406,7 +444,10 @@ class RaggedSample(np.ndarray):
 
 
 def _collate_ragged_samples(batch: Sequence[np.ndarray], *, collate_fn_map: Any = None) -> list[Any]:
-    """torch's default collate for ragged samples: one tensor per sample, in a list."""
+    """torch's default collate for ragged samples: one tensor per sample, in a list (of a bare
+    field's GatheredBatch, ``collate``'s list, whose memory then leaves the samples)."""
+    if isinstance(batch, GatheredBatch):
+        return collate(batch)
     return [as_tensors(np.asarray(sample)) for sample in batch]
 
 
