@@ -1642,7 +1642,12 @@ def test_order_options_that_would_be_ignored_are_refused(dataset_dir, options) -
         MmapLoader(ds, 4, **options)
 
 
-TORCH_PICKLES_NOT = ["uint16", "uint32", "uint64", "complex32", "float8_e4m3fn"]
+TORCH_PICKLES_NOT = [
+    name
+    for name in ("uint16", "uint32", "uint64", "complex32", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz")
+    + ("float8_e5m2fnuz",)
+    if hasattr(torch, name)
+]
 
 
 def labels_as(dtype_name: str) -> Callable[[Any], Any]:

@@ -107,11 +107,11 @@ def _layout(tree: Any) -> bytes:
     return data.getvalue()
 
 
-# Dtypes whose tensors torch's own pickling refuses ("UntypedStorage has no attribute dtype").
-_BY_BYTES_DTYPES = frozenset(
-    getattr(torch, name)
-    for name in ("uint16", "uint32", "uint64", "complex32", "float8_e4m3fn", "float8_e5m2")
-    if hasattr(torch, name)
+# The dtypes torch's own pickling takes; it refuses the others (the wider unsigned ints, complex32,
+# the float8 and smaller ones: "UntypedStorage has no attribute dtype"), which go as their bytes.
+_PICKLED_BY_TORCH = frozenset(
+    [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16]
+    + [torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
 )
 
 
@@ -119,7 +119,7 @@ class _TensorPickler(pickle.Pickler):
     """Pickle, with the plain tensors of dtypes torch cannot pickle sent as their bytes."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is torch.Tensor and obj.dtype in _BY_BYTES_DTYPES and obj.layout == torch.strided:
+        if type(obj) is torch.Tensor and obj.dtype not in _PICKLED_BY_TORCH and obj.layout == torch.strided:
             raw = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             return _tensor_from_bytes, (raw, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
         return NotImplemented
