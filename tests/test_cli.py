@@ -531,3 +531,35 @@ def test_a_missing_path_in_a_list_file_names_the_list_and_line(tmp_path) -> None
         f"Error: {tmp_path / 'list.txt'}, line 4: {tmp_path / 'data' / 'gone.npz'}: no such file or directory\n"
     )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--keys", "input", "--keys", "label"], "--keys given twice ('input' and 'label'): give it once"),
+        (["--part", "0/2", "--part=1/2"], "--part given twice ('0/2' and '1/2'): give it once"),
+        (["--align", "64", "--align", "128"], "--align given twice ('64' and '128'): give it once"),
+        (["-o", "{out}2"], "--output given twice ('{out}' and '{out}2'): give it once"),
+        (["-o{out}2"], "--output given twice ('{out}' and '{out}2'): give it once"),
+    ],
+)
+def test_an_option_of_one_value_given_twice_is_a_usage_error_naming_both(tmp_path, sources, args, message) -> None:
+    out = tmp_path / "o"
+    args = [a.format(out=out) for a in args]
+    result = run("convert", sources, "-o", out, *args)
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines()[-1] == "Error: " + message.format(out=out)
+    assert not os.listdir(tmp_path) or sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_merge_and_inspect_refuse_an_option_given_twice(tmp_path, sources) -> None:
+    run("convert", sources, "-o", tmp_path / "d", "-q")
+    inspected = run("inspect", tmp_path / "d", "--sample", "0", "--sample", "1")
+    assert (inspected.exit_code, inspected.output.splitlines()[-1]) == (
+        2,
+        "Error: --sample given twice ('0' and '1'): give it once",
+    )
+    merged = run("merge", tmp_path / "d", "-o", tmp_path / "m1", "-o", tmp_path / "m2")
+    assert merged.exit_code == 2 and not (tmp_path / "m1").exists() and not (tmp_path / "m2").exists()
+    same_cast = run("convert", sources, "-o", tmp_path / "c", "--cast", "input=float32", "--cast", "input=>f4", "-q")
+    assert same_cast.exit_code == 0, same_cast.output  # both store little-endian float32

@@ -39,7 +39,8 @@ WAY_OUT = (
 
 
 def convert_cli(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(cli, ["convert", "-q", "--workers", "1", *args])
+    workers = [] if "--workers" in args else ["--workers", "1"]
+    result = CliRunner().invoke(cli, ["convert", "-q", *workers, *args])
     return result.exit_code, result.output
 
 

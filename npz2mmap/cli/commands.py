@@ -96,12 +96,47 @@ def _one_line_errors() -> Iterator[None]:
         raise
 
 
+class OnceOptionsCommand(click.Command):
+    """A command whose options that take one value may be given once: a second one is a usage
+    error naming both, where click would keep the last without a word."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        _refuse_repeated_options(ctx, self.params, args)
+        return super().parse_args(ctx, args)
+
+
+def _refuse_repeated_options(ctx: click.Context, params: list[click.Parameter], args: list[str]) -> None:
+    single_valued = {
+        flag: param
+        for param in params
+        if isinstance(param, click.Option) and not (param.multiple or param.is_flag or param.count)
+        for flag in param.opts
+    }
+    seen: dict[str, str] = {}
+    for k, arg in enumerate(args):
+        if arg == "--":
+            break
+        flag = arg.split("=", 1)[0] if arg.startswith("--") else arg[:2]
+        param = single_valued.get(flag)
+        if param is None or param.name is None:
+            continue
+        attached = arg[len(flag) :].removeprefix("=")
+        value = attached or (args[k + 1] if k + 1 < len(args) else "")
+        if param.name in seen:
+            name = max(param.opts, key=len)
+            given = f"{seen[param.name]!r} and {value!r}"
+            raise click.UsageError(f"{name} given twice ({given}): give it once", ctx)
+        seen[param.name] = value
+
+
 class OneLineErrorsGroup(click.Group):
     """The command group: every error it reports is one line, whatever paths it names.
 
     Covers click's own errors (a bad option value quotes what was given) as
     well as ours.
     """
+
+    command_class = OnceOptionsCommand
 
     def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
         with _one_line_errors():
@@ -175,7 +210,7 @@ def _parse_casts(ctx: click.Context, param: click.Parameter, values: tuple[str, 
             cast = cast_dtype(dtype)
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
-        if key in casts and casts[key] != cast:
+        if key in casts and casts[key].newbyteorder("<") != cast.newbyteorder("<"):  # stored little-endian
             raise click.BadParameter(f"{given[key]!r} and {value!r} cast {key!r} two ways; give one")
         casts[key], given[key] = cast, value
     return casts
