@@ -119,10 +119,21 @@ class _TensorPickler(pickle.Pickler):
     """Pickle, with the plain tensors of dtypes torch cannot pickle sent as their bytes."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is torch.Tensor and obj.dtype not in _PICKLED_BY_TORCH and obj.layout == torch.strided:
+        if _pickled_as_bytes(obj):
             raw = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             return _tensor_from_bytes, (raw, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
         return NotImplemented
+
+
+def _pickled_as_bytes(obj: Any) -> bool:
+    """A plain dense CPU tensor of a dtype torch's pickling refuses (quantized ones it takes)."""
+    return (
+        type(obj) is torch.Tensor
+        and obj.dtype not in _PICKLED_BY_TORCH
+        and obj.layout == torch.strided
+        and obj.device.type == "cpu"
+        and not (obj.is_quantized or obj.is_nested)
+    )
 
 
 def _tensor_from_bytes(raw: bytes, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
