@@ -238,10 +238,12 @@ class GatheredBatch(SequenceABC[Any]):
     made once, on first use. Pickling sends the copies, never the mapping.
 
     A collated batch is its user's, as with any Dataset: the memory a collate
-    hands out as a field's tensor leaves the samples, which read that field
-    again (from the mapping, with ``regather``; else from a copy taken as it
-    is handed out) if they are used afterwards. Sample dicts taken before the
-    collate still view the batch's memory.
+    hands out as a field's tensor leaves the samples. Those handed out so far
+    keep their rows (a collate_fn's edits of them) in memory of their own; the
+    field is read again (from the mapping, with ``regather``; else from a copy
+    taken as it is handed out) when used afterwards, with those rows written
+    back. An array taken out of a sample before the collate still views the
+    batch's memory.
     """
 
     def __init__(
