@@ -13,6 +13,7 @@ import gc
 import io
 import os
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -142,29 +143,51 @@ def assert_same_batch(got: Any, expected: Any) -> None:
         assert [raw_bytes(leaf) for leaf in got_leaves] == [raw_bytes(leaf) for leaf in expected_leaves]
 
 
-def check_loader(dataset_path: Path, collate_fn: Any, num_workers: int, context: str = "fork") -> None:
+# A slot too small for any batch: each goes through the pipe instead, and must come the same.
+TINY_SLOT = 64
+
+
+def check_loader(
+    dataset_path: Path,
+    collate_fn: Any,
+    num_workers: int,
+    context: str = "fork",
+    slot_nbytes: int | None = None,
+) -> None:
     ds = MmapDataset(dataset_path)
     expected = list(MmapLoader(ds, BATCH_SIZE, collate_fn=collate_fn, prefetch=0))
-    with MmapLoader(
-        ds, BATCH_SIZE, collate_fn=collate_fn, num_workers=num_workers, multiprocessing_context=context
-    ) as loader:
-        count = 0
-        for got, want in zip(loader, expected, strict=True):
-            assert_same_batch(got, want)
-            count += 1
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "MmapLoader: batch .* more than a ring slot's", RuntimeWarning)
+        with MmapLoader(
+            ds,
+            BATCH_SIZE,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            multiprocessing_context=context,
+            slot_nbytes=slot_nbytes,
+        ) as loader:
+            count = 0
+            for got, want in zip(loader, expected, strict=True):
+                assert_same_batch(got, want)
+                count += 1
     assert count == NUM_SAMPLES // BATCH_SIZE
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(names=st.lists(st.sampled_from(PIECES), min_size=1, max_size=6), num_workers=st.sampled_from([1, 2]))
+@given(
+    names=st.lists(st.sampled_from(PIECES), min_size=1, max_size=6),
+    num_workers=st.sampled_from([1, 2]),
+    slot_nbytes=st.sampled_from([None, TINY_SLOT]),
+)
 def test_batches_of_views_copies_and_aliases_come_as_without_workers(
-    dataset_path, names, num_workers
+    dataset_path, names, num_workers, slot_nbytes
 ) -> None:
-    check_loader(dataset_path, Pieces(names), num_workers)
+    check_loader(dataset_path, Pieces(names), num_workers, slot_nbytes=slot_nbytes)
 
 
-def test_every_piece_at_once_comes_as_without_workers(dataset_path) -> None:
-    check_loader(dataset_path, Pieces(PIECES + PIECES[::-1]), 2)
+@pytest.mark.parametrize("slot_nbytes", [None, TINY_SLOT], ids=["in-slot", "larger-than-slot"])
+def test_every_piece_at_once_comes_as_without_workers(dataset_path, slot_nbytes) -> None:
+    check_loader(dataset_path, Pieces(PIECES + PIECES[::-1]), 2, slot_nbytes=slot_nbytes)
 
 
 def alias_collate(samples: Any) -> dict[str, Any]:
@@ -237,8 +260,9 @@ def test_fortran_reversed_channels_last_and_expanded_leaves_keep_their_strides(d
     ],
     ids=["misaligned", "records", "zero-strides"],
 )
-def test_named_combinations_come_as_without_workers(dataset_path, names) -> None:
-    check_loader(dataset_path, Pieces(names), 1)
+@pytest.mark.parametrize("slot_nbytes", [None, TINY_SLOT], ids=["in-slot", "larger-than-slot"])
+def test_named_combinations_come_as_without_workers(dataset_path, names, slot_nbytes) -> None:
+    check_loader(dataset_path, Pieces(names), 1, slot_nbytes=slot_nbytes)
 
 
 def ring_mappings() -> set[str]:

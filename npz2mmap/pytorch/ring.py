@@ -31,7 +31,7 @@ import torch
 
 from ..errors import WorkerError
 from .batch_plan import BatchPlan
-from .slots import is_bare_layout, pin_ring
+from .slots import Ring, is_bare_layout, pin_ring
 from .workers import WorkerPool, pickled_or_none, seed_base, worker_failure
 
 # Leaving a pass early waits this long at most (or ``timeout``) for the batches in flight, then
@@ -188,13 +188,15 @@ class RingWorkers:
     def _batch_of(self, reply: tuple[Any, ...], slot: int) -> Any:
         if reply[0] == "slot":
             return self.pool.ring.materialise(slot, self._tree_of(slot, reply[2]))
-        _, number, nbytes, pickled = reply
-        batch = pickle.loads(pickled)
+        _, number, layout, data = reply
+        own = Ring.private(len(data))
+        own.bytes_np[:] = np.frombuffer(data, dtype=np.uint8)
+        batch = own.materialise(0, pickle.loads(layout))
         if not self.warned_overflow:
             self.warned_overflow = True
             warnings.warn(
-                f"MmapLoader: batch {number} needs {nbytes} bytes, more than a ring slot's "
-                f"{self.pool.ring.slot_nbytes}; such batches go through a pipe, pickled (slower): "
+                f"MmapLoader: batch {number} needs {len(data)} bytes, more than a ring slot's "
+                f"{self.pool.ring.slot_nbytes}; such batches go through a pipe, copied (slower): "
                 "pass a larger slot_nbytes",
                 RuntimeWarning,
                 stacklevel=5,

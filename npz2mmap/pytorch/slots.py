@@ -35,7 +35,7 @@ from .dataset import MmapDataset, SampleList, collate, torch_dtype
 SLOT_ALIGN = 64
 SLOT_SPARE_NBYTES = 1 << 20
 # A dataset with a huge ragged sample would otherwise ask for a huge ring;
-# batches larger than this travel pickled unless slot_nbytes says otherwise.
+# batches larger than this travel through a pipe unless slot_nbytes says otherwise.
 MAX_DEFAULT_SLOT_NBYTES = 256 << 20
 
 
@@ -44,7 +44,7 @@ def default_slot_nbytes(dataset: MmapDataset, batch_size: int) -> int:
 
     The largest sample of a ragged field comes from its shape table (checked
     whole, once). Twice leaves room for a transform or collate that widens
-    dtypes or pads; a batch that still does not fit travels pickled.
+    dtypes or pads; a batch that still does not fit travels through a pipe.
     """
     reader = dataset.reader
     total = 0
@@ -107,7 +107,7 @@ class ViewLeaf:
 
 
 class SlotFull(Exception):
-    """A batch needs more bytes than its slot has (it then travels pickled).
+    """A batch needs more bytes than its slot has (it then travels through a pipe, copied).
 
     ``batch`` is the batch when it was already made in the worker's own memory.
     """
@@ -145,10 +145,19 @@ if os.name == "posix":  # the heap registers this reduction for Arena alone, not
     multiprocessing.reduction.register(RingBlock, multiprocessing.heap.reduce_arena)
 
 
+@dataclass(frozen=True)
+class PrivateBlock:
+    """Memory of one process's own, in place of a shared block (see ``Ring.private``)."""
+
+    buffer: memoryview
+
+
 class Ring:
     """The shared block as slots; both the trainer and the workers view it through this."""
 
-    def __init__(self, block: multiprocessing.heap.Arena, num_slots: int, slot_nbytes: int) -> None:
+    def __init__(
+        self, block: multiprocessing.heap.Arena | PrivateBlock, num_slots: int, slot_nbytes: int
+    ) -> None:
         self.block = block  # what workers are given: it pickles as the memory's descriptor
         self.num_slots = num_slots
         self.slot_nbytes = slot_nbytes
@@ -159,6 +168,19 @@ class Ring:
     def allocate(cls, num_slots: int, slot_nbytes: int) -> Ring:
         """A new block (not touched here: pages are committed as batches are first written)."""
         return cls(RingBlock(num_slots * slot_nbytes), num_slots, slot_nbytes)
+
+    @classmethod
+    def private(cls, nbytes: int) -> Ring:
+        """One slot of this process's own memory, aligned as a shared slot is.
+
+        A batch larger than its shared slot is written into one of these and
+        sent as its bytes: the trainer's batch then shares memory between
+        leaves (a view and its base, a tensor and its numpy array) as one
+        from a shared slot does.
+        """
+        raw = np.empty(nbytes + SLOT_ALIGN, dtype=np.uint8)
+        skip = -raw.ctypes.data % SLOT_ALIGN
+        return cls(PrivateBlock(raw[skip : skip + nbytes].data), 1, nbytes)
 
     @property
     def nbytes(self) -> int:
@@ -467,7 +489,7 @@ def _described(tree: Any, described: dict[int, ViewLeaf]) -> Any:
 
 
 def tree_nbytes(tree: Any) -> int:
-    """The slot bytes ``tree`` would need at most (for the message when it does not fit)."""
+    """The slot bytes ``tree`` would need at most (a batch larger than its slot is given this much)."""
     return sum(aligned(region.nbytes + SLOT_ALIGN) for region in plan_regions(tree))
 
 

@@ -82,19 +82,24 @@ def _seed_generators(seed: int) -> None:
 def _make_into_slot(
     plan: BatchPlan, ring: Ring, slot: int, number: int, indices: np.ndarray
 ) -> tuple[Any, ...]:
-    """One batch's reply: ("slot", number, layout), ("pickled", number, nbytes, batch) or ("error", ...).
+    """One batch's reply: ("slot", number, layout), ("sent", number, layout, bytes) or ("error", ...).
 
-    The layout and the batch are pickled here, inside the try: a batch that
-    cannot be pickled (a lock, a generator) is an error of this batch, and
-    the trainer can tell one it cannot unpickle from a broken pipe. An error
-    is ("error", number, pickled exception or None, traceback text).
+    A batch larger than its slot is written as into a slot, but into memory
+    of this process's own, and sent whole ("sent"): it comes with the same
+    memory shared between its leaves. The layout is pickled here, inside the
+    try: a batch that cannot be pickled (a lock, a generator) is an error of
+    this batch, and the trainer can tell one it cannot unpickle from a
+    broken pipe. An error is ("error", number, pickled exception or None,
+    traceback text).
     """
     try:
         try:
             return ("slot", number, _layout(plan.make(indices, SlotDestination(SlotWriter(ring, slot)))))
         except SlotFull as full:
             batch = full.batch if full.batch is not None else plan.make(indices, InMemory())
-        return ("pickled", number, tree_nbytes(batch), _layout(batch))
+        own = SlotWriter(Ring.private(tree_nbytes(batch)), 0)
+        layout = _layout(own.write(batch))
+        return ("sent", number, layout, own.ring.bytes_np[: own.used].tobytes())
     except BaseException as exc:  # KeyboardInterrupt, SystemExit too: from user code (workers ignore SIGINT)
         return ("error", number, pickled_or_none(exc), traceback.format_exc())
 
