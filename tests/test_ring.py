@@ -1655,29 +1655,40 @@ def labels_as(dtype_name: str) -> Callable[[Any], Any]:
 
 
 def _labels_as(dtype_name: str, samples: Any) -> dict[str, torch.Tensor]:
-    labels = torch.tensor([int(s["label"]) for s in samples])
-    return {
-        "label": labels.to(getattr(torch, dtype_name)),
-        "empty": torch.zeros((0, 2), dtype=getattr(torch, dtype_name)),
-    }
+    """Labels of the dtype, plain and as views with the bits a slot view would lose (neg, conj, grad)."""
+    dtype = getattr(torch, dtype_name)
+    labels = torch.tensor([int(s["label"]) for s in samples]).to(dtype)
+    batch = {"label": labels, "empty": torch.zeros((0, 2), dtype=dtype), "neg": labels.clone()._neg_view()}
+    if dtype.is_complex:
+        batch["conj"] = (labels * 1j).conj()
+    if dtype.is_floating_point:
+        batch["grad"] = labels.clone().requires_grad_()
+    return batch
 
 
+def stored(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """A tensor's dtype, shape, bits and the bytes of its memory (its conj and neg views undone)."""
+    plain = tensor.detach()
+    plain = plain.conj() if plain.is_conj() else plain
+    plain = plain._neg_view() if plain.is_neg() else plain
+    raw = plain.contiguous().reshape(-1).view(torch.uint8).tolist()
+    return tensor.dtype, tuple(tensor.shape), tensor.is_conj(), tensor.is_neg(), tensor.requires_grad, raw
+
+
+@pytest.mark.parametrize("slot_nbytes", [None, 1], ids=["in-slot", "larger-than-slot"])
 @pytest.mark.parametrize("dtype_name", TORCH_PICKLES_NOT)
-def test_a_batch_larger_than_its_slot_of_a_dtype_torch_cannot_pickle_arrives_exact(
-    dataset_dir, dtype_name
+def test_tensors_of_a_dtype_torch_cannot_pickle_arrive_exact_with_their_bits(
+    dataset_dir, dtype_name, slot_nbytes
 ) -> None:
-    """Such a batch travels pickled; torch's own pickling refuses these dtypes, so their bytes go."""
+    """Torch's own pickling refuses these dtypes, so their bytes go; a neg or conj view and
+    requires_grad (which a view of a slot would lose) come as torch's pickling keeps them."""
     ds = MmapDataset(dataset_dir / "dataset", fields=["label"])
+    collate_fn = labels_as(dtype_name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # complex32 is experimental; a batch larger than its slot warns
-        with MmapLoader(ds, 5, num_workers=1, collate_fn=labels_as(dtype_name), slot_nbytes=1) as loader:
-            got = list(loader)
+        with MmapLoader(ds, 5, num_workers=1, collate_fn=collate_fn, slot_nbytes=slot_nbytes) as loader:
+            got = [{key: stored(leaf) for key, leaf in batch.items()} for batch in loader]
         expected = [
-            labels_as(dtype_name)([ds[i] for i in range(s, min(s + 5, len(ds)))])
-            for s in range(0, len(ds), 5)
+            collate_fn([ds[i] for i in range(s, min(s + 5, len(ds)))]) for s in range(0, len(ds), 5)
         ]
-    assert len(got) == len(expected)
-    for batch, want in zip(got, expected, strict=True):
-        for key in ("label", "empty"):
-            assert batch[key].dtype == want[key].dtype and batch[key].shape == want[key].shape
-            assert batch[key].view(torch.uint8).tolist() == want[key].view(torch.uint8).tolist()
+    assert got == [{key: stored(leaf) for key, leaf in want.items()} for want in expected]

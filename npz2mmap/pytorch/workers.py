@@ -125,8 +125,12 @@ class _TensorPickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if _pickled_as_bytes(obj):
-            raw = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            return _tensor_from_bytes, (raw, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
+            bits = (obj.is_conj(), obj.is_neg(), obj.requires_grad)
+            plain = obj.detach()
+            plain = plain.conj() if bits[0] else plain  # a conj or neg view's memory, as torch keeps it
+            plain = plain._neg_view() if bits[1] else plain
+            raw = plain.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            return _tensor_from_bytes, (raw, str(obj.dtype).removeprefix("torch."), tuple(obj.shape), bits)
         return NotImplemented
 
 
@@ -141,12 +145,19 @@ def _pickled_as_bytes(obj: Any) -> bool:
     )
 
 
-def _tensor_from_bytes(raw: bytes, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor _TensorPickler sent as its bytes."""
+def _tensor_from_bytes(
+    raw: bytes, dtype_name: str, shape: tuple[int, ...], bits: tuple[bool, bool, bool]
+) -> torch.Tensor:
+    """A tensor _TensorPickler sent as its bytes, with its conj, neg and requires_grad bits."""
     dtype = getattr(torch, dtype_name)
     if not raw:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+        tensor = torch.empty(shape, dtype=dtype)
+    else:
+        tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+    conj, neg, requires_grad = bits
+    tensor = tensor._neg_view() if neg else tensor
+    tensor = tensor.conj() if conj else tensor
+    return tensor.requires_grad_(requires_grad)
 
 
 def pickled_or_none(exc: BaseException) -> bytes | None:
