@@ -7,14 +7,43 @@ import json
 import os
 import signal
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 from npz2mmap.format import index
 from npz2mmap.write.conversion import convert
+
+
+@dataclass(frozen=True)
+class RunSize:
+    """How much a sized test tries: its short run in the test command, its long run under ``-m long``."""
+
+    long: bool
+
+    def of(self, short: int, long: int) -> int:
+        return long if self.long else short
+
+
+@pytest.fixture(params=[False, pytest.param(True, marks=pytest.mark.long)], ids=["short", "long"])
+def run_size(request: pytest.FixtureRequest) -> RunSize:
+    """A test taking this runs twice: short (the test command) and long (``-m long``)."""
+    return RunSize(request.param)
+
+
+def sized(run_size: RunSize, short: int, long: int) -> settings:
+    """Hypothesis settings for a sized test: ``short`` examples, the same each run (so CI repeats
+    itself), or ``long`` examples drawn anew in the long run."""
+    return settings(
+        max_examples=run_size.of(short, long),
+        derandomize=not run_size.long,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 
 
 def write_npz(path: Path, compressed: bool = False, **arrays: Any) -> Path:

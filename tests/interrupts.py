@@ -32,18 +32,16 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
+from conftest import RunSize
+
 import npz2mmap
 from npz2mmap import fsutil
 from npz2mmap.write import publish
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(npz2mmap.__file__)) + os.sep
-# The interrupt-anywhere tests try every step-th event; NPZ2MMAP_LONG=1 tries twice as many.
-STRIDE = 1 if os.environ.get("NPZ2MMAP_LONG") == "1" else 2
-
-
-def moments(step: int) -> itertools.count[int]:
-    """The events an interrupt-anywhere test fires at: 0, then every ``step`` (times STRIDE)."""
-    return itertools.count(0, step * STRIDE)
+def moments(step: int, run_size: RunSize) -> itertools.count[int]:
+    """The events an interrupt-anywhere test fires at: 0, then every 2 ``step`` (every ``step`` in its long run)."""
+    return itertools.count(0, step * run_size.of(2, 1))
 
 
 CONTEXTLIB_FILE = contextlib.__file__

@@ -12,7 +12,7 @@ import pytest
 SCRIPT = Path(__file__).parent.parent / "scripts" / "bench.py"
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_quick_benchmark_writes_table_json_and_chart(tmp_path) -> None:
     result = subprocess.run(
         [

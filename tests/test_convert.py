@@ -364,7 +364,7 @@ class Timeout(Exception):
     ],
 )
 def test_a_ctrl_c_anywhere_in_a_conversion_caught_leaves_out_free_for_the_next(
-    tmp_path, monkeypatch, interrupt_kind, step, workers
+    tmp_path, monkeypatch, interrupt_kind, step, workers, run_size
 ) -> None:
     """A Ctrl-C (or a timeout handler's exception) at every few lines of convert() in Python,
     caught by the caller: it is the exception raised, SIGINT is not blocked, OUT's lock is
@@ -377,7 +377,7 @@ def test_a_ctrl_c_anywhere_in_a_conversion_caught_leaves_out_free_for_the_next(
     old, new = dataset_bytes(tmp_path / "old"), dataset_bytes(tmp_path / "new")
     parent = tmp_path / "parent"
     parent.mkdir()
-    for k in moments(step):
+    for k in moments(step, run_size):
         out = parent / str(k) / "out"  # a parent each: listing it stays quick
         shutil.copytree(tmp_path / "old", out)
         raises = Timeout if "alarm" in interrupt_kind else None

@@ -23,8 +23,6 @@ from npz2mmap.write.conversion import convert
 
 SCRIPT = str(Path(sys.executable).parent / "npz2mmap")
 MAIN_PID = os.getpid()
-# Kills of the main process per phase; NPZ2MMAP_LONG=1 tries many more moments.
-KILLS_PER_PHASE = 6 if os.environ.get("NPZ2MMAP_LONG") == "1" else 1
 _real_write_batch = blob_writer.write_batch
 
 
@@ -204,11 +202,12 @@ def _group_gone(pgid: int, timeout: float) -> bool:
 
 @pytest.mark.parametrize("phase", ["start-up", "scan", "copy", "publish"])
 def test_kill_9_of_the_main_process_alone_takes_its_workers_and_a_rerun_succeeds(
-    tmp_path, sources, phase
+    tmp_path, sources, phase, run_size
 ) -> None:
-    """The main pid alone is killed (not its group): its workers must follow and free the lock."""
+    """The main pid alone is killed (not its group): its workers must follow and free the lock.
+    One kill per phase, at a random moment; six in the long run."""
     rng = random.Random(f"{phase}-{os.getpid()}-{time.time_ns()}")
-    for attempt in range(KILLS_PER_PHASE):
+    for attempt in range(run_size.of(1, 6)):
         out = tmp_path / f"out{attempt}"
         process = start_convert(sources, out, "--overwrite")
         survivors_gone = False

@@ -5,7 +5,7 @@ mutant must give the original data or a FormatError (one-line errors from the
 CLI): never a hang, never another exception, never different data with exit
 0. Forged mutants (index and identity rewritten together) may read other
 data but must still fail cleanly. The probe runs in subprocesses under a
-memory limit; NPZ2MMAP_LONG=1 draws ten times as many index edits.
+memory limit. A long test (``-m long``): 60 index edits, then 600.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from pathlib import Path
 import pytest
 from mutants import Mutant, all_mutants, make_base, materialise
 
-pytestmark = pytest.mark.slow  # a minute and a half of mutant datasets, each read by every command
+pytestmark = pytest.mark.long  # a minute and a half of mutant datasets, each read by every command
 
 PROBE = Path(__file__).with_name("mutant_probe.py")
 MEMORY_LIMIT_NBYTES = 8 << 30
-INDEX_EDITS = 600 if os.environ.get("NPZ2MMAP_LONG") else 60
 
 
 def _limit_memory() -> None:
@@ -46,11 +45,11 @@ def run_probe(paths: list[Path]) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 
-@pytest.fixture(scope="module")
-def probed(tmp_path_factory) -> tuple[dict, list[tuple[Mutant, dict]]]:
+@pytest.fixture(scope="module", params=[60, 600], ids=["60-edits", "600-edits"])
+def probed(tmp_path_factory, request) -> tuple[dict, list[tuple[Mutant, dict]]]:
     root = tmp_path_factory.mktemp("mutants")
     base = make_base(root)
-    mutants = all_mutants(base, index_edits=INDEX_EDITS)
+    mutants = all_mutants(base, index_edits=request.param)
     paths = [materialise(base, m, root / f"m{k:04d}") for k, m in enumerate(mutants)]
     chunks = [paths[k::2] for k in range(2)]
     with ThreadPoolExecutor(2) as pool:

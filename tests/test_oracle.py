@@ -4,20 +4,20 @@ checked against np.load of the sources.
 Every sample's raw bytes are compared with what the oracle (tests/corpus.py)
 computes from ``np.load`` alone; the output must be byte-identical for any
 number of workers, for parts merged with ``merge --copy``, and ``verify
---sources`` must agree. NPZ2MMAP_ORACLE_EXAMPLES sets how many random cases
-run (CI runs the default; a long run sets it to thousands).
+--sources`` must agree. The test command runs 150 cases, the same each run; the
+long run (``-m long``) 1,500 drawn anew.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import sized
 from corpus import Corpus, FieldSpec, Options, corpora, expected_samples, options_for, write_corpus
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from npz2mmap.check.verify import verify
@@ -27,9 +27,6 @@ from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write.conversion import convert
 from npz2mmap.write.merge import merge
 
-EXAMPLES = int(os.environ.get("NPZ2MMAP_ORACLE_EXAMPLES", "150"))
-LONG_RUN = "NPZ2MMAP_ORACLE_EXAMPLES" in os.environ
-
 
 @st.composite
 def cases(draw: st.DrawFn) -> tuple[Corpus, Options]:
@@ -37,14 +34,16 @@ def cases(draw: st.DrawFn) -> tuple[Corpus, Options]:
     return corpus, draw(options_for(corpus))
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=not LONG_RUN,  # CI runs the same cases every time; a long run explores
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-@given(case=cases())
-def test_converted_bytes_match_numpy_for_any_corpus_and_options(tmp_path_factory, case) -> None:
+def test_converted_bytes_match_numpy_for_any_corpus_and_options(tmp_path_factory, run_size) -> None:
+    @sized(run_size, 150, 1500)
+    @given(case=cases())
+    def check(case: tuple[Corpus, Options]) -> None:
+        matches_numpy(tmp_path_factory, case)
+
+    check()
+
+
+def matches_numpy(tmp_path_factory: pytest.TempPathFactory, case: tuple[Corpus, Options]) -> None:
     corpus, options = case
     record_coverage(corpus, options)
     root = tmp_path_factory.mktemp("oracle")

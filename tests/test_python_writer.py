@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import write_npz, write_samples
+from conftest import RunSize, sized, write_npz, write_samples
 from corpus import Corpus, Options, corpora, load_raw, options_for, write_corpus
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from interrupts import Interrupt, left_beside, lock_is_free, moments, sigint_blocked
 
@@ -46,7 +46,6 @@ from npz2mmap.write.conversion import convert
 from npz2mmap.write.merge import merge
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = int(os.environ.get("NPZ2MMAP_ORACLE_EXAMPLES", "150"))
 
 
 def run_script(
@@ -95,14 +94,18 @@ def file_cases(draw: st.DrawFn) -> tuple[Corpus, Options]:
     return corpus, draw(options_for(corpus))
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize="NPZ2MMAP_ORACLE_EXAMPLES" not in os.environ,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-@given(case=file_cases())
-def test_writer_writes_the_bytes_convert_writes_for_any_corpus(tmp_path_factory, case) -> None:
+def test_writer_writes_the_bytes_convert_writes_for_any_corpus(tmp_path_factory, run_size) -> None:
+    """150 cases drawn the same way each run; 1,500 drawn anew in the long run."""
+
+    @sized(run_size, 150, 1500)
+    @given(case=file_cases())
+    def check(case: tuple[Corpus, Options]) -> None:
+        writer_matches_convert(tmp_path_factory, case)
+
+    check()
+
+
+def writer_matches_convert(tmp_path_factory: pytest.TempPathFactory, case: tuple[Corpus, Options]) -> None:
     corpus, options = case
     root = tmp_path_factory.mktemp("writer-oracle")
     paths = [path for path, _ in write_corpus(corpus, root / "src").files]
@@ -871,6 +874,7 @@ def interrupted_appends(
     sample: dict[str, np.ndarray],
     refused: bool,
     replace: Callable[[npz2mmap.Writer], npz2mmap.Writer],
+    run_size: RunSize,
     interrupt_kind: str = "SIGINT",
     step: int = 1,
 ) -> tuple[list[str], npz2mmap.Writer]:
@@ -885,7 +889,7 @@ def interrupted_appends(
     how, caught = INTERRUPTS[interrupt_kind]
     refusal = SourceError if refused else ()
     outcomes = []
-    for k in moments(step):
+    for k in moments(step, run_size):
         before = w.num_samples
         with Interrupt(k, on_fire=lambda: w.num_samples, **how) as interrupt:  # noqa: B023 (called at once)
             try:
@@ -932,7 +936,7 @@ WRAPPER_RETURN_LINE = next(
     ],
 )
 def test_a_ctrl_c_anywhere_in_append_leaves_the_sample_out_and_the_writer_usable(
-    tmp_path, monkeypatch, phase, interrupt_kind, step
+    tmp_path, monkeypatch, phase, interrupt_kind, step, run_size
 ) -> None:
     """A Ctrl-C (or an alarm's exception) at every line and bytecode of append, and of
     its undoing of a refused sample: the exception out of append is the interrupt's, and
@@ -968,7 +972,7 @@ def test_a_ctrl_c_anywhere_in_append_leaves_the_sample_out_and_the_writer_usable
         return new_writer()
 
     outcomes, w = interrupted_appends(
-        new_writer(), sample, phase == "refused sample", replace, interrupt_kind, step
+        new_writer(), sample, phase == "refused sample", replace, run_size, interrupt_kind, step
     )
     finish(w, got_in=phase != "refused sample")
     assert outcomes.count("interrupted") > 1000 // step  # every event of append was reached
@@ -1006,7 +1010,7 @@ def test_a_first_sample_a_held_back_ctrl_c_undid_leaves_no_trace_for_another_fir
     [("SIGINT", 3), ("SIGINT taken by another thread", 5), ("TimeoutError from an alarm", 11)],
 )
 def test_a_ctrl_c_anywhere_in_close_publishes_the_whole_dataset_or_leaves_the_old_one(
-    tmp_path, monkeypatch, interrupt_kind, step
+    tmp_path, monkeypatch, interrupt_kind, step, run_size
 ) -> None:
     """At every third line of close (and of everything it calls; each scenario writes two
     datasets, so all ~1,000 lines would take minutes): OUT is then the old dataset,
@@ -1023,7 +1027,7 @@ def test_a_ctrl_c_anywhere_in_close_publishes_the_whole_dataset_or_leaves_the_ol
     parent.mkdir()
     leftovers = set()
     outcomes = []
-    for k in moments(step):
+    for k in moments(step, run_size):
         out = parent / f"out-{k}"
         shutil.copytree(tmp_path / "old", out)
         baseline = set(os.listdir(parent))

@@ -4,7 +4,7 @@ Archives come from np.savez, np.savez_compressed and zipfile (comments,
 prepended bytes, zip64 extras, a ZIP64 end record, directory entries, UTF-8
 and cp437 names); mutants of them (flipped, truncated, inserted, overwritten
 bytes) must be refused or read exactly as zipfile reads them, with every read
-bounded by the file's size. NPZ2MMAP_LONG=1 runs many more examples.
+bounded by the file's size. The long run (``-m long``) tries many more examples.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from unittest import mock
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, assume, given, settings
+from conftest import sized
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from npz2mmap import DatasetReader, fsutil
@@ -37,9 +38,6 @@ from npz2mmap.ingest import npz as npzfile
 from npz2mmap.ingest import zip_directory
 from npz2mmap.ingest.sources import open_source, scan_source
 
-LONG = os.environ.get("NPZ2MMAP_LONG") == "1"
-EXAMPLES = 1500 if LONG else 60
-MUTANTS = 5000 if LONG else 150
 FIELDS = ("orig_filename", "filename", "flag_bits", "compress_type", "CRC", "compress_size", "file_size")
 END = struct.Struct("<4s4H2LH")
 ZIP64_END = struct.Struct("<4sQ2H2L4Q")
@@ -165,10 +163,13 @@ def archives(draw: st.DrawFn) -> bytes:
 # --- valid archives: the same entries as zipfile ------------------------------------------------
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=archives(), whole=st.booleans())
-def test_every_field_of_every_entry_is_zipfiles(data: bytes, whole: bool) -> None:
-    assert ours(data, whole) == oracle(data)
+def test_every_field_of_every_entry_is_zipfiles(run_size) -> None:
+    @sized(run_size, 60, 1500)
+    @given(data=archives(), whole=st.booleans())
+    def check(data: bytes, whole: bool) -> None:
+        assert ours(data, whole) == oracle(data)
+
+    check()
 
 
 def test_the_forms_the_strategies_promise_are_read_as_zipfile_reads_them() -> None:
@@ -218,8 +219,8 @@ def zipfile_with_zip64_end(path: Path, num_members: int) -> bytes:
     return path.read_bytes()
 
 
-def test_many_members_are_read_from_zipfiles_own_zip64_end_record(tmp_path) -> None:
-    num_members = zip_directory.MAX_ENTRIES if LONG else 300
+def test_many_members_are_read_from_zipfiles_own_zip64_end_record(tmp_path, run_size) -> None:
+    num_members = run_size.of(300, zip_directory.MAX_ENTRIES)
     data = zipfile_with_zip64_end(tmp_path / "many.npz", num_members)
     assert data[-22 - 20 : -22].startswith(b"PK\x06\x07")  # zipfile wrote a ZIP64 end record
     assert ours(data) == oracle(data)
@@ -256,17 +257,18 @@ def mutants(draw: st.DrawFn) -> bytes:
     return bytes(data)
 
 
-@settings(max_examples=MUTANTS, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=mutants(), whole=st.booleans())
-def test_a_damaged_archive_is_refused_in_one_line_or_read_as_zipfile_reads_it(
-    data: bytes, whole: bool
-) -> None:
-    try:
-        entries = ours(data, whole)
-    except SourceError as exc:
-        assert str(exc).startswith("a.npz: ") and "\n" not in str(exc)
-        return
-    assert entries == oracle(data)
+def test_a_damaged_archive_is_refused_in_one_line_or_read_as_zipfile_reads_it(run_size) -> None:
+    @sized(run_size, 150, 5000)
+    @given(data=mutants(), whole=st.booleans())
+    def check(data: bytes, whole: bool) -> None:
+        try:
+            entries = ours(data, whole)
+        except SourceError as exc:
+            assert str(exc).startswith("a.npz: ") and "\n" not in str(exc)
+            return
+        assert entries == oracle(data)
+
+    check()
 
 
 # --- hostile numbers --------------------------------------------------------------------------------
@@ -681,17 +683,20 @@ def test_gaps_between_members_are_accepted(tmp_path, compress) -> None:
     }
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=numpy_archives())
-def test_numpys_own_archives_never_overlap(data: bytes) -> None:
-    with tempfile.TemporaryDirectory() as directory:
-        path = Path(directory) / "a.npz"
-        path.write_bytes(data)
-        headers, _ = scan_source(str(path))
-        with np.load(path) as npz:
-            assert {key: (h.dtype, h.shape) for key, h in headers.items()} == {
-                key: (npz[key].dtype, npz[key].shape) for key in npz.files
-            }
+def test_numpys_own_archives_never_overlap(run_size) -> None:
+    @sized(run_size, 60, 1500)
+    @given(data=numpy_archives())
+    def check(data: bytes) -> None:
+        with tempfile.TemporaryDirectory() as directory:
+            path = Path(directory) / "a.npz"
+            path.write_bytes(data)
+            headers, _ = scan_source(str(path))
+            with np.load(path) as npz:
+                assert {key: (h.dtype, h.shape) for key, h in headers.items()} == {
+                    key: (npz[key].dtype, npz[key].shape) for key in npz.files
+                }
+
+    check()
 
 
 def test_an_overlapping_archive_stays_refused_when_asked_again(tmp_path) -> None:
