@@ -2,9 +2,10 @@
 
 Each ```python block of README.md and of the pages of docs/ runs in its own interpreter, in a temporary
 directory holding the README's own example (scripts/example.py, converted) at
-every path the snippets name. A prelude defines the names the README leaves
-to the reader; an epilogue iterates the snippet's ``loader`` to the end, since
-a DataLoader only fails when it is iterated. The snippets are run as written.
+every path the snippets name. A snippet written for torchrun gets the
+environment torchrun gives a process; an epilogue iterates the snippet's
+``loader`` to the end, since a DataLoader only fails when it is iterated. The
+snippets are run as written: each defines every name it uses.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from npz2mmap import MmapDataset
 from npz2mmap.write.conversion import convert
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,28 +32,13 @@ SNIPPETS = [
 ]
 DATASET_NAMES = ("data.mmap", "seq.mmap")  # the paths the snippets open
 
-PRELUDE = """\
-# Names the README leaves to the reader.
-epochs = 2
-def my_augment(sample):
-    return sample
-"""
-
-# A snippet meant for torchrun runs as rank 0 of a single-process group, on gloo
-# where this machine has no CUDA for the snippet's "nccl" (as its comment says).
+# A snippet meant for torchrun runs as rank 0 of one process, with the environment torchrun gives it.
 TORCHRUN_PRELUDE = """\
 import os, socket
-import torch, torch.distributed
 with socket.socket() as _s:
     _s.bind(("127.0.0.1", 0))
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(_s.getsockname()[1]))
-_init = torch.distributed.init_process_group
-def _init_here(backend=None, *args, **kwargs):
-    if backend == "nccl" and not torch.cuda.is_available():
-        backend = "gloo"
-    return _init(backend, *args, **kwargs)
-torch.distributed.init_process_group = _init_here
 """
 
 EPILOGUE = """
@@ -92,7 +80,7 @@ def test_the_readme_has_the_snippets_this_test_runs() -> None:
 @pytest.mark.parametrize("number", range(len(SNIPPETS)), ids=[f"{d}-{k}" for k, (d, _) in enumerate(SNIPPETS)])
 def test_documented_snippet_runs_on_the_example(example_dir: Path, number: int) -> None:
     document, snippet = SNIPPETS[number]
-    prelude = PRELUDE + (TORCHRUN_PRELUDE if "init_process_group" in snippet else "")
+    prelude = TORCHRUN_PRELUDE if "init_process_group" in snippet else ""
     result = run_python(prelude + snippet + EPILOGUE, example_dir)
     assert result.returncode == 0, f"{document}, snippet {number + 1}:\n{snippet}\n{result.stderr}"
     if "loader" in snippet:
@@ -136,3 +124,27 @@ def test_the_example_says_why_its_first_epoch_is_slower(example_dir: Path, tmp_p
         " (cold: starts the 2 workers, which import torch, and reads the data from disk)"
     )
     assert epochs[1].endswith(" (warm: the workers are running and the data is in the page cache)")
+
+
+def the_snippet_with(document: str, text: str) -> str:
+    """The one snippet of ``document`` that contains ``text``."""
+    [snippet] = [code for name, code in SNIPPETS if name == document and text in code]
+    return snippet
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_the_many_process_writer_snippet_merges_every_rank_under_torchrun(tmp_path: Path, run: int) -> None:
+    (tmp_path / "write.py").write_text(the_snippet_with("docs/python.md", "part=(rank, world)"))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    result = subprocess.run(
+        [*torchrun, "write.py"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    ds = MmapDataset(tmp_path / "shards.mmap", fields="x")
+    expected = np.repeat(np.arange(1000, dtype=np.float32)[:, None], 4, axis=1)
+    np.testing.assert_array_equal(np.stack([ds[i] for i in range(len(ds))]), expected)
