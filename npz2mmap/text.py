@@ -1,6 +1,8 @@
-"""Words and numbers in messages: sizes and counts, as every layer writes them."""
+"""Words and numbers in messages: sizes, counts and quoted values, as every layer writes them."""
 
 from __future__ import annotations
+
+from typing import Any
 
 
 def human_bytes(nbytes: int) -> str:
@@ -16,3 +18,18 @@ def human_bytes(nbytes: int) -> str:
 def plural(count: int, noun: str) -> str:
     """1 -> '1 sample', 1000 -> '1,000 samples': a count with its noun in the right number."""
     return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
+
+
+def brief(value: Any, limit: int = 240) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages quoting what a file holds.
+
+    Safe for any value decoded from a file: an int too long to print is
+    described by its size, and so is a structure too deep to print.
+    """
+    if type(value) is int and value.bit_length() > 128:
+        return f"a {value.bit_length()}-bit integer"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        return f"a {type(value).__name__} too large to show"
+    return text if len(text) <= limit else f"{text[:limit]}..."

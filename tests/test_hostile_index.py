@@ -25,7 +25,8 @@ from npz2mmap import MmapDataset
 from npz2mmap.check.verify import verify
 from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FormatError, SourceError
-from npz2mmap.format.index import MAX_DTYPE_DEPTH, MAX_NBYTES, MAX_NDIM, parse_index
+from npz2mmap.format.dtypes import MAX_DTYPE_DEPTH
+from npz2mmap.format.index import MAX_NBYTES, MAX_NDIM, parse_index
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write.conversion import convert
 

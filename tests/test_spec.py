@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from npz2mmap.errors import FormatError
-from npz2mmap.format import index
+from npz2mmap.format import dtypes, index
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write.conversion import convert
 
@@ -205,7 +205,7 @@ def test_dtypes_survive_the_json_round_trip() -> None:
         ],
     ]:
         dtype = np.dtype(dtype)
-        assert index.dtype_from_json(json.loads(json.dumps(index.dtype_to_json(dtype))), "test") == dtype
+        assert dtypes.dtype_from_json(json.loads(json.dumps(dtypes.dtype_to_json(dtype))), "test") == dtype
 
 
 def test_corrupt_ragged_tables_raise_on_access_instead_of_reading_out_of_bounds(tmp_path) -> None:

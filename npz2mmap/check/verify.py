@@ -17,7 +17,8 @@ import numpy as np
 
 from ..errors import FormatError, SourceError
 from ..format import provenance
-from ..format.index import BLOB_HEADER_NBYTES, IDENTITY_NBYTES, Field, Index, load_index, storage_dtype
+from ..format.dtypes import storage_dtype
+from ..format.index import BLOB_HEADER_NBYTES, IDENTITY_NBYTES, Field, Index, load_index
 from ..format.manifest import is_manifest_dir, resolve_parts
 from ..ingest.elements import ByteReader, Piece, stored_pieces
 from ..ingest.npz import CHUNK_NBYTES, HeaderLimit, MemberHeader, header_limit

@@ -13,7 +13,8 @@ import os
 from collections.abc import Sequence
 
 from ..errors import FormatError
-from .index import INDEX_NAME, brief, decode_json, read_regular_file
+from ..text import brief
+from .index import INDEX_NAME, decode_json, read_regular_file
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "npz2mmap-parts"

@@ -22,7 +22,7 @@ from typing import Literal
 import numpy as np
 
 from ..errors import MismatchError, SourceError
-from ..format.index import storage_dtype
+from ..format.dtypes import storage_dtype
 from .npz import CHUNK_NBYTES, MemberHeader
 
 Piece = bytes | bytearray | memoryview

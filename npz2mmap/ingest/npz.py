@@ -28,14 +28,14 @@ import numpy as np
 
 from .. import fsutil
 from ..errors import DatasetInputError, SourceError
+from ..format.dtypes import storage_dtype
 from ..format.index import (
     IDENTITY_MAGIC,
     NPY_MAGIC,
-    brief,
     checked_nbytes,
     representable_nbytes,
-    storage_dtype,
 )
+from ..text import brief
 from .zip_directory import FileView, ZipEntry
 
 NPY_SUFFIX = ".npy"

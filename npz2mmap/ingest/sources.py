@@ -21,7 +21,8 @@ from typing import BinaryIO, Protocol
 
 from .. import fsutil
 from ..errors import MismatchError, SourceError
-from ..format.index import IDENTITY_MAGIC, storage_dtype
+from ..format.dtypes import storage_dtype
+from ..format.index import IDENTITY_MAGIC
 from .npz import (
     CHUNK_NBYTES,
     IN_SAMPLE_DIR,

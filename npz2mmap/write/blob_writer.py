@@ -23,6 +23,7 @@ from .. import fsutil
 from .._version import __version__
 from ..errors import MismatchError, SourceError
 from ..format import provenance
+from ..format.dtypes import dtype_to_json, storage_dtype
 from ..format.index import (
     BLOB_HEADER_NBYTES,
     BLOB_NAME,
@@ -38,10 +39,8 @@ from ..format.index import (
     Region,
     blob_header,
     blob_identity,
-    dtype_to_json,
     index_digest,
     index_to_json,
-    storage_dtype,
 )
 from ..ingest.elements import ByteReader, Piece, stored_pieces
 from ..ingest.npz import (

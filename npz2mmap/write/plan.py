@@ -20,6 +20,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..errors import MismatchError, SourceError, UnknownKeyError
+from ..format.dtypes import dtype_nesting_problem, storage_dtype
 from ..format.index import (
     BLOB_HEADER_NBYTES,
     CRC_DTYPE,
@@ -29,14 +30,12 @@ from ..format.index import (
     OFFSET_DTYPE,
     SHAPE_DTYPE,
     Region,
-    brief,
     checked_nbytes,
-    dtype_nesting_problem,
     field_name_problem,
     representable_nbytes,
-    storage_dtype,
 )
 from ..ingest.npz import MemberHeader
+from ..text import brief
 
 # Every sample has an int64 entry in a ragged field's offsets table, which lives in the payload.
 MAX_NUM_SAMPLES = MAX_PAYLOAD_NBYTES // OFFSET_DTYPE.itemsize - 1

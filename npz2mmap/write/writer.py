@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import fsutil
 from ..errors import FixedShapeError, OutputError, RaggedFieldWarning, SourceError
-from ..format.index import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN, brief, escape_controls
+from ..format.index import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN, escape_controls
 from ..format.provenance import MAX_LINE_NBYTES
 from ..ingest.elements import Piece, stored_pieces
 from ..ingest.npz import CHUNK_NBYTES, MemberHeader
@@ -41,6 +41,7 @@ from ..parallel import (
     restore_signal_mask,
     signal_mask,
 )
+from ..text import brief
 from . import blob_writer, publish
 from .conversion import (
     PartOption,
