@@ -120,6 +120,13 @@ def convert_samples(tmp_path: Path) -> Callable[..., Path]:
 
 
 @pytest.fixture
+def tiny_sources(tmp_path: Path) -> Path:
+    """``tmp_path/src``: two NPZ files of one int64 field, x = [i, i+1, i+2], for tests of paths and options."""
+    write_samples(tmp_path / "src", [{"x": np.arange(3) + i} for i in range(2)])
+    return tmp_path / "src"
+
+
+@pytest.fixture
 def small_dataset(tmp_path: Path) -> tuple[Path, list[Path]]:
     """Six samples: a fixed float image, a scalar label and ragged tokens."""
     rng = np.random.default_rng(7)

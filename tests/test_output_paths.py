@@ -36,12 +36,6 @@ def listing(root: Path) -> dict[str, str]:
     return found
 
 
-@pytest.fixture
-def sources(tmp_path) -> Path:
-    write_samples(tmp_path / "src", [{"x": np.arange(3) + i} for i in range(2)])
-    return tmp_path / "src"
-
-
 def broken_link_parent(root: Path) -> tuple[str, str]:
     (root / "parent").symlink_to(root / "nonexistent")
     target = root / "nonexistent"
@@ -115,14 +109,14 @@ CASES: dict[str, Callable[[Path], tuple[str, str]]] = {
 @pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("case", CASES)
 def test_convert_says_why_out_cannot_be_written_and_changes_nothing(
-    tmp_path, sources, monkeypatch, case, overwrite
+    tmp_path, tiny_sources, monkeypatch, case, overwrite
 ) -> None:
     root = tmp_path / "work"
     root.mkdir()
     out, reason = CASES[case](root)
     before = listing(root)
     monkeypatch.chdir(root)
-    arguments = ["convert", str(sources), "-o", out, "-q"] + (["--overwrite"] if overwrite else [])
+    arguments = ["convert", str(tiny_sources), "-o", out, "-q"] + (["--overwrite"] if overwrite else [])
     result = CliRunner().invoke(cli, arguments)
     assert (result.exit_code, result.output) == (1, f"Error: {out}: {reason}\n")
     assert isinstance(result.exception, SystemExit)  # no traceback
@@ -133,8 +127,8 @@ def test_convert_says_why_out_cannot_be_written_and_changes_nothing(
     "case",
     ["parent a broken link", "ancestor a file", "parent a link loop", "OUT a broken link", "OUT a link loop"],
 )
-def test_the_writer_and_merge_say_the_same(tmp_path, sources, monkeypatch, case) -> None:
-    npz2mmap.convert([sources], tmp_path / "part", workers=1)
+def test_the_writer_and_merge_say_the_same(tmp_path, tiny_sources, monkeypatch, case) -> None:
+    npz2mmap.convert([tiny_sources], tmp_path / "part", workers=1)
     root = tmp_path / "work"
     root.mkdir()
     out, reason = CASES[case](root)
@@ -150,9 +144,9 @@ def test_the_writer_and_merge_say_the_same(tmp_path, sources, monkeypatch, case)
     assert listing(root) == before
 
 
-def test_a_missing_parent_is_created(tmp_path, sources) -> None:
+def test_a_missing_parent_is_created(tmp_path, tiny_sources) -> None:
     out = tmp_path / "new" / "deeper" / "out"
-    result = CliRunner().invoke(cli, ["convert", str(sources), "-o", str(out), "-q"])
+    result = CliRunner().invoke(cli, ["convert", str(tiny_sources), "-o", str(out), "-q"])
     assert result.exit_code == 0, result.output
     assert npz2mmap.DatasetReader(out).field_names == ("x",)
     assert sorted(p.name for p in out.parent.iterdir()) == ["out"]
@@ -185,9 +179,9 @@ def run_unprivileged(arguments: list[str], cwd: Path) -> tuple[int, str]:
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork (POSIX)")
 @pytest.mark.parametrize("out", ["locked/out", "locked/a/out"])
-def test_a_parent_this_user_may_not_write_is_named(tmp_path, sources, out) -> None:
+def test_a_parent_this_user_may_not_write_is_named(tmp_path, tiny_sources, out) -> None:
     tmp_path.chmod(0o755)  # the child must reach what it converts
-    for path in [sources, *sources.iterdir()]:
+    for path in [tiny_sources, *tiny_sources.iterdir()]:
         path.chmod(path.stat().st_mode | 0o555)
     (tmp_path / "locked").mkdir(mode=0o555)
     (tmp_path / "locked").chmod(0o555)

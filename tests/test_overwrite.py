@@ -31,12 +31,6 @@ def tree_digest(directory: Path) -> dict[str, str]:
     }
 
 
-@pytest.fixture
-def sources(tmp_path) -> Path:
-    write_samples(tmp_path / "src", [{"z": np.arange(4) + i} for i in range(3)])
-    return tmp_path / "src"
-
-
 def web_app_config(out: Path) -> None:
     out.mkdir()
     (out / "index.json").write_text('{"title": "my web app", "routes": ["/"]}\n')
@@ -87,12 +81,12 @@ USERS_DIRECTORIES = {
 
 
 @pytest.mark.parametrize("case", list(USERS_DIRECTORIES))
-def test_overwrite_refuses_a_directory_that_is_not_ours(tmp_path, sources, case) -> None:
+def test_overwrite_refuses_a_directory_that_is_not_ours(tmp_path, tiny_sources, case) -> None:
     build, reason = USERS_DIRECTORIES[case]
     out = tmp_path / "out"
     build(out)
     before = tree_digest(out)
-    result = run("convert", sources, "-o", out, "--overwrite", "-q")
+    result = run("convert", tiny_sources, "-o", out, "--overwrite", "-q")
     assert result.exit_code == 1
     lines = result.output.splitlines()
     assert len(lines) == 1, result.output
@@ -104,14 +98,14 @@ def test_overwrite_refuses_a_directory_that_is_not_ours(tmp_path, sources, case)
 
 
 def test_overwrite_still_replaces_a_dataset_a_manifest_directory_and_an_empty_directory(
-    tmp_path, sources
+    tmp_path, tiny_sources
 ) -> None:
-    convert([sources], tmp_path / "ds", workers=1)
+    convert([tiny_sources], tmp_path / "ds", workers=1)
     write_samples(tmp_path / "new", [{"w": np.ones(2)}])
     assert run("convert", tmp_path / "new", "-o", tmp_path / "ds", "--overwrite", "-q").exit_code == 0
     assert DatasetReader(tmp_path / "ds").field_names == ("w",)
     for i in range(2):
-        convert([sources], tmp_path / "parts", part=(i, 2), workers=1)
+        convert([tiny_sources], tmp_path / "parts", part=(i, 2), workers=1)
     merge(sorted((tmp_path / "parts").iterdir()), tmp_path / "parts")
     assert run("convert", tmp_path / "new", "-o", tmp_path / "parts", "--overwrite", "-q").exit_code == 0
     assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == [
@@ -125,8 +119,8 @@ def test_overwrite_still_replaces_a_dataset_a_manifest_directory_and_an_empty_di
     assert DatasetReader(tmp_path / "empty").field_names == ("w",)
 
 
-def test_merge_overwrite_refuses_a_manifest_json_that_is_not_ours(tmp_path, sources) -> None:
-    convert([sources], tmp_path / "ds" / "part-a", workers=1)
+def test_merge_overwrite_refuses_a_manifest_json_that_is_not_ours(tmp_path, tiny_sources) -> None:
+    convert([tiny_sources], tmp_path / "ds" / "part-a", workers=1)
     manifest = tmp_path / "ds" / "manifest.json"
     manifest.write_text('{"name": "my-package", "version": "1.0"}\n')
     result = run("merge", tmp_path / "ds" / "part-a", "-o", tmp_path / "ds", "--overwrite", "-q")
