@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import write_samples
+from conftest import write_npz, write_samples
 
+from npz2mmap import DatasetReader
 from npz2mmap.cli.commands import cli
 
 SCRIPT = Path(sys.executable).parent / "npz2mmap"
@@ -563,3 +564,27 @@ def test_merge_and_inspect_refuse_an_option_given_twice(tmp_path, sources) -> No
     assert merged.exit_code == 2 and not (tmp_path / "m1").exists() and not (tmp_path / "m2").exists()
     same_cast = run("convert", sources, "-o", tmp_path / "c", "--cast", "input=float32", "--cast", "input=>f4", "-q")
     assert same_cast.exit_code == 0, same_cast.output  # both store little-endian float32
+
+
+@pytest.mark.parametrize("name", [" a.npz", "a.npz ", "\ta.npz"])
+def test_a_list_line_names_its_path_with_its_spaces_never_a_trimmed_other(tmp_path, name) -> None:
+    with open(tmp_path / name, "wb") as named:  # the file the list names (savez would add ".npz")
+        np.savez(named, x=np.array([111]))
+    write_npz(tmp_path / "a.npz", x=np.array([222]))  # a file of the trimmed name
+    (tmp_path / "list.txt").write_text(f"  # comment\n   \n{name}\r\n")
+    assert run("convert", f"@{tmp_path / 'list.txt'}", "-o", tmp_path / "out", "-q").exit_code == 0
+    assert DatasetReader(tmp_path / "out").view("x", 0).tolist() == [111]
+    assert [json.loads(line) for line in (tmp_path / "out" / "sources.jsonl").read_text().splitlines()] == [
+        str(tmp_path / name)
+    ]
+
+
+def test_a_list_line_not_found_with_spaces_around_an_existing_path_says_so(tmp_path) -> None:
+    write_npz(tmp_path / "a.npz", x=np.array([222]))
+    (tmp_path / "list.txt").write_text(" a.npz\n")
+    result = run("convert", f"@{tmp_path / 'list.txt'}", "-o", tmp_path / "out", "-q")
+    assert result.exit_code == 1
+    assert result.output == (
+        f"Error: {tmp_path / 'list.txt'}, line 1: {tmp_path / ' a.npz'}: no such file or directory "
+        "(the line has white space around 'a.npz', which exists: remove the white space to name it)\n"
+    )

@@ -81,9 +81,9 @@ def discover_sources(
 def _expand_list_file(
     list_path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths
 ) -> Iterable[Found]:
-    """Each line is a path, relative to the list file's directory; blank lines and
-    lines starting with ``#`` are skipped. The list is opened like a source (a pipe
-    in its place is refused, never waited on)."""
+    """Each line is a path, exactly as written (spaces too), relative to the list file's
+    directory; lines of white space and lines starting with ``#`` are skipped. The list
+    is opened like a source (a pipe in its place is refused, never waited on)."""
     try:
         with open(fsutil.open_regular(list_path), encoding="utf-8-sig") as fp:
             text = fp.read(MAX_LIST_CHARS + 1)
@@ -99,12 +99,22 @@ def _expand_list_file(
         raise SourceError(f"{list_path}: list file is not UTF-8 text") from None
     base = os.path.dirname(os.path.abspath(list_path))
     for number, line in enumerate(lines, start=1):
-        entry = line.strip()
-        if entry and not entry.startswith("#"):
+        if line.strip() and not line.lstrip().startswith("#"):
             try:
-                yield from _expand_path(os.path.join(base, entry), sample_dirs, skip_bad, resolve)
+                yield from _expand_path(os.path.join(base, line), sample_dirs, skip_bad, resolve)
             except SourceError as exc:
-                raise SourceError(f"{list_path}, line {number:,}: {exc}") from None
+                raise SourceError(f"{list_path}, line {number:,}: {exc}{_spaces_hint(base, line)}") from None
+
+
+def _spaces_hint(base: str, line: str) -> str:
+    """For a list line not found whose path, without the white space around it, exists: say so.
+
+    A line names its path exactly, spaces included (a file may be named " a.npz").
+    """
+    trimmed = line.strip()
+    if trimmed == line or not os.path.lexists(os.path.join(base, trimmed)):
+        return ""
+    return f" (the line has white space around {trimmed!r}, which exists: remove the white space to name it)"
 
 
 def _expand_path(path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> list[Found]:
