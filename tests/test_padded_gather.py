@@ -169,12 +169,20 @@ def test_the_padded_batch_is_written_into_a_buffer_the_caller_gives(tokens) -> N
     assert rows.fill_padded(out, pad_value=9) is out
     assert np.array_equal(out, padded_by_numpy([arrays[3], arrays[1], arrays[0]], 9))
     assert (buffer[-8:] == 0xAB).all()  # nothing written past the batch
-    with pytest.raises(
-        ValueError, match=re.escape("field 'tokens': out must be a writable C-contiguous array")
-    ):
-        rows.fill_padded(np.empty((3, 40), np.int32))
-    with pytest.raises(ValueError, match="out must be"):
-        rows.fill_padded(np.empty((3, 41), np.int64))
+    expected = "field 'tokens': out must be a writable C-contiguous numpy array of shape (3, 41) and dtype int32; "
+    refused = [
+        (np.empty((3, 40), np.int32), ValueError, "got shape (3, 40) and dtype int32"),
+        (np.empty((3, 41), np.int64), ValueError, "got shape (3, 41) and dtype int64"),
+        (np.empty((3, 41), np.int32, order="F"), ValueError, "it is not C-contiguous"),
+        (np.empty((3, 41), np.int32)[:, ::-1], ValueError, "it is not C-contiguous"),
+        (np.lib.stride_tricks.as_strided(np.empty((3, 41), np.int32), writeable=False), ValueError, "it is read-only"),
+        (torch.empty((3, 41), dtype=torch.int32), TypeError, "got a Tensor (a tensor's .numpy() views its memory)"),
+        ([[0] * 41] * 3, TypeError, "got a list"),
+    ]
+    for bad, kind, problem in refused:
+        with pytest.raises(kind) as raised:
+            rows.fill_padded(bad)  # type: ignore[arg-type]
+        assert str(raised.value) == expected + problem
 
 
 def test_a_batch_too_large_to_pad_is_refused_before_allocating(tmp_path) -> None:

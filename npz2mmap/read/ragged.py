@@ -124,22 +124,34 @@ class RaggedRows:
     def fill_padded(self, out: np.ndarray, pad_value: float = 0) -> np.ndarray:
         """Write the padded batch into ``out`` (e.g. a preallocated shared buffer) and return it.
 
-        ``out`` must be a writable C-contiguous array of ``padded_shape()`` and
-        the field's dtype (ValueError otherwise). Every sample's bytes are
+        ``out`` must be a writable C-contiguous numpy array of ``padded_shape()``
+        and the field's dtype (TypeError for another type, ValueError otherwise). Every sample's bytes are
         copied once from the mapping; padding elements are ``pad_value`` (cast
         as ``np.full`` casts it), with zero bytes between a record's fields.
         """
-        shape = self.padded_shape()
-        flags = out.flags
-        if out.shape != shape or out.dtype != self.dtype or not flags.c_contiguous or not flags.writeable:
-            raise ValueError(
-                f"field {self.name!r}: out must be a writable C-contiguous array of shape {shape} and "
-                f"dtype {self.dtype}, not {out.shape} {out.dtype}"
+        problem = self._out_problem(out)
+        if problem is not None:
+            raise (TypeError if not isinstance(out, np.ndarray) else ValueError)(
+                f"field {self.name!r}: out must be a writable C-contiguous numpy array of shape "
+                f"{self.padded_shape()} and dtype {self.dtype}; {problem}"
             )
         target = out.view(raw_unit(self.dtype))
         target[...] = pad_element(self.dtype, pad_value, self.name)
         self._copy_into(target)
         return out
+
+    def _out_problem(self, out: object) -> str | None:
+        """What keeps ``out`` from taking the padded batch (fill_padded's message), or None."""
+        if not isinstance(out, np.ndarray):
+            hint = " (a tensor's .numpy() views its memory)" if hasattr(out, "numpy") else ""
+            return f"got a {type(out).__name__}{hint}"
+        if out.shape != self.padded_shape() or out.dtype != self.dtype:
+            return f"got shape {out.shape} and dtype {out.dtype}"
+        if not out.flags.writeable:
+            return "it is read-only"
+        if not out.flags.c_contiguous:
+            return "it is not C-contiguous"
+        return None
 
     def _copy_into(self, target: np.ndarray) -> None:
         """Every sample into its row of ``target`` (padded_shape(), in raw_unit), padding untouched."""
