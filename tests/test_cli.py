@@ -588,3 +588,14 @@ def test_a_list_line_not_found_with_spaces_around_an_existing_path_says_so(tmp_p
         f"Error: {tmp_path / 'list.txt'}, line 1: {tmp_path / ' a.npz'}: no such file or directory "
         "(the line has white space around 'a.npz', which exists: remove the white space to name it)\n"
     )
+
+
+def test_keys_are_named_exactly_spaces_included(tmp_path) -> None:
+    write_samples(tmp_path / "src", [{" y": np.array([2]), "y": np.array([3])} for _ in range(2)])
+    assert run("convert", tmp_path / "src", "-o", tmp_path / "spaced", "-q", "--keys", " y").exit_code == 0
+    assert DatasetReader(tmp_path / "spaced").field_names == (" y",)
+    assert DatasetReader(tmp_path / "spaced").view(" y", 0).tolist() == [2]
+    write_samples(tmp_path / "plain", [{"x": np.array([1]), "y": np.array([3])}])
+    result = run("convert", tmp_path / "plain", "-o", tmp_path / "out", "-q", "--keys", "x, y")
+    assert result.exit_code == 1
+    assert result.output == f"Error: {tmp_path / 'plain' / 's00000.npz'}: no key ' y' (has: x, y)\n"

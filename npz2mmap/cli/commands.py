@@ -193,7 +193,7 @@ def friendly_errors(func: F) -> F:
 def _parse_keys(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
     if value is None:
         return None
-    keys = [k.strip() for k in value.split(",") if k.strip()]
+    keys = [k for k in value.split(",") if k]  # exact: a key may hold spaces (" y" is not "y")
     if not keys:
         raise click.BadParameter("give at least one key, e.g. --keys input,label")
     return keys
