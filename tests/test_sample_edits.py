@@ -386,3 +386,33 @@ def test_a_collate_fns_edits_of_its_samples_stay_theirs_after_a_collate(
         assert again.tolist() == [int(v) for v in expected["idx"]]
     else:
         assert [t.tolist() for t in again] == [v.tolist() for v in expected["tok"]]
+
+
+def reversed_values_dataset(tmp_path: Path) -> MmapDataset:
+    with npz2mmap.Writer(tmp_path / "ds") as writer:
+        for i in range(4):
+            writer.append({"v": np.arange(3) + i, "r": np.arange(i + 1)})
+    return MmapDataset(tmp_path / "ds")
+
+
+@pytest.mark.parametrize(
+    "collate_fn", [torch.utils.data.default_collate, npz2mmap.collate, PaddedCollate()], ids=["torch", "ours", "padded"]
+)
+def test_samples_edited_into_reversed_views_collate_as_numpy_stacks_them(tmp_path, collate_fn) -> None:
+    samples = reversed_values_dataset(tmp_path).__getitems__([0, 1])
+    samples[0]["v"] = samples[0]["v"][::-1]  # negative strides, which torch cannot view
+    samples[1]["r"] = samples[1]["r"][::-1]
+    batch = collate_fn(samples)
+    assert batch["v"].tolist() == np.stack([np.arange(3)[::-1], np.arange(3) + 1]).tolist()
+    if isinstance(batch["r"], list):
+        rows = [row.tolist() for row in batch["r"]]
+    else:  # padded, with each row's length
+        rows = [row[:n].tolist() for row, n in zip(batch["r"], batch["r_lengths"], strict=True)]
+    assert rows == [[0], [1, 0]]
+
+
+@pytest.mark.parametrize("single", [False, True])
+def test_a_plain_list_with_a_reversed_array_is_collated_as_numpy_stacks_it(single) -> None:
+    arrays = [np.arange(3)[::-1], np.arange(3)]
+    batch = npz2mmap.collate(arrays if single else [{"v": a} for a in arrays])
+    assert (batch if single else batch["v"]).tolist() == np.stack(arrays).tolist()

@@ -561,7 +561,8 @@ def collate_numpy_torch_lacks(values: Sequence[Any]) -> Any:
     float32); a byte order not the machine's is made native, and
     the result is a tensor where torch has its dtype. Shapes that differ are numpy's
     ValueError. Arrays of one dtype torch has are left to torch (None), whose
-    collate gathers them straight into shared memory inside DataLoader workers.
+    collate gathers them straight into shared memory inside DataLoader workers,
+    unless one has a negative stride (a reversed view), which torch cannot view.
     """
     if not _is_numpy_value(values[0]) or not all(_is_numpy_value(v) for v in values):
         return None
@@ -572,6 +573,7 @@ def collate_numpy_torch_lacks(values: Sequence[Any]) -> Any:
         all(isinstance(v, np.ndarray) for v in values)
         and all(a.dtype == arrays[0].dtype for a in arrays)
         and torch_dtype(arrays[0].dtype) is not None
+        and not any(_has_negative_strides(a) for a in arrays)  # which torch refuses to view
     ):
         return None  # torch's own collate, as for a dataset's samples
     if all(a.dtype == arrays[0].dtype for a in arrays):
@@ -581,6 +583,10 @@ def collate_numpy_torch_lacks(values: Sequence[Any]) -> Any:
     if not stacked.dtype.isnative:  # as a dataset's own batches are: native, whatever the kind
         stacked = stacked.astype(stacked.dtype.newbyteorder("="))
     return as_tensors(stacked)
+
+
+def _has_negative_strides(array: np.ndarray) -> bool:
+    return any(stride < 0 for stride in array.strides)
 
 
 def _collate_transformed_arrays(
@@ -732,12 +738,13 @@ def _as_tensor(value: Any) -> Any:
 
 
 def as_tensors(array: np.ndarray | list[np.ndarray]) -> Any:
-    """Tensors sharing the arrays' memory; of an array in the other byte order, a tensor of a
-    native copy; arrays of dtypes torch lacks are returned as they are."""
+    """Tensors sharing the arrays' memory; of an array in the other byte order, or with a
+    negative stride (which torch cannot view), a tensor of a copy; arrays of dtypes torch
+    lacks are returned as they are."""
     if isinstance(array, list):
         return [as_tensors(item) for item in array]
     if torch_dtype(array.dtype) is not None:
-        return torch.from_numpy(array)
+        return torch.from_numpy(np.ascontiguousarray(array) if _has_negative_strides(array) else array)
     native = array.dtype.newbyteorder("=")
     if array.dtype.names is None and not array.dtype.isnative and torch_dtype(native) is not None:
         return torch.from_numpy(array.astype(native))
