@@ -33,3 +33,9 @@ def brief(value: Any, limit: int = 240) -> str:
     except (ValueError, RecursionError):
         return f"a {type(value).__name__} too large to show"
     return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def printable(text: str) -> str:
+    """``text`` with every character Python would not print (controls, bidirectional overrides such
+    as U+202E, zero-width ones, lone surrogates) escaped as repr escapes it, for tables of names."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ..text import human_bytes
+from ..text import human_bytes, printable
 
 
 def render_summary(summary: dict[str, Any]) -> str:
@@ -25,27 +25,34 @@ def render_summary(summary: dict[str, Any]) -> str:
         lines[2:2] = [f"parts    {len(summary['parts'])}, read in order as one dataset"]
         part_rows = [("part", "samples", "first sample", "blob", "blob bytes")]
         part_rows += [
-            (p["path"], _part_samples(p), f"{p['start']:,}", p["blob"], human_bytes(p["blob_nbytes"]))
+            (
+                printable(p["path"]),
+                _part_samples(p),
+                f"{p['start']:,}",
+                printable(p["blob"]),
+                human_bytes(p["blob_nbytes"]),
+            )
             for p in summary["parts"]
         ]
         lines += [*_table(part_rows), ""]
     if summary["fields"]:
         rows = [("field", "kind", "dtype", "shape", "bytes")]
         for f in summary["fields"]:
-            rows.append((f["name"], f["kind"], f["dtype"], _shape_text(f), human_bytes(f["nbytes"])))
+            name = printable(f["name"])
+            rows.append((name, f["kind"], f["dtype"], _shape_text(f), human_bytes(f["nbytes"])))
         lines += _table(rows)
     else:
         lines.append("fields   none (no samples)")
     if "stats" in summary:
-        stat_rows = [("field", "count", "nan", "inf", "min", "max", "mean", "std")]
+        stat_rows: list[tuple[str, ...]] = [("field", "count", "nan", "inf", "min", "max", "mean", "std")]
         for name, s in summary["stats"].items():
             counts = [f"{s[k]:,}" for k in ("count", "nan", "inf")]
             figures = [_figure(s[k]) if k in s else "-" for k in ("min", "max", "mean", "std")]
-            stat_rows.append((name, *counts, *figures))
+            stat_rows.append((printable(name), *counts, *figures))
         lines += ["", *_table(stat_rows)]
     for f in summary["fields"]:
         if f.get("lengths"):
-            lines += ["", *_render_lengths(f["name"], f["lengths"])]
+            lines += ["", *_render_lengths(printable(f["name"]), f["lengths"])]
     return "\n".join(lines)
 
 
@@ -99,7 +106,7 @@ def render_sample(info: dict[str, Any]) -> str:
     rows = [("field", "dtype", "shape", "min", "max", "mean", "nan", "inf")]
     for f in info["fields"]:
         stats = [_figure(f[k]) if k in f else "-" for k in ("min", "max", "mean", "nan", "inf")]
-        rows.append((f["name"], f["dtype"], str(tuple(f["shape"])), *stats))
+        rows.append((printable(f["name"]), f["dtype"], str(tuple(f["shape"])), *stats))
     return "\n".join([f"sample {info['sample']}", *_table(rows)])
 
 
