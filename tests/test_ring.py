@@ -619,10 +619,14 @@ def test_ctrl_c_stops_the_trainer_and_its_workers_with_no_worker_traceback(datas
     assert wait_gone(pids[1:]) == []
 
 
-def test_leaving_a_pass_early_lets_the_next_pass_start_clean(dataset_dir) -> None:
+@pytest.mark.parametrize("num_workers,prefetch", [(0, 0), (0, 2), (2, 2)])
+def test_leaving_a_pass_early_lets_the_next_pass_start_clean(dataset_dir, num_workers, prefetch) -> None:
+    """One pass at a time, with workers or without: a second iterator would count its batches
+    into the same state_dict, and a resume from it would skip batches neither yielded."""
     ds = MmapDataset(dataset_dir / "dataset", fields="label")
     expected = [b.tolist() for b in MmapLoader(ds, 3, prefetch=0)]
-    with MmapLoader(ds, 3, num_workers=2, multiprocessing_context="fork") as loader:
+    options = {"num_workers": num_workers, "prefetch": prefetch, "multiprocessing_context": "fork"}
+    with MmapLoader(ds, 3, **options) as loader:
         for k, _ in enumerate(loader):
             if k == 1:
                 break  # batches still in flight finish into their slots, then are dropped

@@ -145,6 +145,7 @@ class MmapLoader:
         self.read_ahead = read_ahead
         self._workers: RingWorkers | None = None
         self._position = _Position()
+        self._pass_running = False
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch (for the shuffle and the samplers'); another epoch drops a pending resume."""
@@ -195,10 +196,16 @@ class MmapLoader:
             yield order[start : start + self.batch_size]
 
     def __iter__(self) -> Iterator[Any]:
-        if self._workers is not None and self._workers.busy:  # one ring, so one pass at a time
-            raise RuntimeError(
-                "MmapLoader with workers runs one pass at a time: finish or close the other iterator first"
-            )
+        if self._pass_running:  # one position (and with workers one ring), so one pass at a time
+            raise RuntimeError("MmapLoader runs one pass at a time: finish or close the other iterator first")
+        self._pass_running = True
+        try:
+            yield from self._pass()
+        finally:
+            self._pass_running = False
+
+    def _pass(self) -> Iterator[Any]:
+        """One pass: the batches after those a loaded state had yielded, counted as they go."""
         position = self._position
         skip = position.start(self)
         # Batches already yielded before a resume are skipped as indices, never loaded.
