@@ -359,3 +359,15 @@ def test_torchs_default_collate_of_a_gathered_batch_copies_no_fixed_field(small_
         assert torch.equal(rearranged[name], batch[name])
     assert [t.tolist() for t in rearranged["tokens"]] == [t.tolist() for t in batch["tokens"]]
     assert batch["label"].tolist() == [4, 1, 1]
+
+
+def test_the_column_of_a_ragged_field_is_a_usage_error_not_a_damaged_dataset(tmp_path) -> None:
+    write_samples(tmp_path / "src", [{"tokens": np.arange(n)} for n in (1, 3)])
+    convert([tmp_path / "src"], tmp_path / "ds", workers=1)
+    with pytest.raises(ValueError) as raised:
+        DatasetReader(tmp_path / "ds").column("tokens")
+    assert not isinstance(raised.value, FormatError)  # FormatError says the dataset is damaged
+    assert str(raised.value) == (
+        "field 'tokens' is ragged, so it has no column: read it sample by sample "
+        "(view('tokens', i)) or as padded rows (ragged_rows('tokens', indices))"
+    )

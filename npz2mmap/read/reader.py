@@ -84,10 +84,13 @@ class DatasetReader:
         return self._field(name).sample(self.sample_index(i))
 
     def column(self, name: str) -> np.ndarray:
-        """A fixed field as one read-only (num_samples, *shape) view."""
+        """A fixed field as one read-only (num_samples, *shape) view; ValueError for a ragged one."""
         view = self._field(name)
         if view.column is None:
-            raise FormatError(f"field {name!r} is ragged; read it sample by sample")
+            raise ValueError(
+                f"field {name!r} is ragged, so it has no column: read it sample by sample "
+                f"(view({name!r}, i)) or as padded rows (ragged_rows({name!r}, indices))"
+            )
         return view.column
 
     def table(self, name: str, table: str) -> np.ndarray:
