@@ -604,13 +604,16 @@ def test_keys_are_named_exactly_spaces_included(tmp_path) -> None:
 def test_inspect_shows_names_that_would_reorder_or_hide_text_escaped(tmp_path) -> None:
     hostile = "a\u202egpj.exe\u200b"  # a right-to-left override and a zero-width space
     write_samples(tmp_path / "src", [{hostile: np.arange(i + 1), "x": np.arange(3)} for i in range(3)])
-    assert run("convert", tmp_path / "src", "-o", tmp_path / "out", "-q").exit_code == 0
-    result = run("inspect", tmp_path / "out", "--stats")
+    out = tmp_path / "out\u202e"  # its path lines too
+    assert run("convert", tmp_path / "src", "-o", out, "-q").exit_code == 0
+    result = run("inspect", out, "--stats")
     assert result.exit_code == 0
     assert "\u202e" not in result.output and "\u200b" not in result.output
+    assert result.output.splitlines()[0] == f"dataset  {tmp_path}/out\\u202e"
+    assert result.output.splitlines()[3].startswith(f"blob     {tmp_path}/out\\u202e/data.npy, ")
     shown = "a\\u202egpj.exe\\u200b"
     rows = [line for line in result.output.splitlines() if line.startswith(shown)]
     assert len(rows) == 3, result.output  # the fields table, the statistics table, the lengths line
     assert rows[2].startswith(f"{shown} lengths (first dimension): min 1, p50 2")
-    described = json.loads(run("inspect", tmp_path / "out", "--json").output)
+    described = json.loads(run("inspect", out, "--json").output)
     assert {f["name"] for f in described["fields"]} == {hostile, "x"}  # exact where scripts read it

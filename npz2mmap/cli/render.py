@@ -15,7 +15,7 @@ from ..text import human_bytes, printable
 def render_summary(summary: dict[str, Any]) -> str:
     """What `npz2mmap inspect` prints for a dataset: header lines, parts, fields, lengths, stats."""
     lines = [
-        f"dataset  {summary['path']}",
+        f"dataset  {printable(summary['path'])}",
         f"format   {summary['format']} v{summary['version']} (written by npz2mmap {summary['tool_version']})",
         f"samples  {summary['num_samples']:,}",
         _blob_line(summary),
@@ -63,7 +63,7 @@ def _part_samples(part: dict[str, Any]) -> str:
 def _blob_line(summary: dict[str, Any]) -> str:
     """The blob's path, or for a dataset of parts how many blobs there are (each is in the parts table)."""
     blobs = summary["blobs"]
-    where = f"blob     {blobs[0]}" if len(blobs) == 1 else f"blobs    {len(blobs)}, one per part"
+    where = f"blob     {printable(blobs[0])}" if len(blobs) == 1 else f"blobs    {len(blobs)}, one per part"
     total = human_bytes(summary["blob_nbytes"]) + ("" if len(blobs) == 1 else " in all")
     return f"{where}, {total}, regions aligned to {summary['align']} B"
 
