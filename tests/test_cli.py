@@ -566,12 +566,12 @@ def test_merge_and_inspect_refuse_an_option_given_twice(tmp_path, sources) -> No
     assert same_cast.exit_code == 0, same_cast.output  # both store little-endian float32
 
 
-@pytest.mark.parametrize("name", [" a.npz", "a.npz ", "\ta.npz", " #a.npz"])
+@pytest.mark.parametrize("name", [" a.npz", "a.npz ", "\ta.npz"])
 def test_a_list_line_names_its_path_with_its_spaces_never_a_trimmed_other(tmp_path, name) -> None:
     with open(tmp_path / name, "wb") as named:  # the file the list names (savez would add ".npz")
         np.savez(named, x=np.array([111]))
     write_npz(tmp_path / "a.npz", x=np.array([222]))  # a file of the trimmed name
-    (tmp_path / "list.txt").write_text(f"# comment\n   \n{name}\r\n")
+    (tmp_path / "list.txt").write_text(f"  # comment\n   \n{name}\r\n")
     assert run("convert", f"@{tmp_path / 'list.txt'}", "-o", tmp_path / "out", "-q").exit_code == 0
     assert DatasetReader(tmp_path / "out").view("x", 0).tolist() == [111]
     assert [json.loads(line) for line in (tmp_path / "out" / "sources.jsonl").read_text().splitlines()] == [

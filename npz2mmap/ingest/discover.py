@@ -99,7 +99,7 @@ def _expand_list_file(
         raise SourceError(f"{list_path}: list file is not UTF-8 text") from None
     base = os.path.dirname(os.path.abspath(list_path))
     for number, line in enumerate(lines, start=1):
-        if line.strip() and not line.startswith("#"):
+        if line.strip() and not line.lstrip().startswith("#"):
             try:
                 yield from _expand_path(os.path.join(base, line), sample_dirs, skip_bad, resolve)
             except SourceError as exc:
