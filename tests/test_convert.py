@@ -337,6 +337,12 @@ def test_list_files_skip_comments_and_a_list_that_is_a_pipe_is_refused(tmp_path)
     convert([f"@{tmp_path / 'list.txt'}"], tmp_path / "out", workers=1)
     reader = DatasetReader(tmp_path / "out")
     assert [int(reader.view("v", i)) for i in range(len(reader))] == [1]
+    # A path starting with # is named with ./ before it, as the docs say.
+    write_npz(tmp_path / "data" / "#2.npz", v=np.int64(2))
+    (tmp_path / "data" / "hash.txt").write_text(" #2.npz\n./#2.npz\n", encoding="utf-8")
+    convert([f"@{tmp_path / 'data' / 'hash.txt'}"], tmp_path / "out3", workers=1)
+    reader = DatasetReader(tmp_path / "out3")
+    assert [int(reader.view("v", i)) for i in range(len(reader))] == [2]
     os.mkfifo(tmp_path / "pipe.txt")
     with pytest.raises(SourceError, match=r"pipe\.txt: list file is a pipe \(FIFO\), not a regular file"):
         convert([f"@{tmp_path / 'pipe.txt'}"], tmp_path / "out2", workers=1)

@@ -82,7 +82,8 @@ def _expand_list_file(
     list_path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths
 ) -> Iterable[Found]:
     """Each line is a path, exactly as written (spaces too), relative to the list file's
-    directory; lines of white space and lines starting with ``#`` are skipped. The list
+    directory; lines of white space are skipped, and so are comments, lines whose first
+    character other than white space is ``#`` (``./#x.npz`` names such a path). The list
     is opened like a source (a pipe in its place is refused, never waited on)."""
     try:
         with open(fsutil.open_regular(list_path), encoding="utf-8-sig") as fp:
