@@ -411,6 +411,26 @@ def test_samples_edited_into_reversed_views_collate_as_numpy_stacks_them(tmp_pat
     assert rows == [[0], [1, 0]]
 
 
+@pytest.mark.parametrize(
+    "collate_fn",
+    [torch.utils.data.default_collate, npz2mmap.collate, PaddedCollate(), PaddedCollate(nested=True)],
+    ids=["torch", "ours", "padded", "nested"],
+)
+def test_reversed_views_of_one_row_collate_as_numpy_gives_them(tmp_path, collate_fn) -> None:
+    # r[::-2] of 1 or 2 rows is one row with a negative stride, which numpy calls contiguous.
+    samples = reversed_values_dataset(tmp_path).__getitems__([0, 1, 2])
+    for sample in samples:
+        sample["r"] = sample["r"][::-2]
+    batch = collate_fn(samples)
+    if isinstance(batch["r"], list):
+        rows = [row.tolist() for row in batch["r"]]
+    elif batch["r"].is_nested:
+        rows = [row.tolist() for row in batch["r"].unbind()]
+    else:
+        rows = [row[:n].tolist() for row, n in zip(batch["r"], batch["r_lengths"], strict=True)]
+    assert rows == [np.arange(n)[::-2].tolist() for n in (1, 2, 3)]
+
+
 @pytest.mark.parametrize("single", [False, True])
 def test_a_plain_list_with_a_reversed_array_is_collated_as_numpy_stacks_it(single) -> None:
     arrays = [np.arange(3)[::-1], np.arange(3)]

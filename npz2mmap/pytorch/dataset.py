@@ -589,6 +589,13 @@ def _has_negative_strides(array: np.ndarray) -> bool:
     return any(stride < 0 for stride in array.strides)
 
 
+def viewable_by_torch(array: np.ndarray) -> np.ndarray:
+    """The array, or a C-order copy where a stride is negative, which torch cannot view.
+    A copy, not ascontiguousarray: a reversed view of one row is contiguous to numpy and
+    would come back as it is, its negative stride kept."""
+    return array.copy() if _has_negative_strides(array) else array
+
+
 def _collate_transformed_arrays(
     batch: Sequence[TransformedRaggedArray], *, collate_fn_map: Any = None
 ) -> Any:
@@ -744,7 +751,7 @@ def as_tensors(array: np.ndarray | list[np.ndarray]) -> Any:
     if isinstance(array, list):
         return [as_tensors(item) for item in array]
     if torch_dtype(array.dtype) is not None:
-        return torch.from_numpy(np.ascontiguousarray(array) if _has_negative_strides(array) else array)
+        return torch.from_numpy(viewable_by_torch(array))
     native = array.dtype.newbyteorder("=")
     if array.dtype.names is None and not array.dtype.isnative and torch_dtype(native) is not None:
         return torch.from_numpy(array.astype(native))

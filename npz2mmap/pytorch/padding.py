@@ -29,6 +29,7 @@ from .dataset import (
     check_same_keys,
     stack_bytes,
     torch_dtype,
+    viewable_by_torch,
 )
 
 
@@ -126,7 +127,7 @@ class PaddedCollate:
                     f"field {name!r} is of dtype {dtype}, which torch has no tensor for, so no nested "
                     "tensor can hold it: collate it padded (nested=False), as a numpy array"
                 )
-            tensors = [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
+            tensors = [torch.from_numpy(viewable_by_torch(np.asarray(a, dtype=dtype))) for a in arrays]
             return {name: torch.nested.nested_tensor(tensors, layout=torch.jagged)}
         padded, lengths = pad(arrays, self.pad_value, name)
         out = {name: as_tensors(padded), lengths_key(name): torch.from_numpy(lengths)}
