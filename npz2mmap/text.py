@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -33,6 +34,15 @@ def brief(value: Any, limit: int = 240) -> str:
     except (ValueError, RecursionError):
         return f"a {type(value).__name__} too large to show"
     return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def quoted(names: Iterable[str], limit: int = 20) -> str:
+    """``'a', ' b'`` (or ``none``): names as repr quotes them, so names that differ only by white
+    space are told apart, the first ``limit`` of them and a count of the rest."""
+    names = list(names)
+    shown = ", ".join(brief(name, 80) for name in names[:limit])
+    rest = f", and {len(names) - limit:,} more" if len(names) > limit else ""
+    return shown + rest if names else "none"
 
 
 def printable(text: str) -> str:

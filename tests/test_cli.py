@@ -598,7 +598,7 @@ def test_keys_are_named_exactly_spaces_included(tmp_path) -> None:
     write_samples(tmp_path / "plain", [{"x": np.array([1]), "y": np.array([3])}])
     result = run("convert", tmp_path / "plain", "-o", tmp_path / "out", "-q", "--keys", "x, y")
     assert result.exit_code == 1
-    assert result.output == f"Error: {tmp_path / 'plain' / 's00000.npz'}: no key ' y' (has: x, y)\n"
+    assert result.output == f"Error: {tmp_path / 'plain' / 's00000.npz'}: no key ' y' (has: 'x', 'y')\n"
 
 
 def test_inspect_shows_names_that_would_reorder_or_hide_text_escaped(tmp_path) -> None:

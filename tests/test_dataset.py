@@ -50,7 +50,7 @@ def test_single_field_returns_the_bare_array_and_transform_applies(small_dataset
     out, sources = small_dataset
     ds = MmapDataset(out, fields="tokens", transform=lambda a: a * 2)
     assert np.array_equal(ds[2], load_source(sources[2], "tokens") * 2)
-    with pytest.raises(KeyError, match="no field 'nope'; the dataset has: input, label, tokens"):
+    with pytest.raises(KeyError, match="no field 'nope'; the dataset has: 'input', 'label', 'tokens'"):
         MmapDataset(out, fields=["input", "nope"])
 
 

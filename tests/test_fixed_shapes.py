@@ -146,12 +146,12 @@ def test_a_fixed_key_that_is_not_a_field_is_a_usage_error(tmp_path, images) -> N
     result = run("convert", src, "-o", tmp_path / "out", "--fixed", "imag", "--workers", 2)
     assert result.exit_code == 2
     assert result.stderr.endswith(
-        f"Error: {first}: --fixed imag names no field of the dataset (its fields: image, label)\n"
+        f"Error: {first}: --fixed imag names no field of the dataset (its fields: 'image', 'label')\n"
     )
     result = run("convert", src, "-o", tmp_path / "out", "--keys", "label", "--fixed", "image")
     assert result.exit_code == 2
     assert result.stderr.endswith(
-        f"Error: {first}: --fixed image names no field of the dataset (its fields: label)\n"
+        f"Error: {first}: --fixed image names no field of the dataset (its fields: 'label')\n"
     )
     assert result.stderr.startswith("Usage: ")
     assert not (tmp_path / "out").exists()
@@ -336,7 +336,7 @@ def test_writer_fixed_names_fields(tmp_path) -> None:
         w.append({"image": np.zeros(3), "label": np.int64(0)})
     assert (
         str(caught.value)
-        == "sample 0: fixed=['imag'] names no field of the dataset (its fields: image, label)"
+        == "sample 0: fixed=['imag'] names no field of the dataset (its fields: 'image', 'label')"
     )
     assert w.num_samples == 0
     w.abort()

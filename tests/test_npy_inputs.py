@@ -363,7 +363,7 @@ def test_a_sample_dir_with_other_fields_is_named_in_the_key_mismatch(tmp_path) -
     assert (code, output) == (
         1,
         f"Error: {tmp_path / 'src' / 's1'}: keys differ from {tmp_path / 'src' / 's0'} "
-        "(missing x; extra y); select common keys with --keys\n",
+        "(missing 'x'; extra 'y'); select common keys with --keys\n",
     )
     assert_nothing_written(tmp_path / "out")
 

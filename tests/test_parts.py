@@ -99,6 +99,13 @@ def test_a_manifest_reads_the_parts_as_one_dataset(tmp_path, sources) -> None:
     with pytest.raises(FormatError, match=r": part 1 of 3 is missing \(parts 0, 2 of 3 are listed\)"):
         MmapDataset([moved / "p0", moved / "p2"])  # as a manifest of them is refused
     assert len(MmapDataset(moved / "p2")) == 8  # a part alone is a dataset
+    assert DatasetReader(moved / "p2").column("id").tolist() == list(range(14, 22))
+    with pytest.raises(FormatError) as refused:
+        DatasetReader(moved)
+    assert str(refused.value) == (
+        f"{moved}: a dataset of parts (manifest.json); a DatasetReader reads one part: "
+        f"open one of the parts it lists, or the whole as MmapDataset({str(moved)!r})"
+    )
 
 
 def test_inspect_verify_and_warm_understand_parts(tmp_path, sources) -> None:

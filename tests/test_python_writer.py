@@ -220,7 +220,7 @@ def opened(tmp_path):
         ),
         (
             {"x": np.zeros(3, np.float32), "y": 1.0, "z": 1},
-            "sample 1 (b.npz): keys differ from sample 0 (a.npz) (extra z)",
+            "sample 1 (b.npz): keys differ from sample 0 (a.npz) (extra 'z')",
         ),
         (
             {"x": np.zeros(3, np.float32), "y": 0.1},
@@ -379,7 +379,7 @@ def test_bad_options_are_refused_before_anything_is_made(tmp_path) -> None:
         npz2mmap.Writer(tmp_path / "out", part=(3, 3))
     with pytest.raises(ValueError, match="is not a numpy dtype"):
         npz2mmap.Writer(tmp_path / "out", casts={"x": "nonsense"})
-    with pytest.raises(SourceError, match=r"^sample 0: casts= names key\(s\) y that are not converted$"):
+    with pytest.raises(SourceError, match=r"^sample 0: casts= names key\(s\) 'y' that are not converted$"):
         with npz2mmap.Writer(tmp_path / "out", casts={"y": "f4"}) as w:
             w.append({"x": 1})
     assert os.listdir(tmp_path) == []

@@ -21,7 +21,7 @@ from numpy.typing import NDArray
 
 from .. import fsutil
 from ..errors import FormatError, Npz2mmapError
-from ..text import brief
+from ..text import brief, quoted
 from .dtypes import dtype_from_json, dtype_to_json
 
 FORMAT_NAME = "npz2mmap"
@@ -618,9 +618,9 @@ class _Obj:
         missing = sorted(keys - self.value.keys())
         extra = sorted(self.value.keys() - keys)
         if missing:
-            raise FormatError(f"{self.where}: missing key(s) {', '.join(missing)}")
+            raise FormatError(f"{self.where}: missing key(s) {quoted(missing)}")
         if extra:
-            raise FormatError(f"{self.where}: unexpected key(s) {', '.join(extra)}")
+            raise FormatError(f"{self.where}: unexpected key(s) {quoted(extra)}")
 
     def get(self, key: str, kind: Any, minimum: int | None = None, maximum: int = MAX_NBYTES) -> Any:
         if key not in self.value:

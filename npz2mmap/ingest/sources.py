@@ -23,6 +23,7 @@ from .. import fsutil
 from ..errors import MismatchError, SourceError
 from ..format.dtypes import storage_dtype
 from ..format.index import IDENTITY_MAGIC
+from ..text import quoted
 from .npz import (
     CHUNK_NBYTES,
     IN_SAMPLE_DIR,
@@ -157,7 +158,7 @@ def scan_source(
         headers = {}
         for key in available if keys is None else keys:
             if key not in available:  # a disagreement on keys, which --skip-bad does not leave out
-                raise MismatchError(f"{path}: no key {key!r} (has: {', '.join(available) or 'none'})")
+                raise MismatchError(f"{path}: no key {key!r} (has: {quoted(available)})")
             headers[key] = source.header(key)
         return headers, {key: source.location(key) for key in headers}
 

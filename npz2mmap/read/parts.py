@@ -26,6 +26,7 @@ from ..format.index import (
     open_regular,
 )
 from ..format.manifest import PathLike, check_part_set, naming_parts, resolve_listed
+from ..text import quoted
 from .ragged import RaggedRows
 from .reader import (
     DatasetReader,
@@ -96,7 +97,7 @@ class Parts:
         try:
             return self.fields[name]
         except KeyError:
-            raise KeyError(f"no field {name!r}; the dataset has: {', '.join(self.fields)}") from None
+            raise KeyError(f"no field {name!r}; the dataset has: {quoted(self.fields)}") from None
 
 
 def _contributing(paths: list[str], indexes: list[Index]) -> tuple[list[str], list[Index]]:
@@ -111,8 +112,8 @@ def _agreeing_fields(paths: list[str], indexes: list[Index]) -> dict[str, FieldI
     for path, index in zip(paths[1:], indexes[1:], strict=True):
         if index.field_names != first.field_names:
             raise FormatError(
-                f"{path}: fields {', '.join(index.field_names)} differ from {paths[0]}'s "
-                f"{', '.join(first.field_names)}; parts must agree"
+                f"{path}: fields {quoted(index.field_names)} differ from {paths[0]}'s "
+                f"{quoted(first.field_names)}; parts must agree"
             )
         for f in index.fields:
             seen = fields[f.name]

@@ -38,6 +38,8 @@ from ..format.index import (
     representable_nbytes,
     representable_row_nbytes,
 )
+from ..format.manifest import MANIFEST_NAME, is_manifest_dir
+from ..text import quoted
 from .ragged import RaggedRows
 
 ADVICE = {
@@ -48,7 +50,7 @@ ADVICE = {
 
 
 class DatasetReader:
-    """A read-only mapping of one dataset directory.
+    """A read-only mapping of one dataset directory (one part of a dataset of parts).
 
     Raises FormatError when the index is invalid or the blob does not match it
     (``check_identity=False`` lets ``verify`` go on past an edited index).
@@ -58,6 +60,11 @@ class DatasetReader:
         self, path: str | os.PathLike[str], index: Index | None = None, check_identity: bool = True
     ) -> None:
         self.path = os.fspath(path)
+        if index is None and is_manifest_dir(self.path):
+            raise FormatError(
+                f"{self.path}: a dataset of parts ({MANIFEST_NAME}); a DatasetReader reads one part: "
+                f"open one of the parts it lists, or the whole as MmapDataset({self.path!r})"
+            )
         self.index = index if index is not None else load_index(self.path)
         self.blob_path = os.path.join(self.path, BLOB_NAME)
         self._mmap, self._hint_fd = _map_blob(self.blob_path, self.index, check_identity)
@@ -137,7 +144,7 @@ class DatasetReader:
         try:
             return self._fields[name]
         except KeyError:
-            raise KeyError(f"no field {name!r}; the dataset has: {', '.join(self._fields)}") from None
+            raise KeyError(f"no field {name!r}; the dataset has: {quoted(self._fields)}") from None
 
     def has_identity(self) -> bool:
         """Whether the blob names exactly the index read (an edited index does not)."""

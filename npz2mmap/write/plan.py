@@ -35,7 +35,7 @@ from ..format.index import (
     representable_nbytes,
 )
 from ..ingest.npz import MemberHeader
-from ..text import brief
+from ..text import brief, quoted
 
 # Every sample has an int64 entry in a ragged field's offsets table, which lives in the payload.
 MAX_NUM_SAMPLES = MAX_PAYLOAD_NBYTES // OFFSET_DTYPE.itemsize - 1
@@ -343,13 +343,13 @@ class PlanBuilder:
         unknown = sorted(set(self.casts) - set(collectors))
         if unknown:
             raise SourceError(
-                f"{source}: {self.hints.casts_named} key(s) {', '.join(unknown)} that are not converted"
+                f"{source}: {self.hints.casts_named} key(s) {quoted(unknown)} that are not converted"
             )
         unknown = sorted(self.fixed - set(collectors))
         if unknown:
             option = self.hints.fixed.format(key=unknown[0])
             raise UnknownKeyError(
-                f"{source}: {option} names no field of the dataset (its fields: {', '.join(collectors)})"
+                f"{source}: {option} names no field of the dataset (its fields: {quoted(collectors)})"
             )
         return collectors
 
@@ -463,7 +463,7 @@ def empty_plan(align: int, mode: str = "files") -> Plan:
 def _describe_key_mismatch(path: str, found: list[str], expected: list[str], first: str) -> str:
     missing = sorted(set(expected) - set(found))
     extra = sorted(set(found) - set(expected))
-    parts = [f"missing {', '.join(missing)}" if missing else "", f"extra {', '.join(extra)}" if extra else ""]
+    parts = [f"missing {quoted(missing)}" if missing else "", f"extra {quoted(extra)}" if extra else ""]
     detail = "; ".join(p for p in parts if p)
     return f"{path}: keys differ from {first} ({detail})"
 
