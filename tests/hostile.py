@@ -103,6 +103,15 @@ def not_npy_member(path: Path) -> Path:
     return zip_with(path, {"x.npy": b"just some text, not an array"})
 
 
+def short_text_member(path: Path) -> Path:
+    """A zip tool's readme beside the arrays, shorter than numpy's magic and version."""
+    return zip_with(path, {"x.npy": npy_bytes(np.arange(3)), "readme.txt": b"hi"})
+
+
+def empty_member(path: Path) -> Path:
+    return zip_with(path, {"x.npy": b""})
+
+
 def malformed_header(path: Path) -> Path:
     return zip_with(path, {"x.npy": npy_with_header("{'descr': '<f4', 'fortran_order': False, 'shape': (3,")})
 

@@ -37,7 +37,13 @@ BAD_FILES = {
         hostile.crc_mismatch,
         r"bad\.npz\[x\]: Bad CRC-32 for file 'x\.npy' \(corrupt, or changed since it was scanned\)",
     ),
-    "not-npy": (hostile.not_npy_member, r"bad\.npz\[x\]: not a \.npy array \(bad magic bytes\)"),
+    "not-npy": (
+        hostile.not_npy_member,
+        r"bad\.npz\[x\]: not a \.npy array \(bad magic bytes\); np\.load gives such a member as raw bytes, "
+        r"not an array: name the keys to convert with --keys$",
+    ),
+    "short-text-member": (hostile.short_text_member, r"bad\.npz\[readme\.txt\]: not a \.npy array \(bad magic"),
+    "empty-member": (hostile.empty_member, r"bad\.npz\[x\]: empty, not a \.npy array; np\.load gives"),
     "malformed-header": (
         hostile.malformed_header,
         r"bad\.npz\[x\]: \.npy header is not a valid Python literal",
@@ -374,5 +380,5 @@ def test_skip_bad_does_not_leave_out_files_lacking_a_selected_key(tmp_path, work
         write_npz(tmp_path / "src" / f"f{k}.npz", **arrays)
     with pytest.raises(SourceError) as refused:
         convert([tmp_path / "src"], tmp_path / "out", keys=["x", "z"], skip_bad=True, workers=workers)
-    assert str(refused.value) == f"{tmp_path / 'src' / 'f1.npz'}: no key 'z' (has: x)"
+    assert str(refused.value) == f"{tmp_path / 'src' / 'f1.npz'}: no key 'z' (has: 'x')"
     assert not (tmp_path / "out").exists()

@@ -284,6 +284,11 @@ def read_member_header(
                 refuse_blob_data(first_stored_bytes(header, read), header.dtype.newbyteorder("<"), where)
             else:  # a deflated Fortran-order member would need inflating to its far elements: not looked at
                 refuse_blob_data(start.read(blob_check_nbytes(header.dtype)), header.dtype, where)
+    except NotNpyError as exc:  # a readme.txt zipped in: np.load returns such a member as bytes
+        raise SourceError(
+            f"{exc}; np.load gives such a member as raw bytes, not an array: "
+            "name the keys to convert with --keys"
+        ) from None
     except zlib.error as exc:
         raise SourceError(f"{where}: {exc}") from exc
     return header, location
@@ -488,6 +493,10 @@ def _check_local_name(name: bytes, flags: int, entry: ZipEntry, where: str) -> N
         )
 
 
+class NotNpyError(SourceError):
+    """Bytes that do not start as a .npy file does."""
+
+
 class Readable(Protocol):
     def read(self, nbytes: int, /) -> bytes: ...
 
@@ -501,9 +510,13 @@ def parse_npy_header(
     (numpy/lib/_format_impl.py, ``_read_array_header`` and ``read_array``), except
     dtypes that hold Python objects or have no size; never evaluates code. Raises SourceError.
     """
-    magic = read_exactly(stream, len(NPY_MAGIC) + 2, where)
-    if magic[: len(NPY_MAGIC)] != NPY_MAGIC:
-        raise SourceError(f"{where}: not a .npy array (bad magic bytes)")
+    magic = stream.read(len(NPY_MAGIC) + 2)
+    if not magic:
+        raise NotNpyError(f"{where}: empty, not a .npy array")
+    if magic[: len(NPY_MAGIC)] != NPY_MAGIC[: len(magic)]:
+        raise NotNpyError(f"{where}: not a .npy array (bad magic bytes)")
+    if len(magic) != len(NPY_MAGIC) + 2:
+        raise SourceError(f"{where}: ends early ({len(magic)} of {len(NPY_MAGIC) + 2} bytes)")
     version = (magic[-2], magic[-1])
     if version not in NPY_VERSIONS:
         raise SourceError(f"{where}: .npy format version {version[0]}.{version[1]} is not supported")
