@@ -276,3 +276,25 @@ def test_a_key_a_transform_adds_is_checked_at_the_first_batch(tmp_path, workers)
     with pytest.raises(ValueError) as caught:
         next(iter(DataLoader(ds, batch_size=4, collate_fn=PaddedCollate(mask=True))))
     assert str(caught.value) == POINTS_MASK
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("wrap", ["ConcatDataset", "Subset"])
+def test_samples_taken_one_by_one_collate_as_a_batch_of_the_dataset(tmp_path, wrap, num_workers) -> None:
+    # Lengths 1, 1, 2, 3: the first batch of two shares a shape, the second does not.
+    sources = {"seq": [np.arange(n, dtype=np.float32) for n in (1, 1, 2, 3)], "lab": list(np.arange(4))}
+    with npz2mmap.Writer(tmp_path / "ds") as writer:
+        for i in range(NUM_SAMPLES):
+            writer.append({name: arrays[i] for name, arrays in sources.items()})
+    ds = MmapDataset(tmp_path / "ds")
+    wrapped = torch.utils.data.ConcatDataset([ds]) if wrap == "ConcatDataset" else torch.utils.data.Subset(ds, BATCH)
+    padded = list(DataLoader(wrapped, batch_size=2, collate_fn=PaddedCollate(), num_workers=num_workers))
+    listed = list(DataLoader(wrapped, batch_size=2, num_workers=num_workers))
+    for k, (p, d) in enumerate(zip(padded, listed, strict=True)):
+        rows = sources["seq"][2 * k : 2 * k + 2]
+        width = max(len(r) for r in rows)
+        assert list(p) == ["lab", "seq", "seq_lengths"]
+        assert p["seq"].tolist() == [np.pad(r, (0, width - len(r))).tolist() for r in rows]
+        assert p["seq_lengths"].tolist() == [len(r) for r in rows]
+        assert isinstance(d["seq"], list) and [t.tolist() for t in d["seq"]] == [r.tolist() for r in rows]
+        assert d["lab"].tolist() == [2 * k, 2 * k + 1]

@@ -146,6 +146,12 @@ class MmapDataset(Dataset[Any]):
         return self._locks.setdefault(pid, threading.Lock())
 
     def __getitem__(self, i: int) -> Any:
+        """Sample ``i``, knowing its ragged fields, so that a collate of samples taken one by one
+        (through ConcatDataset or Subset) treats them as it treats a batch of this dataset."""
+        sample = self._read(i)
+        return self._marked(sample, self.transform is None) if isinstance(sample, dict) else sample
+
+    def _read(self, i: int) -> Any:
         reader = self.reader
         i = reader.sample_index(i)
         if self.single:
@@ -153,6 +159,9 @@ class MmapDataset(Dataset[Any]):
         else:
             sample = {name: self._copy(reader.view(name, i)) for name in self.fields}
         return self.transform(sample) if self.transform is not None else sample
+
+    def _marked(self, sample: Any, listed: bool) -> Any:
+        return mark_transformed(sample, self.ragged_fields, self.fields[0] if self.single else None, listed)
 
     def _copy(self, view: np.ndarray) -> Any:
         array = copy_bytes(view)
@@ -162,7 +171,7 @@ class MmapDataset(Dataset[Any]):
         """``ds[i]``, except a bare ragged sample stays numpy, which torch's default collate can list."""
         if listed and self.single and self.fields[0] in self.ragged_fields:
             return copy_bytes(self.reader.view(self.fields[0], self.reader.sample_index(i)))
-        return self[i]
+        return self._read(i)
 
     def __getitems__(self, indices: Sequence[int] | NDArray[np.integer]) -> Sequence[Any]:
         """A batch of samples, gathered with one copy per field (DataLoader calls this).
@@ -179,10 +188,7 @@ class MmapDataset(Dataset[Any]):
         if self.transform is not None or self.tensors:  # samples as ds[i] gives them, one by one
             single = self.fields[0] if self.single else None
             listed = self.transform is None  # ragged fields as read: listed by torch's default collate
-            samples = [
-                mark_transformed(self._sample_for_batch(i, listed), self.ragged_fields, single, listed)
-                for i in idx.tolist()
-            ]
+            samples = [self._marked(self._sample_for_batch(i, listed), listed) for i in idx.tolist()]
             return SampleList(samples, self.ragged_fields, single)
         destination = NewMemory(shared=get_worker_info() is not None)
         fields: dict[str, Any] = {}
@@ -489,9 +495,10 @@ def _collate_gathered_samples(batch: Sequence[GatheredSample], *, collate_fn_map
     return torch_collate([dict(sample) for sample in batch], collate_fn_map=collate_fn_map)
 
 
-class TransformedSample(dict[str, Any]):
-    """A transform's dict sample in a batch, with the names of the dataset's ragged fields
-    (``listed``: samples as read, whose ragged fields torch's default collate lists)."""
+class MarkedSample(dict[str, Any]):
+    """A dataset's dict sample (``ds[i]``, or a transform's in a batch), with the names of the
+    dataset's ragged fields (``listed``: samples as read, whose ragged fields torch's default
+    collate lists)."""
 
     ragged: frozenset[str] = frozenset()
     listed = False
@@ -511,7 +518,7 @@ def mark_transformed(sample: Any, ragged: frozenset[str], single: str | None, li
     With ``listed`` (samples as read, ``tensors=True``), ragged fields are listed, as without it.
     """
     if isinstance(sample, dict):
-        marked = TransformedSample(sample)
+        marked = MarkedSample(sample)
         marked.ragged = ragged
         marked.listed = listed
         return marked
@@ -525,7 +532,7 @@ def mark_transformed(sample: Any, ragged: frozenset[str], single: str | None, li
     return sample
 
 
-def _collate_transformed_samples(batch: Sequence[TransformedSample], *, collate_fn_map: Any = None) -> Any:
+def _collate_transformed_samples(batch: Sequence[MarkedSample], *, collate_fn_map: Any = None) -> Any:
     """torch's default collate of transformed dict samples, refusing to stack ragged shapes it cannot."""
     ragged = batch[0].ragged
     out = {}
@@ -622,7 +629,7 @@ def _check_stackable(name: str, values: Sequence[Any]) -> None:
         )
 
 
-default_collate_fn_map[TransformedSample] = _collate_transformed_samples
+default_collate_fn_map[MarkedSample] = _collate_transformed_samples
 default_collate_fn_map[TransformedRaggedArray] = _collate_transformed_arrays
 default_collate_fn_map[GatheredSample] = _collate_gathered_samples
 

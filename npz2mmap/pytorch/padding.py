@@ -22,9 +22,9 @@ from ..read.ragged import (
 from .assemble import NewMemory, Padding, place_padded
 from .dataset import (
     GatheredBatch,
+    MarkedSample,
     RaggedSample,
     TransformedRaggedArray,
-    TransformedSample,
     as_tensors,
     check_same_keys,
     stack_bytes,
@@ -144,7 +144,7 @@ def _marked_ragged(batch: Any) -> frozenset[str]:
         return frozenset()
     names: set[str] = set()
     for sample in batch:
-        if isinstance(sample, TransformedSample):
+        if isinstance(sample, MarkedSample):
             names |= sample.ragged
         elif isinstance(sample, Mapping):
             names |= {key for key, value in sample.items() if isinstance(value, RaggedSample)}
