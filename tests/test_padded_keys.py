@@ -290,6 +290,11 @@ def test_samples_taken_one_by_one_collate_as_a_batch_of_the_dataset(tmp_path, wr
     wrapped = torch.utils.data.ConcatDataset([ds]) if wrap == "ConcatDataset" else torch.utils.data.Subset(ds, BATCH)
     padded = list(DataLoader(wrapped, batch_size=2, collate_fn=PaddedCollate(), num_workers=num_workers))
     listed = list(DataLoader(wrapped, batch_size=2, num_workers=num_workers))
+    ours = list(DataLoader(wrapped, batch_size=2, collate_fn=npz2mmap.collate, num_workers=num_workers))
+    for d, o in zip(listed, ours, strict=True):
+        assert type(d) is dict and type(o) is dict and list(o) == ["lab", "seq"]
+        assert [t.tolist() for t in o["seq"]] == [t.tolist() for t in d["seq"]]
+        assert o["lab"].tolist() == d["lab"].tolist()
     for k, (p, d) in enumerate(zip(padded, listed, strict=True)):
         rows = sources["seq"][2 * k : 2 * k + 2]
         width = max(len(r) for r in rows)

@@ -114,7 +114,12 @@ def test_padded_collate_refuses_to_guess_for_unknown_samples(ragged) -> None:
         match=r"field 'tokens' has shapes \(1,\) and \(9,\) in one batch; "
         r"pass PaddedCollate\(ragged=\['tokens', \.\.\.\]\)",
     ):
-        PaddedCollate()([ds[2], ds[1]])
+        PaddedCollate()([dict(ds[2]), dict(ds[1])])  # plain dicts, as from elsewhere
+    # The dataset's own samples know which fields are ragged, whatever one batch holds.
+    for pair in ([ds[2], ds[1]], [ds[1], ds[1]]):
+        out = PaddedCollate()(pair)
+        assert sorted(out) == ["label", "tokens", "tokens_lengths"]
+        assert out["tokens_lengths"].tolist() == [len(sample["tokens"]) for sample in pair]
 
 
 @pytest.mark.parametrize("fields", [None, "tokens"])

@@ -185,9 +185,12 @@ def test_a_ragged_field_of_plain_samples_names_the_field_and_the_way_out(string_
     ds = MmapDataset(string_dataset)
     concat = torch.utils.data.ConcatDataset([ds, ds])
     loader = torch.utils.data.DataLoader(concat, batch_size=4, collate_fn=npz2mmap.collate)
+    listed = next(iter(loader))  # the dataset's samples know 't' is ragged: listed, as in its batches
+    assert [t.tolist() for t in listed["t"]] == [concat[i]["t"].tolist() for i in range(4)]
+    plain = torch.utils.data.DataLoader([dict(concat[i]) for i in range(4)], batch_size=4, collate_fn=npz2mmap.collate)
     with pytest.raises(ValueError, match=r"^field 't' has samples of shapes \(1,\) and \(3,\) in one batch"):
-        next(iter(loader))
-    same = npz2mmap.collate([ds[0], ds[0]])
+        next(iter(plain))
+    same = npz2mmap.collate([dict(ds[0]), dict(ds[0])])
     assert same["t"].tolist() == [[0], [0]] and same["name"].tolist() == ["ab", "ab"]
 
 

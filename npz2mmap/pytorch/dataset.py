@@ -650,13 +650,16 @@ def collate(batch: Any) -> Any:
     """Collate for MmapDataset: a GatheredBatch becomes tensors sharing its memory.
 
     Fixed fields become one tensor each (no copy); ragged fields stay lists of
-    tensors, also when a transform made the batch; dtypes torch lacks (strings,
-    records, datetimes) stay numpy arrays, also in a plain list of samples
-    (``[ds[i], ...]``, a ConcatDataset's). Anything else goes to torch's
-    default collate.
+    tensors, also when a transform made the batch and in a plain list of the
+    dataset's samples (``[ds[i], ...]``, a ConcatDataset's); dtypes torch lacks
+    (strings, records, datetimes) stay numpy arrays, also in a plain list.
+    Anything else goes to torch's default collate.
     """
     if isinstance(batch, GatheredBatch) and batch.samples_edited:  # by the samples as edited
         batch = SampleList(list(batch), batch.ragged, batch.single)
+    elif not isinstance(batch, (GatheredBatch, SampleList)) and _marked_samples(batch):
+        ragged = frozenset().union(*(s.ragged for s in batch if isinstance(s, MarkedSample)))
+        batch = SampleList(list(batch), ragged)
     if isinstance(batch, SampleList):
         return _collate_listing_ragged(batch)
     if not isinstance(batch, GatheredBatch):
@@ -671,8 +674,14 @@ def collate(batch: Any) -> Any:
     return tensors[batch.single] if batch.single is not None else tensors
 
 
+def _marked_samples(batch: Any) -> bool:
+    """Whether a plain list holds a dataset's dict samples (``[ds[i], ...]``), which know their
+    ragged fields."""
+    return isinstance(batch, Sequence) and any(isinstance(sample, MarkedSample) for sample in batch)
+
+
 def _collate_plain_dicts(samples: Sequence[Mapping[str, Any]]) -> Any:
-    """Dict samples from elsewhere (``[ds[i], ...]``, a ConcatDataset's) by key, as torch's
+    """Dict samples from elsewhere (other datasets', or built by hand) by key, as torch's
     default collate takes them, with numpy's stacking where torch's differs; a key whose
     arrays differ in shape raises ValueError naming it and the way out."""
     out = {}
@@ -682,7 +691,7 @@ def _collate_plain_dicts(samples: Sequence[Mapping[str, Any]]) -> Any:
         if len(shapes) > 1:
             raise ValueError(
                 f"field {key!r} has samples of shapes {shapes[0]} and {shapes[-1]} in one batch, a ragged "
-                "field in samples that do not say so (as a ConcatDataset's): pass "
+                "field in samples that do not say so (not an MmapDataset's): pass "
                 f"collate_fn=npz2mmap.PaddedCollate(ragged=[{key!r}]) to pad it, or collate it yourself"
             )
         out[key] = torch_collate(values, collate_fn_map=PLAIN_COLLATE_FNS)
