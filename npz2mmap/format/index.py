@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .. import fsutil
 from ..errors import FormatError, Npz2mmapError
 from ..text import brief, quoted
 from .dtypes import dtype_from_json, dtype_to_json
+from .files import decode_json, read_regular_file
 
 FORMAT_NAME = "npz2mmap"
 FORMAT_VERSION = 2
@@ -64,10 +64,6 @@ MAX_NBYTES = (1 << 63) - 1
 MAX_NDIM = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
 # data.npy is at most MAX_NBYTES long (the largest file offset, too).
 MAX_PAYLOAD_NBYTES = MAX_NBYTES - BLOB_HEADER_NBYTES
-# Every number in an index is at most MAX_NBYTES, which has 19 digits; longer
-# numbers are refused before Python converts them (which is quadratic, and
-# past 4300 digits a ValueError).
-MAX_INT_DIGITS = len(str(MAX_NBYTES))
 # Field names are keys of index.json, of each sample's dict and of every message naming a field.
 MAX_FIELD_NAME_CHARS = 255
 # C0 and C1 controls and Unicode line breaks: a name holding one would break a line of output.
@@ -314,40 +310,6 @@ def _region_to_json(region: Region) -> dict[str, int]:
 # --- index.json: reading and validation ------------------------------------
 
 
-def open_regular(path: str, missing: str = "missing") -> int:
-    """A read-only descriptor of a dataset file that must be a regular file.
-
-    Opened without blocking and checked on the descriptor (fsutil.open_regular),
-    so a pipe or a device in its place is refused at once. Raises FormatError
-    naming the file; ``missing`` says what its absence means.
-    """
-    try:
-        return fsutil.open_regular(path)
-    except FileNotFoundError:
-        raise FormatError(f"{path}: {missing}") from None
-    except OSError as exc:
-        if not fsutil.is_io_error(exc):  # a signal handler's, not the file's: the caller's to see
-            raise
-        raise FormatError(f"{path}: cannot open ({exc.strerror or exc})") from None
-    except fsutil.NotRegularFile as exc:
-        raise FormatError(f"{path}: {exc}") from None
-
-
-def read_regular_file(path: str, max_nbytes: int) -> bytes:
-    """The whole of a small dataset file (``index.json``, ``manifest.json``), never more
-    than ``max_nbytes`` read, so a huge file in its place is refused; FormatError otherwise."""
-    fd = open_regular(path, missing="missing; is this an npz2mmap dataset?")
-    try:
-        with os.fdopen(fd, "rb") as fp:
-            raw = fp.read(max_nbytes + 1)
-    except OSError as exc:
-        fsutil.reraise_if_from_a_handler(exc)
-        raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if len(raw) > max_nbytes:
-        raise FormatError(f"{path}: larger than {max_nbytes} bytes; not a valid {os.path.basename(path)}")
-    return raw
-
-
 def load_index(dataset_dir: str | os.PathLike[str]) -> Index:
     """Read and fully validate ``index.json``; raise FormatError on the first problem."""
     path = os.path.join(os.fspath(dataset_dir), INDEX_NAME)
@@ -356,46 +318,6 @@ def load_index(dataset_dir: str | os.PathLike[str]) -> Index:
         raise FormatError(f"{os.fspath(dataset_dir)}: {what}")
     raw = read_regular_file(path, MAX_INDEX_NBYTES)
     return dataclasses.replace(parse_index(decode_json(raw, path), path), digest=index_digest(raw))
-
-
-class _TooManyDigits(ValueError):
-    pass
-
-
-def _bounded_int(text: str) -> int:
-    """json's int parser with the digits bounded first: longer numbers are never converted."""
-    digits = len(text.lstrip("-"))
-    if digits > MAX_INT_DIGITS:
-        raise _TooManyDigits(digits)
-    return int(text)
-
-
-def decode_json(raw: bytes, where: str) -> Any:
-    """The JSON value of ``raw``; FormatError if it is not UTF-8 JSON, nests too deeply,
-    holds an integer of more than MAX_INT_DIGITS digits or an object with a key twice
-    (which json would read as its last value, where another reader may take the first)."""
-    try:
-        return json.loads(raw.decode("utf-8"), parse_int=_bounded_int, object_pairs_hook=_unique_keys)
-    except _TooManyDigits as exc:
-        raise FormatError(
-            f"{where}: holds an integer of {exc.args[0]} digits; no number npz2mmap reads has more "
-            f"than {MAX_INT_DIGITS}"
-        ) from None
-    except ValueError as exc:  # also UnicodeDecodeError and json.JSONDecodeError
-        raise FormatError(f"{where}: not valid JSON ({exc})") from None
-    except RecursionError:
-        raise FormatError(f"{where}: JSON nested too deeply") from None
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    document = dict(pairs)
-    if len(document) < len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise ValueError(f"key {brief(key)} appears twice in one object")
-            seen.add(key)
-    return document
 
 
 def parse_index(document: Any, where: str) -> Index:
@@ -552,19 +474,6 @@ def field_name_problem(name: str) -> str | None:
     if not _is_text(name):
         return "is not valid text (it holds a lone surrogate)"
     return None
-
-
-def escape_controls(text: str) -> str:
-    """``text`` with control characters and lone surrogates escaped as repr does, so it shows on one line."""
-    return _CONTROL_CHARS.sub(_escaped, _escape_surrogates(text))
-
-
-def _escaped(match: re.Match[str]) -> str:
-    return match.group().encode("unicode_escape").decode("ascii")
-
-
-def _escape_surrogates(text: str) -> str:
-    return text if _is_text(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _is_text(name: str) -> bool:

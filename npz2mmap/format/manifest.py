@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from ..errors import FormatError
 from ..text import brief
-from .index import INDEX_NAME, decode_json, read_regular_file
+from .files import decode_json, read_regular_file
+from .index import INDEX_NAME
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "npz2mmap-parts"

@@ -16,7 +16,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..errors import FormatError
-from .index import SKIPPED_NAME, SOURCES_NAME, Index, open_regular
+from .files import open_regular
+from .index import SKIPPED_NAME, SOURCES_NAME, Index
 
 MAX_LINE_NBYTES = 1 << 16
 

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from .. import fsutil
 from ..errors import FormatError, SourceError
+from ..format.files import decode_json, read_regular_file
 from ..format.index import (
     BLOB_HEADER_NBYTES,
     BLOB_NAME,
@@ -23,8 +24,6 @@ from ..format.index import (
     INDEX_NAME,
     MAX_INDEX_NBYTES,
     SOURCES_NAME,
-    decode_json,
-    read_regular_file,
 )
 from ..format.manifest import MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_NBYTES
 from .npz import NPY_SUFFIX

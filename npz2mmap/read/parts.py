@@ -17,13 +17,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..errors import FormatError
+from ..format.files import open_regular
 from ..format.index import (
     BLOB_NAME,
     SKIPPED_NAME,
     SOURCES_NAME,
     Index,
     load_index,
-    open_regular,
 )
 from ..format.manifest import PathLike, check_part_set, naming_parts, resolve_listed
 from ..text import quoted

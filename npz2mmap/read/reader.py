@@ -20,6 +20,7 @@ from numpy.typing import NDArray
 
 from .. import fsutil
 from ..errors import FormatError
+from ..format.files import open_regular
 from ..format.index import (
     BLOB_HEADER_NBYTES,
     BLOB_NAME,
@@ -33,7 +34,6 @@ from ..format.index import (
     blob_header,
     blob_identity,
     load_index,
-    open_regular,
     ragged_table_problem,
     representable_nbytes,
     representable_row_nbytes,

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import fsutil
 from ..errors import FixedShapeError, OutputError, RaggedFieldWarning, SourceError
-from ..format.index import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN, escape_controls
+from ..format.index import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN
 from ..format.provenance import MAX_LINE_NBYTES
 from ..ingest.elements import Piece, stored_pieces
 from ..ingest.npz import CHUNK_NBYTES, MemberHeader
@@ -41,7 +41,7 @@ from ..parallel import (
     restore_signal_mask,
     signal_mask,
 )
-from ..text import brief
+from ..text import brief, printable
 from . import blob_writer, publish
 from .conversion import (
     PartOption,
@@ -471,7 +471,7 @@ def _describe_nearly_fixed(item: NearlyFixed) -> str:
 
 def _sample_label(k: int, source: str) -> str:
     """How messages name sample ``k``: with its source name, escaped, when it has one."""
-    return f"sample {k}" + (f" ({escape_controls(source)})" if source else "")
+    return f"sample {k}" + (f" ({printable(source)})" if source else "")
 
 
 def _field_name(key: object, label: str) -> str:
