@@ -18,6 +18,11 @@ from hypothesis import HealthCheck, settings
 from npz2mmap.format import index
 from npz2mmap.write.conversion import convert
 
+# Where tests find the repository, wherever in tests/ they live.
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent  # what a subprocess puts on PYTHONPATH to import this checkout
+GOLDEN_DIR = TESTS_DIR / "data" / "golden"
+
 
 @dataclass(frozen=True)
 class RunSize:

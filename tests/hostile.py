@@ -124,3 +124,14 @@ def header_claims_too_much(path: Path) -> Path:
 def header_with_code(path: Path) -> Path:
     header = "{'descr': __import__('os').system('touch pwned'), 'fortran_order': False, 'shape': (1,), }"
     return zip_with(path, {"x.npy": npy_with_header(header, b"\0" * 8)})
+
+
+def corrupt_far_past_the_header(path: Path, key: str) -> None:
+    """Flip a byte near the end of a stored member: only reading it to its end finds the bad CRC."""
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo(f"{key}.npy")
+    data = bytearray(path.read_bytes())
+    name_nbytes, extra_nbytes = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+    data_end = info.header_offset + 30 + name_nbytes + extra_nbytes + info.compress_size
+    data[data_end - 10] ^= 0xFF
+    path.write_bytes(bytes(data))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import REPO_ROOT
 
-SCRIPT = Path(__file__).parent.parent / "scripts" / "bench.py"
+SCRIPT = REPO_ROOT / "scripts" / "bench.py"
 
 
 @pytest.mark.long

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import GOLDEN_DIR
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,7 @@ from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FormatError
 from npz2mmap.read.reader import DatasetReader
 
-GOLDEN = Path(__file__).parent / "data" / "golden" / "v2"
+GOLDEN = GOLDEN_DIR / "v2"
 HEADER_NBYTES = 128  # docs/FORMAT.md: the .npy header of data.npy is exactly 128 bytes
 
 

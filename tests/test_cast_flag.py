@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import hostile
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import convert_part_at, write_npz, write_samples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_workers import corrupt_far_past_the_header
 
 import npz2mmap
 from npz2mmap.check.verify import verify
@@ -157,7 +157,7 @@ def test_a_file_left_out_while_copying_takes_its_cast_with_it(tmp_path, workers,
     values = np.random.default_rng(5).random(20_000).astype(np.float32)  # float64 holds each exactly
     dtypes = ["<f4", "<f4", "<f8", "<f4"]  # the only file that needs the cast is s00002
     write_samples(tmp_path / "src", [{"x": values.astype(d)} for d in dtypes])
-    corrupt_far_past_the_header(tmp_path / "src" / corrupt, "x")
+    hostile.corrupt_far_past_the_header(tmp_path / "src" / corrupt, "x")
     result = convert(
         [tmp_path / "src"], tmp_path / "out", casts={"x": "float32"}, skip_bad=True, workers=workers
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import write_npz, write_samples
+from conftest import REPO_ROOT, write_npz, write_samples
 
 from npz2mmap import DatasetReader
 from npz2mmap.cli.commands import cli
@@ -175,7 +175,7 @@ def test_the_cli_never_imports_torch(tmp_path, sources) -> None:
 
 
 def test_every_command_and_option_is_documented_in_the_command_reference() -> None:
-    readme = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    readme = (REPO_ROOT / "docs" / "cli.md").read_text()
     for name, command in cli.commands.items():
         assert f"## `npz2mmap {name}" in readme, name
         for param in command.params:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_samples
+from conftest import REPO_ROOT, write_samples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -67,7 +67,7 @@ def temp_dir() -> Iterator[Path]:
 
 
 def run_trainer(dataset: Path, temp: Path, extra: str) -> tuple[subprocess.Popen[str], list[int]]:
-    env = {**os.environ, "TMPDIR": str(temp), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "TMPDIR": str(temp), "PYTHONPATH": str(REPO_ROOT)}
     trainer = subprocess.Popen(
         [sys.executable, "-c", TRAINER, str(dataset), extra],
         stdin=subprocess.PIPE,

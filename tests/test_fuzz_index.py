@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import rewrite_blob, rewrite_index
+from conftest import GOLDEN_DIR, rewrite_blob, rewrite_index
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +30,7 @@ from npz2mmap.read.parts import Parts, PartsReader
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write.merge import merge
 
-GOLDEN = Path(__file__).parent / "data" / "golden" / "v2"
+GOLDEN = GOLDEN_DIR / "v2"
 VALID = json.loads((GOLDEN / "index.json").read_text())
 
 # Numbers at and past every limit: int32, int64, numpy's byte and dimension limits.

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import raises_from_dataloader, rewrite_blob, rewrite_index, write_npz
+from conftest import GOLDEN_DIR, raises_from_dataloader, rewrite_blob, rewrite_index, write_npz
 
 from npz2mmap import MmapDataset
 from npz2mmap.check.verify import verify
@@ -30,7 +30,7 @@ from npz2mmap.format.index import MAX_NBYTES, MAX_NDIM, parse_index
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write.conversion import convert
 
-GOLDEN = Path(__file__).parent / "data" / "golden"
+GOLDEN = GOLDEN_DIR
 GOLDEN_TEXT = (GOLDEN / "v2" / "index.json").read_text()
 POINTS_OFFSETS_OFFSET = 448  # the golden 'points' offsets table: 0, 0, 8, 24 as <i8
 POINTS_SHAPES_OFFSET = 512  # the golden 'points' shapes table: rows (0, 2), (1, 2), (2, 2) of <i8

@@ -19,11 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import TESTS_DIR
 from mutants import Mutant, all_mutants, make_base, materialise
 
 pytestmark = pytest.mark.long  # a minute and a half of mutant datasets, each read by every command
 
-PROBE = Path(__file__).with_name("mutant_probe.py")
+PROBE = TESTS_DIR / "mutant_probe.py"
 MEMORY_LIMIT_NBYTES = 8 << 30
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import RunSize, sized, write_npz, write_samples
+from conftest import REPO_ROOT, TESTS_DIR, RunSize, sized, write_npz, write_samples
 from corpus import Corpus, Options, corpora, load_raw, options_for, write_corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -45,7 +45,7 @@ from npz2mmap.write import writer
 from npz2mmap.write.conversion import convert
 from npz2mmap.write.merge import merge
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 
 
 def run_script(
@@ -617,7 +617,7 @@ with npz2mmap.Writer(sys.argv[1], part="auto") as w:
 
 
 def test_two_processes_writing_parts_merge_into_the_bytes_of_one_writer(tmp_path, sample_files) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "WORLD_SIZE": "2"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS_DIR)]), "WORLD_SIZE": "2"}
     processes = [
         subprocess.Popen(
             [sys.executable, "-c", RANK_WRITER, str(tmp_path / "parts"), *map(str, sample_files)],

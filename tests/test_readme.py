@@ -19,11 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO_ROOT
 
 from npz2mmap import MmapDataset
 from npz2mmap.write.conversion import convert
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SNIPPETS = [
     (document.relative_to(ROOT).as_posix(), snippet)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import write_samples
+from conftest import REPO_ROOT, write_samples
 from torch.utils.data import DataLoader, DistributedSampler
 
 import npz2mmap
@@ -562,7 +562,7 @@ for batch in loader:
 
 def trainer_process(script: str, dataset_dir: Path, **options: Any) -> subprocess.Popen[str]:
     """``script`` run by a new Python on ``dataset_dir``'s dataset, this checkout importable."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     return subprocess.Popen(
         [sys.executable, "-c", script, str(dataset_dir / "dataset")],
         stdout=subprocess.PIPE,
@@ -1041,7 +1041,7 @@ def test_a_worker_dying_before_its_first_batch_under_spawn_says_what_must_be_imp
 ) -> None:
     script = tmp_path / "train.py"
     script.write_text(UNIMPORTABLE_COLLATE)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     done = subprocess.run(
         [sys.executable, str(script), str(dataset_dir / "dataset")],
         capture_output=True,

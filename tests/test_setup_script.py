@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="setup.sh is a bash script")
 

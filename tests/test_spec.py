@@ -11,13 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import GOLDEN_DIR
 
 from npz2mmap.errors import FormatError
 from npz2mmap.format import dtypes, index
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write.conversion import convert
 
-GOLDEN = Path(__file__).parent / "data" / "golden"
+GOLDEN = GOLDEN_DIR
 
 
 def without_tool_version(index_text: str) -> dict:

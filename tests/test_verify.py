@@ -8,14 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_npz
+from conftest import GOLDEN_DIR, write_npz
 
 from npz2mmap.check.verify import verify
 from npz2mmap.errors import FormatError
 from npz2mmap.format.index import BLOB_HEADER_NBYTES
 from npz2mmap.read.reader import DatasetReader
 
-GOLDEN = Path(__file__).parent / "data" / "golden" / "v2"
+GOLDEN = GOLDEN_DIR / "v2"
 
 
 def flip_byte(path: Path, file_offset: int) -> None:

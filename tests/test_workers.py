@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 
+import hostile
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -20,23 +19,12 @@ from npz2mmap.cli.commands import cli
 from npz2mmap.read.reader import DatasetReader
 
 
-def corrupt_far_past_the_header(path: Path, key: str) -> None:
-    """Flip a byte near the end of a stored member: only reading it to its end finds the bad CRC."""
-    with zipfile.ZipFile(path) as zf:
-        info = zf.getinfo(f"{key}.npy")
-    data = bytearray(path.read_bytes())
-    name_nbytes, extra_nbytes = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
-    data_end = info.header_offset + 30 + name_nbytes + extra_nbytes + info.compress_size
-    data[data_end - 10] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 @pytest.fixture(scope="module")
 def sources_with_a_late_corruption(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("late") / "src"
     rng = np.random.default_rng(11)
     write_samples(src, [{"x": rng.random(20_000), "id": np.int64(i)} for i in range(12)])
-    corrupt_far_past_the_header(src / "s00005.npz", "x")
+    hostile.corrupt_far_past_the_header(src / "s00005.npz", "x")
     return src
 
 
