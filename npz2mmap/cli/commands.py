@@ -31,9 +31,9 @@ from ..ingest.sources import is_npy_path
 from ..progress import PROGRESS_MODES, showing_progress
 from ..read.memory import fits_in_memory, larger_than_memory, memory_limit
 from ..text import human_bytes, plural
-from ..write.conversion import cast_dtype, resolve_part
 from ..write.conversion import convert as convert_files
 from ..write.merge import merge as merge_parts
+from ..write.options import cast_dtype, resolve_part
 from ..write.shapes import NearlyFixed, describe_nearly_fixed
 from .render import render_json, render_sample, render_summary
 

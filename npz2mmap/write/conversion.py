@@ -23,12 +23,10 @@ from .. import fsutil
 from ..errors import DatasetInputError, FixedShapeError, MismatchError, OutputError, SourceError
 from ..format import provenance
 from ..format.index import (
-    ALIGN_RULE,
     BLOB_HEADER_NBYTES,
     BLOB_NAME,
     MIN_ALIGN,
     Index,
-    is_valid_align,
 )
 from ..ingest.discover import discover_sources
 from ..ingest.npz import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, MemberLocation, header_limit
@@ -37,6 +35,15 @@ from ..parallel import Mapper, keeps_signal_mask, worker_map
 from ..progress import Progress, progress_display
 from ..text import human_bytes
 from . import blob_writer, publish
+from .options import (
+    PartOption,
+    PathOrPaths,
+    WriteOptions,
+    parse_inputs,
+    parse_keys,
+    select_part,
+    sources_before_part,
+)
 from .plan import CLI_HINTS, Plan, PlanBuilder, drop_files
 from .shapes import HeldShape, NearlyFixed, describe_unfixed, find_nearly_fixed, find_unfixed, held_shapes
 
@@ -54,9 +61,6 @@ class ConvertResult:
     skipped: tuple[tuple[str, str], ...] = ()  # (path, reason) of each file --skip-bad left out
     sources_nbytes: int = 0  # the converted files' sizes on disk, compressed or not
     nearly_fixed: tuple[NearlyFixed, ...] = ()  # ragged fields only a few files keep from being fixed
-
-
-PathOrPaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 
 @keeps_signal_mask
@@ -112,11 +116,10 @@ def convert(
     dataset there is untouched.
     """
     started = time.perf_counter()
-    part, out = resolve_part(part, out_dir)
+    options = WriteOptions.checked(out_dir, part=part, align=align, casts=casts, fixed=fixed)
+    part, out, fixed_keys = options.part, options.out_dir, options.fixed
     display = progress_display(progress)
-    check_align(align)
     inputs = parse_inputs(inputs)
-    fixed_keys = parse_fixed(fixed)
     chosen_keys = parse_keys(keys)
     limit = header_limit(max_header_size)
     publish.check_output(out, overwrite)
@@ -134,7 +137,7 @@ def convert(
         scan = Scan(
             chosen_keys,
             skip_bad,
-            parse_casts(casts),
+            options.casts,
             rows,
             align,
             space,
@@ -246,110 +249,6 @@ def looks_like_sample_dirs(sources: Sequence[str]) -> bool:
     return False
 
 
-MAX_PARTS = 100_000
-
-
-def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
-    """The i-th of n contiguous slices of the sources; empty when there are fewer sources than parts."""
-    return sources if part is None else sources[part_slice(len(sources), part)]
-
-
-def sources_before_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
-    """The sources of the parts before ``part`` (none without a part)."""
-    return [] if part is None else sources[: part_slice(len(sources), part).start]
-
-
-def part_slice(num_sources: int, part: tuple[int, int]) -> slice:
-    """Where the i-th of n contiguous slices of ``num_sources`` sources lies."""
-    i, n = check_part(part)
-    return slice(num_sources * i // n, num_sources * (i + 1) // n)
-
-
-def check_part(part: object) -> tuple[int, int]:
-    """``part`` as (i, n); TypeError unless it is a pair of integers, ValueError unless
-    0 <= i < n <= MAX_PARTS (so that every part-IIIII name has 5 digits and they sort in order)."""
-    if not isinstance(part, (tuple, list)) or len(part) != 2:
-        raise TypeError(f"part must be a pair (i, n) of integers, not {_brief(part)}")
-    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in part):
-        raise TypeError(f"part must be a pair (i, n) of integers, not {_brief(part)}")
-    i, n = int(part[0]), int(part[1])
-    if n < 1:
-        raise ValueError(f"part {i}/{n} does not exist: n, the number of parts, must be at least 1")
-    if not 0 <= i < n:
-        raise ValueError(f"part {i}/{n} does not exist: i must be from 0 to {n - 1}")
-    if n > MAX_PARTS:
-        raise ValueError(f"part {i}/{n}: at most {MAX_PARTS:,} parts, so that part names sort in order")
-    return i, n
-
-
-def parse_part(text: str) -> tuple[int, int]:
-    """``I/N`` as (i, n), by check_part's rules; ValueError naming what is wrong."""
-    i, sep, n = text.partition("/")
-    if not sep or not (_is_small_ascii_number(i) and _is_small_ascii_number(n)):
-        raise ValueError(f"{_brief(text)} is not I/N (two plain integers) or auto")
-    return check_part((int(i), int(n)))
-
-
-def _brief(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:80]}..."
-
-
-def part_from_environment(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
-    """(i, n) from the launcher: torchrun's RANK/WORLD_SIZE or Slurm's SLURM_PROCID/SLURM_NTASKS.
-
-    Only plain ASCII digits count: int() would also take " 1", "1_0" and
-    other scripts' digits, which no launcher writes.
-    """
-    environ = os.environ if environ is None else environ
-    for rank, size in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
-        if rank in environ and size in environ:
-            values = environ[rank], environ[size]
-            if not all(_is_small_ascii_number(v) for v in values):
-                raise ValueError(
-                    f"{rank}={_brief(values[0])} and {size}={_brief(values[1])} are not integers"
-                )
-            i, n = int(values[0]), int(values[1])
-            if not 0 <= i < n:
-                raise ValueError(f"{rank}={i} and {size}={n}: {rank} must be from 0 to {size} - 1")
-            return check_part((i, n))
-    raise ValueError(
-        "--part auto needs RANK and WORLD_SIZE (torchrun) or SLURM_PROCID and SLURM_NTASKS (Slurm)"
-    )
-
-
-def _is_small_ascii_number(text: str) -> bool:
-    """Digits 0-9 only, at most 18 of them (no launcher runs more processes)."""
-    return 0 < len(text) <= 18 and text.isascii() and text.isdigit()
-
-
-PartOption = tuple[int, int] | str | None
-
-
-def resolve_part(part: PartOption, out_dir: str | os.PathLike[str]) -> tuple[tuple[int, int] | None, str]:
-    """The part asked for, as (i, n), and the directory it is written to: the one meaning of
-    ``part`` for ``convert --part``, ``convert(part=)`` and ``Writer(part=)``.
-
-    ``part`` is None (no part: OUT itself), (i, n), ``"I/N"``, or ``"auto"`` (from torchrun's
-    or Slurm's environment); part i goes to OUT/part-IIIII, or to OUT with {part} replaced.
-    TypeError or ValueError naming what is wrong (see check_part).
-    """
-    out = os.fspath(out_dir)
-    if part is None:
-        return None, out
-    if isinstance(part, str):
-        chosen = part_from_environment() if part == "auto" else parse_part(part)
-    else:
-        chosen = check_part(part)
-    return chosen, part_directory(out, chosen)
-
-
-def part_directory(out_dir: str, part: tuple[int, int]) -> str:
-    """Where part I goes: OUT with {part} replaced, else OUT/part-IIIII."""
-    label = f"{part[0]:05d}"
-    return out_dir.replace("{part}", label) if "{part}" in out_dir else os.path.join(out_dir, f"part-{label}")
-
-
 def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[str]]) -> None:
     """OUT inside an input directory would be walked by the next conversion of it."""
     real_out = os.path.realpath(out)
@@ -429,56 +328,6 @@ def make_staging_dir(out: str) -> str:
         if not fsutil.is_io_error(exc):
             raise
         raise publish.creation_error(out, exc) from exc
-
-
-def check_align(align: int) -> None:
-    """ValueError unless ``align`` is one a dataset may have (index.ALIGN_RULE)."""
-    if not is_valid_align(align):
-        raise ValueError(f"align must be {ALIGN_RULE}, got {align}")
-
-
-def parse_inputs(inputs: PathOrPaths) -> list[str | os.PathLike[str]]:
-    """``inputs`` as a list: one path is a list of one, never the characters of its name."""
-    if isinstance(inputs, (str, os.PathLike)):
-        return [inputs]
-    if isinstance(inputs, (bytes, bytearray)) or not all(isinstance(i, (str, os.PathLike)) for i in inputs):
-        raise TypeError(
-            f"inputs must be a path or a list of paths (str or os.PathLike), not {_brief(inputs)}"
-        )
-    return list(inputs)
-
-
-def parse_keys(keys: Sequence[str] | None) -> tuple[str, ...] | None:
-    """``keys`` as a tuple (None or empty: every key); TypeError for one string, which would
-    name its characters."""
-    if keys is None:
-        return None
-    if isinstance(keys, str) or not all(isinstance(key, str) for key in keys):
-        raise TypeError(f"keys must be a list of keys, not {_brief(keys)}")
-    return tuple(keys) or None
-
-
-def parse_fixed(fixed: Collection[str]) -> tuple[str, ...]:
-    """``fixed`` as a tuple of keys; TypeError for one string, which would name its characters."""
-    if isinstance(fixed, str) or not all(isinstance(key, str) for key in fixed):
-        raise TypeError(f"fixed must be a list of keys, not {_brief(fixed)}")
-    return tuple(fixed)
-
-
-def parse_casts(casts: Mapping[str, np.dtype | str] | None) -> dict[str, np.dtype]:
-    """``casts`` with every value a dtype (see cast_dtype)."""
-    return {key: cast_dtype(value) for key, value in (casts or {}).items()}
-
-
-def cast_dtype(value: np.dtype | str) -> np.dtype:
-    """The dtype a --cast names; ValueError unless it is a fixed-size, pickle-free numpy dtype."""
-    try:
-        dtype = np.dtype(value)
-    except TypeError:
-        raise ValueError(f"{value!r} is not a numpy dtype") from None
-    if dtype.hasobject or dtype.itemsize == 0:
-        raise ValueError(f"{value!r} is not a fixed-size, pickle-free dtype")
-    return dtype
 
 
 Scanned = tuple[dict[str, MemberHeader], dict[str, MemberLocation]]

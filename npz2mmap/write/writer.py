@@ -43,17 +43,8 @@ from ..parallel import (
 )
 from ..text import brief, printable
 from . import blob_writer, publish
-from .conversion import (
-    PartOption,
-    check_align,
-    check_free_space,
-    dataset_nbytes,
-    free_nbytes,
-    make_staging_dir,
-    parse_casts,
-    parse_fixed,
-    resolve_part,
-)
+from .conversion import check_free_space, dataset_nbytes, free_nbytes, make_staging_dir
+from .options import PartOption, WriteOptions
 from .plan import WRITER_HINTS, PendingSource, Plan, PlanBuilder, check_field_name
 from .shapes import NearlyFixed, describe_nearly_fixed, find_nearly_fixed, unfixed_problem
 
@@ -108,11 +99,10 @@ class Writer:
         overwrite: bool = False,
         part: PartOption = None,
     ) -> None:
-        check_align(align)
-        parsed_casts = parse_casts(casts)
-        self._fixed = parse_fixed(fixed)
+        options = WriteOptions.checked(out_dir, part=part, align=align, casts=casts, fixed=fixed)
+        self._fixed = options.fixed
         self.nearly_fixed: tuple[NearlyFixed, ...] = ()  # set by close
-        self.part, self.out_dir = resolve_part(part, out_dir)
+        self.part, self.out_dir = options.part, options.out_dir
         self._overwrite = overwrite
         publish.check_output(self.out_dir, overwrite)
         self._owner_pid = os.getpid()
@@ -130,7 +120,7 @@ class Writer:
             self._stack.callback(self._names.spool.close)
             self._builder = PlanBuilder(
                 align,
-                parsed_casts,
+                options.casts,
                 max_payload_nbytes=free_nbytes(self.out_dir),
                 hints=WRITER_HINTS,
                 fixed=self._fixed,

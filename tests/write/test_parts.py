@@ -25,8 +25,9 @@ from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FormatError
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.text import human_bytes
-from npz2mmap.write.conversion import MAX_PARTS, convert, part_from_environment, resolve_part, select_part
+from npz2mmap.write.conversion import convert
 from npz2mmap.write.merge import merge
+from npz2mmap.write.options import MAX_PARTS, part_from_environment, resolve_part, select_part
 
 BIN = Path(sys.executable).parent
 

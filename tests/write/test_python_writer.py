@@ -44,6 +44,7 @@ from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write import writer
 from npz2mmap.write.conversion import convert
 from npz2mmap.write.merge import merge
+from npz2mmap.write.options import part_from_environment
 
 ROOT = REPO_ROOT
 
@@ -1282,7 +1283,7 @@ def test_a_bad_part_is_refused_alike_by_convert_and_the_writer(tmp_path, part, e
 def test_part_auto_takes_only_plain_ascii_digits(environ) -> None:
     (rank, rank_value), (size, size_value) = environ.items()
     with pytest.raises(ValueError) as raised:
-        npz2mmap.write.conversion.part_from_environment(environ)
+        part_from_environment(environ)
     assert str(raised.value) == f"{rank}={rank_value!r} and {size}={size_value!r} are not integers"
 
 
