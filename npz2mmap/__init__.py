@@ -37,14 +37,15 @@ _LAZY = {
     "PaddedCollate": "pytorch.padding",
     "ShuffleSampler": "pytorch.samplers",
     "Writer": "write.writer",
-    "collate": "pytorch.dataset",
+    "collate": "pytorch.collate",
     "convert": "write.conversion",
     "merge": "write.merge",
 }
 
 if TYPE_CHECKING:
     from .errors import Npz2mmapError
-    from .pytorch.dataset import MmapDataset, collate
+    from .pytorch.collate import collate
+    from .pytorch.dataset import MmapDataset
     from .pytorch.loader import MmapLoader
     from .pytorch.padding import PaddedCollate
     from .pytorch.samplers import BlockShuffleSampler, LengthGroupedSampler, ShuffleSampler

@@ -18,7 +18,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from .assemble import Destination, NewMemory, Padding, assemble
-from .dataset import MmapDataset, collate
+from .collate import collate
+from .dataset import MmapDataset
 from .padding import PaddedCollate
 
 

@@ -19,18 +19,11 @@ from ..read.ragged import (
     raw_unit,
     valid_mask_of,
 )
-from .assemble import NewMemory, Padding, place_padded
-from .dataset import (
-    GatheredBatch,
-    MarkedSample,
-    RaggedSample,
-    TransformedRaggedArray,
-    as_tensors,
-    check_same_keys,
-    stack_bytes,
-    torch_dtype,
-    viewable_by_torch,
-)
+from .assemble import NewMemory, Padding, place_padded, torch_dtype
+from .collate import check_same_keys
+from .gathered import GatheredBatch
+from .samples import MarkedSample, RaggedSample, TransformedRaggedArray
+from .tensors import as_tensors, stack_bytes, viewable_by_torch
 
 
 class PaddedCollate:

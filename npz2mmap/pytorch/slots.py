@@ -28,7 +28,10 @@ from numpy.typing import NDArray
 
 from ..errors import WorkerError
 from ..read.ragged import RaggedRows
-from .dataset import MmapDataset, SampleList, collate, torch_dtype
+from .assemble import torch_dtype
+from .collate import collate
+from .dataset import MmapDataset
+from .samples import SampleList
 
 # Every array in a slot starts at a multiple of 64 bytes: aligned for any
 # dtype's view, and no two arrays share a cache line.

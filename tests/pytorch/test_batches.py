@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from npz2mmap import BlockShuffleSampler, MmapDataset, MmapLoader, PaddedCollate, collate
 from npz2mmap.errors import FormatError
-from npz2mmap.pytorch.dataset import GatheredBatch
+from npz2mmap.pytorch.gathered import GatheredBatch
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write.conversion import convert
 
