@@ -35,7 +35,7 @@ from typing import Any
 from conftest import RunSize
 
 import npz2mmap
-from npz2mmap import fsutil
+from npz2mmap import locks
 from npz2mmap.write import publish
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(npz2mmap.__file__)) + os.sep
@@ -153,7 +153,7 @@ class Interrupt:
 def lock_is_free(out_dir: str | os.PathLike[str]) -> bool:
     """Whether OUT's output lock can be taken now (it is given back at once)."""
     parent, name = os.path.split(os.path.abspath(out_dir))
-    with fsutil.exclusive_lock(os.path.join(parent, f".{name}{publish.LOCK_SUFFIX}")) as fd:
+    with locks.exclusive_lock(os.path.join(parent, f".{name}{publish.LOCK_SUFFIX}")) as fd:
         return fd is not None
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import fsutil
+from .. import pagecache
 from ..errors import FormatError
 from ..format.index import BLOB_NAME, Index
 from ..progress import Progress, SilentProgress
@@ -45,7 +46,7 @@ def warm(path: str | os.PathLike[str], progress: Progress | None = None) -> Resi
     progress.stage("warm", len(parts.paths), sum(index.blob_nbytes for index in parts.indexes), unit="parts")
 
     def load(blob_path: str, fd: int, index: Index) -> None:
-        nbytes = fsutil.load_into_page_cache(fd, index.blob_nbytes, lambda count: progress.advance(0, count))
+        nbytes = pagecache.load_into_page_cache(fd, index.blob_nbytes, functools.partial(progress.advance, 0))
         if nbytes != index.blob_nbytes:
             raise FormatError(f"{blob_path}: truncated to {nbytes} bytes while being read")
         progress.advance(1, 0)
@@ -61,7 +62,7 @@ def _measure(parts: Parts, before: Callable[[str, int, Index], None]) -> Residen
         fd = open_blob(blob_path, index)
         try:
             before(blob_path, fd, index)
-            resident.append(fsutil.resident_nbytes(fd, index.blob_nbytes))
+            resident.append(pagecache.resident_nbytes(fd, index.blob_nbytes))
         finally:
             os.close(fd)
     known = [nbytes for nbytes in resident if nbytes is not None]

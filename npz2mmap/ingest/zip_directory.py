@@ -23,7 +23,7 @@ import struct
 from collections.abc import Iterator
 from typing import Any, NamedTuple, NoReturn
 
-from .. import fsutil
+from .. import fsutil, pagecache
 from ..errors import SourceError
 
 # A file up to this size is read whole at once: one read costs less than the hops between its parts.
@@ -90,7 +90,7 @@ class FileView:
             self._hold(0, file_nbytes)
         elif file_nbytes <= PREFETCH_MAX_NBYTES:
             # On a cold cache each window would cost a disk read; the copy reads the whole file anyway.
-            fsutil.advise(fd, file_nbytes, "willneed")
+            pagecache.advise(fd, file_nbytes, "willneed")
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         """Up to ``nbytes`` from ``offset`` (fewer only at the file's end; none before its start)."""

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from .. import fsutil
+from .. import fsutil, pagecache
 from .._version import __version__
 from ..errors import MismatchError, SourceError
 from ..format import provenance
@@ -170,7 +170,7 @@ def write_batch(blob_path: str, task: BatchTask, skip_bad: bool) -> BatchResult:
     fd = os.open(blob_path, os.O_WRONLY | fsutil.BINARY)
     try:
         out = GatheredWrites(fd)
-        for i, path in enumerate(fsutil.read_ahead(task.paths)):
+        for i, path in enumerate(pagecache.read_ahead(task.paths)):
             try:
                 file_crcs, file_nbytes = _copy_file(task, i, path, out, blob_path)
             except SourceError as exc:

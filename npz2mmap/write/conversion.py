@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import fsutil
+from .. import fsutil, pagecache
 from ..errors import DatasetInputError, FixedShapeError, MismatchError, OutputError, SourceError
 from ..format import provenance
 from ..format.index import (
@@ -429,7 +429,7 @@ class Scan:
         skipped: list[tuple[int, str]] = []
         found = blob_writer.MemberLocations()
         files: list[Scanned | str] = []
-        for k, path in enumerate(fsutil.read_ahead(paths)):
+        for k, path in enumerate(pagecache.read_ahead(paths)):
             try:
                 scanned = self.scan_one(path)
             except SourceError as exc:

@@ -15,7 +15,7 @@ import secrets
 import shutil
 from collections.abc import Iterator
 
-from .. import fsutil
+from .. import fsutil, locks
 from ..errors import FormatError, OutputError
 from ..format.index import DATASET_FILES, INDEX_NAME, load_index
 from ..format.manifest import MANIFEST_NAME, read_manifest
@@ -181,7 +181,7 @@ def output_lock(out_dir: str) -> Iterator[int]:
     """Be the only converter writing OUT; remove what dead converters left beside it.
 
     Yields the descriptor holding the lock, which processes forked meanwhile
-    must close (see fsutil.exclusive_lock). Raises OutputError when another
+    must close (see locks.exclusive_lock). Raises OutputError when another
     conversion to OUT is running.
     """
     lock = None
@@ -200,7 +200,7 @@ def output_lock(out_dir: str) -> Iterator[int]:
 class OutputLock:
     """OUT's lock, held from ``take_output_lock`` to ``release``, which a later call finishes if cut short."""
 
-    def __init__(self, out_dir: str, held: fsutil.HeldLock, made_dirs: list[str]) -> None:
+    def __init__(self, out_dir: str, held: locks.HeldLock, made_dirs: list[str]) -> None:
         self.out_dir = out_dir
         self.held = held
         self.fd = held.fd
@@ -231,11 +231,11 @@ def take_output_lock(out_dir: str, held_in: list[OutputLock] | None = None) -> O
     parent, name = os.path.split(os.path.abspath(out_dir))
     made_dirs = _missing_dirs(parent)
     lock_path = os.path.join(parent, f".{name}{LOCK_SUFFIX}")
-    taken: list[fsutil.HeldLock] = []
+    taken: list[locks.HeldLock] = []
     try:  # taken and then interrupted, the lock is given back
         os.makedirs(parent, exist_ok=True)
         with interrupts_blocked():  # from the lock file's creation to ``taken``: none is left beside OUT
-            held = fsutil.take_lock(lock_path, held_in=taken)
+            held = locks.take_lock(lock_path, held_in=taken)
         if held is not None:
             _remove_leftovers(parent, name)
             lock = OutputLock(out_dir, held, made_dirs)
@@ -246,7 +246,7 @@ def take_output_lock(out_dir: str, held_in: list[OutputLock] | None = None) -> O
         for each in taken:
             each.release()
         if not taken:  # the lock file may have been made, its descriptor lost to a Ctrl-C
-            fsutil.remove_free_lock_file(lock_path)
+            locks.remove_free_lock_file(lock_path)
         _remove_if_empty(made_dirs)
         if fsutil.is_io_error(exc):
             raise creation_error(out_dir, exc) from exc

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import convert_part_at, write_samples
 
-from npz2mmap import fsutil
+from npz2mmap import fsutil, pagecache
 from npz2mmap.check import warm
 from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FormatError
@@ -98,8 +98,8 @@ def test_load_into_page_cache_reads_through_the_descriptor_and_never_past_the_si
         os.lseek(fd, 1000, os.SEEK_SET)
         path.unlink()  # whatever the path now names, the descriptor's file is read
         counts: list[int] = []
-        assert fsutil.load_into_page_cache(fd, 20_000, counts.append) == 20_000
+        assert pagecache.load_into_page_cache(fd, 20_000, counts.append) == 20_000
         assert sum(counts) == 20_000
-        assert fsutil.load_into_page_cache(fd, 50_000) == 25_600  # stops at the end of a shorter file
+        assert pagecache.load_into_page_cache(fd, 50_000) == 25_600  # stops at the end of a shorter file
     finally:
         os.close(fd)

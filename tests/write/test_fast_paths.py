@@ -24,7 +24,7 @@ from conftest import write_samples
 from hypothesis import given
 from hypothesis import strategies as st
 
-from npz2mmap import fsutil
+from npz2mmap import fsutil, pagecache
 from npz2mmap.errors import SourceError
 from npz2mmap.format.index import BLOB_HEADER_NBYTES
 from npz2mmap.ingest import npz as npzfile
@@ -381,7 +381,7 @@ def _resident_nbytes(path: Path) -> int | None:
     """Bytes of the file in the page cache, by mincore (independent of read_ahead's probe)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        return fsutil.resident_nbytes(fd, os.fstat(fd).st_size)
+        return pagecache.resident_nbytes(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
 
@@ -421,7 +421,7 @@ def test_uncached_files_are_read_ahead_in_order_each_once_and_cached_ones_are_no
         if any(_resident_nbytes(path) for path in paths):
             pytest.skip("this file system keeps the files' pages cached (tmpfs?)")
         events.clear()
-        for path in fsutil.read_ahead(names, ahead_files=3):
+        for path in pagecache.read_ahead(names, ahead_files=3):
             events.append(("read", path))
         if any(kind == "advise" for kind, _ in events):
             break
@@ -430,7 +430,7 @@ def test_uncached_files_are_read_ahead_in_order_each_once_and_cached_ones_are_no
     for path in paths:
         path.read_bytes()
     events.clear()
-    assert list(fsutil.read_ahead(names, ahead_files=3)) == names
+    assert list(pagecache.read_ahead(names, ahead_files=3)) == names
     assert events == []  # cached: no advice at all
 
 
@@ -449,9 +449,9 @@ def test_read_ahead_opens_only_regular_files_of_at_most_max_nbytes(tmp_path, mon
     monkeypatch.setattr(
         fsutil, "posix_fadvise", lambda fd, *a: advised.append(os.readlink(f"/proc/self/fd/{fd}"))
     )
-    monkeypatch.setattr(fsutil, "_is_cached", lambda path: False)
-    monkeypatch.setattr(fsutil, "READ_AHEAD_MAX_FILE_NBYTES", 1000)
-    assert list(fsutil.read_ahead(names, ahead_files=2)) == names  # no hang on the FIFO
+    monkeypatch.setattr(pagecache, "_is_cached", lambda path: False)
+    monkeypatch.setattr(pagecache, "READ_AHEAD_MAX_FILE_NBYTES", 1000)
+    assert list(pagecache.read_ahead(names, ahead_files=2)) == names  # no hang on the FIFO
     assert opened == advised == [str(tmp_path / "small")]
 
 
@@ -462,8 +462,8 @@ def test_read_ahead_asks_for_at_most_ahead_nbytes_beyond_the_file_being_read(tmp
     monkeypatch.setattr(
         fsutil, "posix_fadvise", lambda fd, *a: events.append(("advise", os.readlink(f"/proc/self/fd/{fd}")))
     )
-    monkeypatch.setattr(fsutil, "_is_cached", lambda path: False)
-    for path in fsutil.read_ahead(paths, ahead_files=100, ahead_nbytes=12_000):
+    monkeypatch.setattr(pagecache, "_is_cached", lambda path: False)
+    for path in pagecache.read_ahead(paths, ahead_files=100, ahead_nbytes=12_000):
         events.append(("read", path))
     expected: list[tuple[str, str]] = []
     for k, path in enumerate(paths):  # three files ahead at first, then one more as each is read
@@ -471,7 +471,7 @@ def test_read_ahead_asks_for_at_most_ahead_nbytes_beyond_the_file_being_read(tmp
         expected.append(("read", path))
     assert events == expected
     events.clear()
-    for path in fsutil.read_ahead(paths, ahead_files=100, ahead_nbytes=1):
+    for path in pagecache.read_ahead(paths, ahead_files=100, ahead_nbytes=1):
         events.append(("read", path))
     assert events == [e for path in paths for e in (("advise", path), ("read", path))]  # one at a time
 
@@ -480,7 +480,7 @@ def test_without_posix_fadvise_read_ahead_only_yields_the_paths(tmp_path, monkey
     paths = [str(p) for p in _small_files(tmp_path / "files", 4)]
     monkeypatch.setattr(fsutil, "posix_fadvise", None)
     monkeypatch.setattr(fsutil, "open_regular_sized", lambda path: pytest.fail("opened"))
-    assert list(fsutil.read_ahead(paths)) == paths
+    assert list(pagecache.read_ahead(paths)) == paths
 
 
 @pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs a page cache that can be probed (Linux)")
@@ -489,9 +489,9 @@ def test_without_a_probe_of_the_page_cache_files_count_as_uncached(tmp_path, mon
     for path in paths:
         path.read_bytes()
     names = [str(p) for p in paths]
-    assert fsutil._is_cached(names[-1])
+    assert pagecache._is_cached(names[-1])
     monkeypatch.setattr(fsutil, "preadv", None)
-    assert not fsutil._is_cached(names[-1])
+    assert not pagecache._is_cached(names[-1])
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -502,7 +502,7 @@ def test_a_conversion_read_ahead_writes_the_same_bytes(tmp_path, monkeypatch, wo
     advised: list[int] = []
     real_advise = fsutil.posix_fadvise
     monkeypatch.setattr(fsutil, "posix_fadvise", lambda *a: advised.append(1) or real_advise(*a))
-    monkeypatch.setattr(fsutil, "_is_cached", lambda path: False)
+    monkeypatch.setattr(pagecache, "_is_cached", lambda path: False)
     convert([tmp_path / "src"], tmp_path / "ahead", workers=workers)
     if workers == 1:
         assert len(advised) == 2 * 80  # every file, in the scan and again in the copy

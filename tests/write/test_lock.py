@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import write_npz
 
-from npz2mmap import fsutil
+from npz2mmap import locks
 from npz2mmap.errors import OutputError
 from npz2mmap.write.conversion import convert
 
@@ -19,7 +19,7 @@ def test_a_lock_file_removed_between_open_and_lock_is_retried_on_the_file_the_pa
     """Another process removed the file we opened and made a new one: our lock on the old file
     holds nothing, so the lock is taken again, on the file the path now names."""
     path = tmp_path / ".out.lock"
-    real_try_lock = fsutil._try_lock
+    real_try_lock = locks._try_lock
     calls = []
 
     def replaced_meanwhile(fd: int) -> bool:
@@ -29,12 +29,12 @@ def test_a_lock_file_removed_between_open_and_lock_is_retried_on_the_file_the_pa
             path.write_bytes(b"")
         return real_try_lock(fd)
 
-    monkeypatch.setattr(fsutil, "_try_lock", replaced_meanwhile)
-    with fsutil.exclusive_lock(str(path)) as fd:
+    monkeypatch.setattr(locks, "_try_lock", replaced_meanwhile)
+    with locks.exclusive_lock(str(path)) as fd:
         assert len(calls) == 2 and fd is not None
         assert os.fstat(fd).st_size > 0 and path.read_bytes() == os.pread(fd, 64, 0)
-        monkeypatch.setattr(fsutil, "_try_lock", real_try_lock)
-        with fsutil.exclusive_lock(str(path)) as second:
+        monkeypatch.setattr(locks, "_try_lock", real_try_lock)
+        with locks.exclusive_lock(str(path)) as second:
             assert second is None  # the lock really is held on the file the path names
     assert not path.exists()
 
@@ -72,7 +72,7 @@ def test_a_link_in_place_of_the_lock_file_is_refused_and_its_target_untouched(tm
 
 def test_leaving_never_removes_a_lock_file_that_is_not_ours(tmp_path) -> None:
     path = tmp_path / ".out.lock"
-    with fsutil.exclusive_lock(str(path)) as first:
+    with locks.exclusive_lock(str(path)) as first:
         assert first is not None
         path.unlink()
         path.write_bytes(b"\0" + b"someone else's lock file")
