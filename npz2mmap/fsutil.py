@@ -50,10 +50,10 @@ preadv = _os_function("preadv")  # not on Windows
 RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux only
 
 UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
-# Opening a FIFO blocks until a writer comes; ONONBLOCK returns at once, and
+# Opening a FIFO blocks until a writer comes; O_NONBLOCK returns at once, and
 # the type of what was opened is then checked on the descriptor itself.
-NONBLOCK = getattr(os, "ONONBLOCK", 0)
-NOFOLLOW = getattr(os, "ONOFOLLOW", 0)
+NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 # Windows opens descriptors in text mode, which would turn b"\n" into b"\r\n".
 BINARY = getattr(os, "O_BINARY", 0)
 _READ_FLAGS = os.O_RDONLY | NONBLOCK | getattr(os, "O_NOCTTY", 0) | BINARY
@@ -85,7 +85,7 @@ def open_regular_sized(path: str) -> tuple[int, int]:
     """open_regular's descriptor, left non-blocking, and the file's size, from the fstat that
     checked its type.
 
-    For a descriptor only ever read at an offset (read_at): ONONBLOCK changes
+    For a descriptor only ever read at an offset (read_at): O_NONBLOCK changes
     nothing for reads of a regular file, so it is not cleared (one system call
     less per file). A buffered reader should use open_regular.
     """

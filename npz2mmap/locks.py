@@ -129,7 +129,7 @@ def _try_lock(fd: int) -> bool:
 def _open_lock_file(path: str) -> int:
     """Open (or create) the lock file without blocking or following a link; OSError unless it is
     a regular file (a link in its place would have the lock's writes land in the file it names)."""
-    if os.path.islink(path):  # also where there is no ONOFOLLOW
+    if os.path.islink(path):  # also where there is no O_NOFOLLOW
         raise OSError(errno.EINVAL, f"the lock file {path} is a symbolic link, not a regular file")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | fsutil.NONBLOCK | fsutil.NOFOLLOW | fsutil.BINARY, 0o644)
     mode = os.fstat(fd).st_mode
