@@ -21,7 +21,8 @@ from ..format.dtypes import storage_dtype
 from ..format.index import BLOB_HEADER_NBYTES, IDENTITY_NBYTES, Field, Index, load_index
 from ..format.manifest import is_manifest_dir, resolve_parts
 from ..ingest.elements import ByteReader, Piece, stored_pieces
-from ..ingest.npz import CHUNK_NBYTES, HeaderLimit, MemberHeader, header_limit
+from ..ingest.npy_header import HeaderLimit, MemberHeader, header_limit
+from ..ingest.npz import CHUNK_NBYTES
 from ..ingest.sources import Source, open_source
 from ..progress import Progress, SilentProgress
 from ..read.parts import Parts

@@ -26,7 +26,7 @@ from ..check.warm import warm as warm_dataset
 from ..errors import Npz2mmapError, RaggedFieldWarning, UnknownKeyError
 from ..format.index import ALIGN_RULE, MIN_ALIGN, SKIPPED_NAME, is_valid_align
 from ..ingest.discover import npy_with_sample_dirs
-from ..ingest.npz import CLI_HEADER_OPTION, MAX_HEADER_SIZE_LIMIT, MAX_NPY_HEADER_CHARS, HeaderLimit
+from ..ingest.npy_header import CLI_HEADER_OPTION, MAX_HEADER_SIZE_LIMIT, MAX_NPY_HEADER_CHARS, HeaderLimit
 from ..ingest.sources import is_npy_path
 from ..progress import PROGRESS_MODES, showing_progress
 from ..read.memory import fits_in_memory, larger_than_memory, memory_limit

@@ -23,7 +23,8 @@ import numpy as np
 
 from ..errors import MismatchError, SourceError
 from ..format.dtypes import storage_dtype
-from .npz import CHUNK_NBYTES, MemberHeader
+from .npy_header import MemberHeader
+from .npz import CHUNK_NBYTES
 
 Piece = bytes | bytearray | memoryview
 MAX_VALUE_CHARS = 60

@@ -24,15 +24,13 @@ from ..errors import MismatchError, SourceError
 from ..format.dtypes import storage_dtype
 from ..format.index import IDENTITY_MAGIC
 from ..text import quoted
+from .npy_header import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, parse_npy_header
 from .npz import (
     CHUNK_NBYTES,
     IN_SAMPLE_DIR,
     NO_CRC32,
-    NP_LOAD_LIMIT,
     NPY_FILE,
     NPY_SUFFIX,
-    HeaderLimit,
-    MemberHeader,
     MemberLocation,
     blob_check_nbytes,
     check_no_overlap,
@@ -42,7 +40,6 @@ from .npz import (
     located_bytes,
     members,
     open_regular_file,
-    parse_npy_header,
     read_member_header,
     refuse_blob_data,
     source_errors,

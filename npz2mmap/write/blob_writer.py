@@ -43,14 +43,8 @@ from ..format.index import (
     index_to_json,
 )
 from ..ingest.elements import ByteReader, Piece, stored_pieces
-from ..ingest.npz import (
-    CHUNK_NBYTES,
-    LOCATION_FIELDS,
-    SCANNED_LIMIT,
-    MemberHeader,
-    MemberLocation,
-    parse_npy_header,
-)
+from ..ingest.npy_header import SCANNED_LIMIT, MemberHeader, parse_npy_header
+from ..ingest.npz import CHUNK_NBYTES, LOCATION_FIELDS, MemberLocation
 from ..ingest.sources import kind_scanned, open_source
 from .plan import FieldPlan, Plan, can_cast
 

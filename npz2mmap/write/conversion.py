@@ -29,7 +29,8 @@ from ..format.index import (
     Index,
 )
 from ..ingest.discover import discover_sources
-from ..ingest.npz import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, MemberLocation, header_limit
+from ..ingest.npy_header import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, header_limit
+from ..ingest.npz import MemberLocation
 from ..ingest.sources import is_field_name, is_npy_path, scan_source
 from ..parallel import Mapper, keeps_signal_mask, worker_map
 from ..progress import Progress, progress_display

@@ -34,7 +34,7 @@ from ..format.index import (
     field_name_problem,
     representable_nbytes,
 )
-from ..ingest.npz import MemberHeader
+from ..ingest.npy_header import MemberHeader
 from ..text import brief, quoted
 
 # Every sample has an int64 entry in a ragged field's offsets table, which lives in the payload.

@@ -33,7 +33,8 @@ from ..errors import FixedShapeError, OutputError, RaggedFieldWarning, SourceErr
 from ..format.index import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN
 from ..format.provenance import MAX_LINE_NBYTES
 from ..ingest.elements import Piece, stored_pieces
-from ..ingest.npz import CHUNK_NBYTES, MemberHeader
+from ..ingest.npy_header import MemberHeader
+from ..ingest.npz import CHUNK_NBYTES
 from ..parallel import (
     SIGNAL_MASK_FRAMES,
     interrupts_blocked,

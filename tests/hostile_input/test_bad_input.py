@@ -22,7 +22,7 @@ from npz2mmap.check.verify import verify
 from npz2mmap.cli.commands import cli
 from npz2mmap.errors import OutputError, SourceError
 from npz2mmap.format import provenance
-from npz2mmap.ingest.npz import MemberHeader
+from npz2mmap.ingest.npy_header import MemberHeader
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write import blob_writer, publish
 from npz2mmap.write.conversion import convert

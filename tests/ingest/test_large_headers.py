@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from npz2mmap.check.verify import verify
 from npz2mmap.cli.commands import cli
 from npz2mmap.errors import SourceError
-from npz2mmap.ingest.npz import MAX_HEADER_SIZE_LIMIT, HeaderLimit, parse_npy_header
+from npz2mmap.ingest.npy_header import MAX_HEADER_SIZE_LIMIT, HeaderLimit, parse_npy_header
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write import blob_writer
 from npz2mmap.write.conversion import convert

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from npz2mmap.cli.commands import cli
 from npz2mmap.errors import SourceError
-from npz2mmap.ingest.npz import MemberHeader
+from npz2mmap.ingest.npy_header import MemberHeader
 from npz2mmap.ingest.sources import read_headers
 from npz2mmap.read.reader import DatasetReader
 

@@ -29,7 +29,7 @@ from npz2mmap.check.verify import verify
 from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FormatError, Npz2mmapError
 from npz2mmap.format.dtypes import dtype_from_json, dtype_nesting_problem, dtype_to_json
-from npz2mmap.ingest.npz import MAX_HEADER_SIZE_LIMIT
+from npz2mmap.ingest.npy_header import MAX_HEADER_SIZE_LIMIT
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write.conversion import convert
 from npz2mmap.write.writer import Writer

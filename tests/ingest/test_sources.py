@@ -25,7 +25,7 @@ from npz2mmap import fsutil
 from npz2mmap.cli.commands import cli
 from npz2mmap.errors import SourceError
 from npz2mmap.format.index import MAX_NBYTES, MAX_PAYLOAD_NBYTES, checked_nbytes, representable_nbytes
-from npz2mmap.ingest.npz import MemberHeader
+from npz2mmap.ingest.npy_header import MemberHeader
 from npz2mmap.ingest.sources import scan_source
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write import publish

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from npz2mmap.cli.commands import cli
 from npz2mmap.errors import SourceError
 from npz2mmap.format.index import MIN_ALIGN
-from npz2mmap.ingest.npz import MemberHeader, MemberLocation
+from npz2mmap.ingest.npy_header import MemberHeader
+from npz2mmap.ingest.npz import MemberLocation
 from npz2mmap.parallel import _serial_map
 from npz2mmap.progress import SilentProgress
 from npz2mmap.write import blob_writer, conversion
