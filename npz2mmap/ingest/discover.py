@@ -89,7 +89,9 @@ def _expand_list_file(
             text = fp.read(MAX_LIST_CHARS + 1)
         if len(text) > MAX_LIST_CHARS:
             raise SourceError(f"{list_path}: list file is longer than {MAX_LIST_CHARS:,} characters")
-        lines = text.splitlines()
+        # Read with universal newlines, so lines end at \n, \r\n or \r, and only there: not at
+        # the other characters splitlines() breaks at (U+2028, U+0085, \x1c...), which a path may hold.
+        lines = text.split("\n")
     except OSError as exc:
         fsutil.reraise_if_from_a_handler(exc)
         raise SourceError(f"{list_path}: cannot read list file ({exc.strerror})") from None

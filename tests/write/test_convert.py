@@ -348,6 +348,18 @@ def test_list_files_skip_comments_and_a_list_that_is_a_pipe_is_refused(tmp_path)
         convert([f"@{tmp_path / 'pipe.txt'}"], tmp_path / "out2", workers=1)
 
 
+@pytest.mark.parametrize("separator", ["\u2028", "\x85", "\x1c", "\x0b", "\x0c"])
+def test_a_list_line_ends_only_at_a_newline_never_inside_a_name(tmp_path, separator) -> None:
+    # str.splitlines() would break the one name below into x.npz and y.npz, which exist too.
+    named = f"x.npz{separator}y.npz"
+    for i, name in enumerate([named, "x.npz", "y.npz", "z.npz", "w.npz"]):
+        write_npz(tmp_path / "data" / name, v=np.int64(i))
+    (tmp_path / "data" / "list.txt").write_bytes(f"{named}\r\nz.npz\rw.npz".encode())
+    convert([f"@{tmp_path / 'data' / 'list.txt'}"], tmp_path / "out", workers=1)
+    reader = DatasetReader(tmp_path / "out")
+    assert [int(reader.view("v", i)) for i in range(len(reader))] == [0, 3, 4]
+
+
 def dataset_bytes(out: Path) -> dict[str, bytes]:
     return {name: (out / name).read_bytes() for name in sorted(os.listdir(out))}
 
