@@ -103,6 +103,13 @@ def not_npy_member(path: Path) -> Path:
     return zip_with(path, {"x.npy": b"just some text, not an array"})
 
 
+def npy_before_a_zip(path: Path) -> Path:
+    """A .npy file with a zip after it: np.load reads the .npy array, zipfile the zip's."""
+    zip_with(path, {"x.npy": npy_bytes(np.full(3, 666))})
+    path.write_bytes(npy_bytes(np.arange(3)) + path.read_bytes())
+    return path
+
+
 def short_text_member(path: Path) -> Path:
     """A zip tool's readme beside the arrays, shorter than numpy's magic and version."""
     return zip_with(path, {"x.npy": npy_bytes(np.arange(3)), "readme.txt": b"hi"})

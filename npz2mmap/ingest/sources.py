@@ -22,7 +22,7 @@ from typing import BinaryIO, Protocol
 from .. import fsutil
 from ..errors import MismatchError, SourceError
 from ..format.dtypes import storage_dtype
-from ..format.index import IDENTITY_MAGIC
+from ..format.index import IDENTITY_MAGIC, NPY_MAGIC
 from ..text import quoted
 from .npy_header import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, parse_npy_header
 from .npz import (
@@ -187,6 +187,8 @@ class _Npz:
             self.view = FileView(self.fd, self.file_nbytes, self.path)
             directory, directory_offset = directory_entries(self.view)
             entries, by_key = members(directory, self.path)
+            if entries and min(entry.header_offset for entry in entries) >= len(NPY_MAGIC):  # bytes before it
+                _refuse_a_npy_file(bytes(self.view.read(0, len(NPY_MAGIC))), self.path)
             check_no_overlap(self.view, entries, directory_offset, self.path)
             self.entries = by_key  # only once every check passed: a refused file stays refused
         return self.view, self.entries
@@ -211,6 +213,16 @@ class _Npz:
 
     def located_bytes(self, key: str, location: MemberLocation) -> Iterator[bytes]:
         return located_bytes(self.fd, self.file_nbytes, location, key, f"{self.path}[{key}]")
+
+
+def _refuse_a_npy_file(start: bytes, path: str) -> None:
+    """SourceError for an .npz that starts as a .npy file does: np.load reads it as that one array
+    (numpy/lib/_npyio_impl.py, load), whatever zip follows, so converting the zip would differ."""
+    if start.startswith(NPY_MAGIC):
+        raise SourceError(
+            f"{path}: not a valid zip/npz file: it starts as a .npy file does, and np.load reads it "
+            "as one array; rename it to .npy to convert that array"
+        )
 
 
 class _NpyFile:

@@ -42,6 +42,11 @@ BAD_FILES = {
         r"bad\.npz\[x\]: not a \.npy array \(bad magic bytes\); np\.load gives such a member as raw bytes, "
         r"not an array: name the keys to convert with --keys$",
     ),
+    "npy-before-a-zip": (
+        hostile.npy_before_a_zip,
+        r"bad\.npz: not a valid zip/npz file: it starts as a \.npy file does, and np\.load reads it as one "
+        r"array; rename it to \.npy to convert that array$",
+    ),
     "short-text-member": (hostile.short_text_member, r"bad\.npz\[readme\.txt\]: not a \.npy array \(bad magic"),
     "empty-member": (hostile.empty_member, r"bad\.npz\[x\]: empty, not a \.npy array; np\.load gives"),
     "malformed-header": (
