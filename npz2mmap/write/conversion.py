@@ -414,7 +414,7 @@ class Scan:
                 usable.extend(kept)
                 found.values.extend(batch.locations)  # only once the plan has taken the files
             progress.advance(len(paths), 0)
-        if not usable and skipped and part is None:
+        if not usable and skipped and (part is None or part[1] == 1):  # a part of one is the whole
             count, first = f"{len(skipped):,}", skipped[0][1]
             raise SourceError(f"no usable input: --skip-bad left out all {count}; the first: {first}")
         return builder.finish(usable, allow_empty=part is not None)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import fsutil
-from ..errors import FormatError, OutputError, RaggedFieldWarning
+from ..errors import FormatError, OutputError, RaggedFieldWarning, SourceError
 from ..format import provenance
 from ..format.index import BLOB_HEADER_NBYTES, INDEX_NAME
 from ..format.manifest import (
@@ -67,6 +67,7 @@ def merge(
     labels = [index.part for index in opened.all_indexes]  # empty parts' too
     check_part_set(list(zip(given, labels, strict=True)), naming_parts(given))
     _check_disjoint_sources(opened, naming_parts(given))
+    _refuse_all_left_out(opened)
     out = os.fspath(out_dir)
     ragged = ragged_across_parts(opened)
     if copy:
@@ -100,6 +101,18 @@ def ragged_across_parts(parts: Parts) -> tuple[str, ...]:
             f"{other} has {other_shape}; convert the parts again with one shape if it should be fixed"
         )
     return tuple(lines)
+
+
+def _refuse_all_left_out(parts: Parts) -> None:
+    """SourceError when the parts hold no sample because --skip-bad left out every file, as one
+    conversion of those files is refused: parts merge into what one conversion makes, or nothing."""
+    num_skipped = sum(index.num_skipped for index in parts.all_indexes)
+    if parts.num_samples or not num_skipped:
+        return
+    pairs = zip(parts.all_paths, parts.all_indexes, strict=True)
+    path, index = next((path, index) for path, index in pairs if index.num_skipped)
+    first = provenance.read_skipped(path, index)[0][1]
+    raise SourceError(f"no usable input: --skip-bad left out all {num_skipped:,}; the first: {first}")
 
 
 def _check_disjoint_sources(parts: Parts, where: str) -> None:

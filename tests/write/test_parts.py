@@ -401,6 +401,26 @@ def test_an_empty_part_is_a_valid_dataset_that_merges_into_nothing(tmp_path) -> 
     assert not (tmp_path / "moved").exists()
 
 
+def test_parts_whose_files_skip_bad_left_out_all_merge_into_the_refusal_of_one_conversion(tmp_path) -> None:
+    for name in ("a", "b"):
+        (tmp_path / "src").mkdir(exist_ok=True)
+        (tmp_path / "src" / f"{name}.npz").write_bytes(b"not a zip at all")
+    first = f"{tmp_path / 'src' / 'a.npz'}: not a valid zip/npz file (File is not a zip file)"
+    refusal = f"Error: no usable input: --skip-bad left out all 2; the first: {first}\n"
+    single = run("convert", tmp_path / "src", "-o", tmp_path / "one", "--skip-bad", "-q")
+    assert (single.exit_code, single.output) == (1, refusal)
+    whole = run("convert", tmp_path / "src", "-o", tmp_path / "p1", "--skip-bad", "--part", "0/1", "-q")
+    assert (whole.exit_code, whole.output) == (1, refusal)  # one part of one is the whole run
+    assert not (tmp_path / "p1").exists()
+    for i in range(2):
+        assert run("convert", tmp_path / "src", "-o", tmp_path / "p2", "--skip-bad", "--part", f"{i}/2", "-q").exit_code == 0
+    parts = sorted((tmp_path / "p2").glob("part-*"))
+    for copy in ([], ["--copy"]):
+        merged = run("merge", *parts, "-o", tmp_path / "merged", *copy, "-q")
+        assert (merged.exit_code, merged.output) == (1, refusal)
+        assert not (tmp_path / "merged").exists()
+
+
 def test_an_index_without_fields_is_refused_unless_it_has_no_samples(tmp_path) -> None:
     """Samples without fields would make every batch empty, and a loop over them endless."""
     convert([two_files(tmp_path)], tmp_path / "ds", workers=1)
