@@ -363,8 +363,8 @@ class SlotWriter:
         identity as this one does. Every place is taken before any byte is
         copied. Anything else (numbers, strings, nested or sparse tensors,
         object arrays, and what a view of bare bytes would lose: a tensor's
-        requires_grad, subclass, quantization or conj/neg bit, an itemless
-        dtype) stays in the tree and travels pickled with it.
+        requires_grad, subclass, quantization or conj/neg bit, its Python
+        attributes, an itemless dtype) stays in the tree and travels pickled with it.
         """
         regions = plan_regions(tree)
         described: dict[int, ViewLeaf] = {}
@@ -400,6 +400,7 @@ def _is_plain(value: Any) -> bool:
         and not value.requires_grad
         and not value.is_conj()
         and not value.is_neg()
+        and not value.__dict__  # Python attributes (t.meta = ...), which pickling keeps
     )
 
 

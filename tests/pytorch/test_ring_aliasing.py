@@ -70,7 +70,15 @@ def piece_makers(samples: Any) -> dict[str, Any]:
         "bytes": lambda: x.view(torch.uint8).flatten()[1:9],
         "floats_after_bytes": lambda: x.flatten()[1:],
         "strings": lambda: np.array([f"s{v}" for v in lab]),
+        "with_attributes": lambda: with_attributes(x * 3, meta={"scale": 3}, step=len(lab)),
     }
+
+
+def with_attributes(tensor: torch.Tensor, **attributes: Any) -> torch.Tensor:
+    """A tensor carrying Python attributes, as a collate_fn may set them (``t.meta = ...``)."""
+    for name, value in attributes.items():
+        setattr(tensor, name, value)
+    return tensor
 
 
 PIECES = list(piece_makers([{"x": np.zeros(4, np.float32), "lab": np.int64(0)}]))
@@ -114,7 +122,7 @@ def raw_bytes(leaf: Any) -> bytes:
 
 def layout(leaf: Any) -> tuple[Any, ...]:
     if isinstance(leaf, torch.Tensor):
-        return (type(leaf), leaf.dtype, tuple(leaf.shape), leaf.stride())
+        return (type(leaf), leaf.dtype, tuple(leaf.shape), leaf.stride(), leaf.__dict__)
     return (type(leaf), leaf.dtype, leaf.shape, leaf.strides, leaf.flags.writeable)
 
 
