@@ -30,6 +30,7 @@ from .samples import (
     RaggedSample,
     SampleList,
     TransformedRaggedArray,
+    marked_ragged,
 )
 from .tensors import as_tensor_if_array, as_tensors, has_negative_strides, stack_bytes
 
@@ -161,9 +162,8 @@ def collate(batch: Any) -> Any:
     """
     if isinstance(batch, GatheredBatch) and batch.samples_edited:  # by the samples as edited
         batch = SampleList(list(batch), batch.ragged, batch.single)
-    elif not isinstance(batch, (GatheredBatch, SampleList)) and _marked_samples(batch):
-        ragged = frozenset().union(*(s.ragged for s in batch if isinstance(s, MarkedSample)))
-        batch = SampleList(list(batch), ragged)
+    elif not isinstance(batch, (GatheredBatch, SampleList)) and marked_ragged(batch):
+        batch = SampleList(list(batch), marked_ragged(batch), _bare_field(batch))
     if isinstance(batch, SampleList):
         return _collate_listing_ragged(batch)
     if not isinstance(batch, GatheredBatch):
@@ -178,10 +178,10 @@ def collate(batch: Any) -> Any:
     return tensors[batch.single] if batch.single is not None else tensors
 
 
-def _marked_samples(batch: Any) -> bool:
-    """Whether a plain list holds a dataset's dict samples (``[ds[i], ...]``), which know their
-    ragged fields."""
-    return isinstance(batch, Sequence) and any(isinstance(sample, MarkedSample) for sample in batch)
+def _bare_field(samples: Sequence[Any]) -> str | None:
+    """The field that bare samples of a ragged field (a one-field dataset's) belong to, if they are."""
+    marked = [s.field_name for s in samples if isinstance(s, TransformedRaggedArray)]
+    return marked[0] if marked and len(marked) == len(samples) else None
 
 
 def _collate_plain_dicts(samples: Sequence[Mapping[str, Any]]) -> Any:

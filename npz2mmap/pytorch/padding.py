@@ -22,7 +22,7 @@ from ..read.ragged import (
 from .assemble import NewMemory, Padding, place_padded, torch_dtype
 from .collate import check_same_keys
 from .gathered import GatheredBatch
-from .samples import MarkedSample, RaggedSample, TransformedRaggedArray
+from .samples import marked_ragged
 from .tensors import as_tensors, stack_bytes, viewable_by_torch
 
 
@@ -76,7 +76,8 @@ class PaddedCollate:
         check_padded_keys(field_names, () if self.nested else ragged, self.mask)
 
     def __call__(self, batch: Any) -> dict[str, Any]:
-        ragged = frozenset(self.ragged or ()) | getattr(batch, "ragged", frozenset()) | _marked_ragged(batch)
+        marked = frozenset() if isinstance(batch, GatheredBatch) else marked_ragged(batch)
+        ragged = frozenset(self.ragged or ()) | getattr(batch, "ragged", frozenset()) | marked
         if isinstance(batch, GatheredBatch) and batch.samples_edited:  # by the samples as edited
             batch = GatheredBatch(_by_field(list(batch)), None, len(batch), private=True)
         elif not isinstance(batch, GatheredBatch):
@@ -127,23 +128,6 @@ class PaddedCollate:
         if self.mask:
             out[mask_key(name)] = torch.from_numpy(valid_mask(arrays, padded.shape[1:]))
         return out
-
-
-def _marked_ragged(batch: Any) -> frozenset[str]:
-    """The ragged fields that samples of a dataset's batch say they belong to, in a list a
-    collate_fn made of them (sorted, sliced, copied): fields are ragged by the dataset, never
-    by one batch."""
-    if isinstance(batch, GatheredBatch) or not isinstance(batch, Sequence):
-        return frozenset()
-    names: set[str] = set()
-    for sample in batch:
-        if isinstance(sample, MarkedSample):
-            names |= sample.ragged
-        elif isinstance(sample, Mapping):
-            names |= {key for key, value in sample.items() if isinstance(value, RaggedSample)}
-        elif isinstance(sample, TransformedRaggedArray):
-            names.add(sample.field_name)
-    return frozenset(names)
 
 
 def _common_dtype(arrays: list[np.ndarray], name: str) -> np.dtype:

@@ -4,6 +4,7 @@ default one too, which fields are ragged and which dtypes torch lacks.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,3 +80,20 @@ class SampleList(list[Any]):
         super().__init__(samples)
         self.ragged = ragged
         self.single = single
+
+
+def marked_ragged(samples: Any) -> frozenset[str]:
+    """The ragged fields that a dataset's samples say they belong to, in a list a collate_fn made
+    of them (sorted, sliced, copied; ``list(batch)``): fields are ragged by the dataset, never by
+    one batch. Empty for samples from elsewhere, which say nothing."""
+    if not isinstance(samples, Sequence):
+        return frozenset()
+    names: set[str] = set()
+    for sample in samples:
+        if isinstance(sample, MarkedSample):
+            names |= sample.ragged
+        elif isinstance(sample, Mapping):
+            names |= {key for key, value in sample.items() if isinstance(value, RaggedSample)}
+        elif isinstance(sample, TransformedRaggedArray):
+            names.add(sample.field_name)
+    return frozenset(names)

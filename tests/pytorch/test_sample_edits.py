@@ -439,3 +439,21 @@ def test_a_plain_list_with_a_reversed_array_is_collated_as_numpy_stacks_it(singl
     arrays = [np.arange(3)[::-1], np.arange(3)]
     batch = npz2mmap.collate(arrays if single else [{"v": a} for a in arrays])
     assert (batch if single else batch["v"]).tolist() == np.stack(arrays).tolist()
+
+
+@pytest.mark.parametrize(
+    "collate_fn", [torch.utils.data.default_collate, npz2mmap.collate, PaddedCollate()], ids=["torch", "ours", "padded"]
+)
+def test_a_list_of_a_batch_sorted_collates_as_the_batch_would_in_that_order(ragged_dataset, collate_fn) -> None:
+    ds = MmapDataset(ragged_dataset)
+    samples = list(ds.__getitems__([3, 0, 2, 1]))
+    samples.sort(key=lambda sample: len(sample["tok"]))
+    order = [int(sample["idx"]) for sample in samples]
+    got = collate_fn(samples)
+    want = collate_fn(ds.__getitems__(order))
+    assert type(got) is type(want) and list(got) == list(want)
+    for key in want:
+        if isinstance(want[key], list):
+            assert [t.tolist() for t in got[key]] == [t.tolist() for t in want[key]]
+        else:
+            assert got[key].tolist() == want[key].tolist()
