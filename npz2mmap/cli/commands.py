@@ -203,17 +203,26 @@ def _parse_casts(ctx: click.Context, param: click.Parameter, values: tuple[str, 
     casts: dict[str, np.dtype] = {}
     given: dict[str, str] = {}
     for value in values:
-        key, sep, dtype = value.partition("=")
-        if not sep or not key or not dtype:
-            raise click.BadParameter(f"{value!r} is not KEY=DTYPE, e.g. input=float32")
-        try:
-            cast = cast_dtype(dtype)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc)) from None
+        key, dtype, cast = _split_cast(value)
         if key in casts and casts[key].newbyteorder("<") != cast.newbyteorder("<"):  # stored little-endian
             raise click.BadParameter(f"{given[key]!r} and {value!r} cast {key!r} two ways; give one")
         casts[key], given[key] = cast, value
     return casts
+
+
+def _split_cast(value: str) -> tuple[str, str, np.dtype]:
+    """KEY=DTYPE split at the first "=" after which a dtype follows, so a key may hold "="
+    (``lr=0.1=float32``) and a dtype may start with one (``x==f4``, native order)."""
+    splits = [k for k, char in enumerate(value) if char == "=" and 0 < k < len(value) - 1]
+    if not splits:
+        raise click.BadParameter(f"{value!r} is not KEY=DTYPE, e.g. input=float32")
+    problems = []
+    for k in splits:
+        try:
+            return value[:k], value[k + 1 :], cast_dtype(value[k + 1 :])
+        except ValueError as exc:
+            problems.append(str(exc))
+    raise click.BadParameter(problems[0])
 
 
 def _parse_fixed(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
@@ -350,6 +359,9 @@ def convert(
     (with --rows, each row of it); a .npy file holds the one field arr_0 (with
     --sample-dirs, each directory holding .npy files is one sample instead).
     """
+    if "@" in inputs:
+        message = "'@' names no list file: give @LIST, e.g. @train.txt"
+        raise click.BadParameter(message, param_hint="'INPUT...'")
     if sample_dirs:
         named_npy = [path for path in inputs if is_npy_path(path) and not os.path.isdir(path)]
         if named_npy:

@@ -66,6 +66,8 @@ def discover_sources(
     resolve = _RealPaths()
     for item in inputs:
         text = os.fspath(item)
+        if text == LIST_PREFIX:
+            raise SourceError(f"{LIST_PREFIX!r} names no list file: give {LIST_PREFIX}LIST, e.g. @train.txt")
         if text.startswith(LIST_PREFIX):
             found.extend(_expand_list_file(text[len(LIST_PREFIX) :], sample_dirs, skip_bad, resolve))
         else:

@@ -184,7 +184,7 @@ def cast_dtype(value: np.dtype | str) -> np.dtype:
     """The dtype a --cast names; ValueError unless it is a fixed-size, pickle-free numpy dtype."""
     try:
         dtype = np.dtype(value)
-    except TypeError:
+    except (TypeError, ValueError, SyntaxError):  # numpy's messages for '0.1=f4', '(2' differ
         raise ValueError(f"{value!r} is not a numpy dtype") from None
     if dtype.hasobject or dtype.itemsize == 0:
         raise ValueError(f"{value!r} is not a fixed-size, pickle-free dtype")

@@ -111,6 +111,11 @@ def test_usage_errors_exit_2(tmp_path, sources) -> None:
             ("convert", sources, "-o", tmp_path / "o", "--cast", "input=float33"),
             "'float33' is not a numpy dtype",
         ),
+        (  # numpy's own wording for a comma-separated dtype is not shown
+            ("convert", sources, "-o", tmp_path / "o", "--cast", "input=0.1=f4x"),
+            "Invalid value for '--cast': '0.1=f4x' is not a numpy dtype",
+        ),
+        (("convert", sources, "@", "-o", tmp_path / "o"), "Invalid value for 'INPUT...': '@' names no list file"),
         (
             ("convert", sources, "-o", tmp_path / "o", "--cast", "input=int64", "--cast", "input=int32"),
             "'input=int64' and 'input=int32' cast 'input' two ways; give one",
@@ -617,3 +622,13 @@ def test_inspect_shows_names_that_would_reorder_or_hide_text_escaped(tmp_path) -
     assert rows[2].startswith(f"{shown} lengths (first dimension): min 1, p50 2")
     described = json.loads(run("inspect", out, "--json").output)
     assert {f["name"] for f in described["fields"]} == {hostile, "x"}  # exact where scripts read it
+
+
+def test_a_cast_names_a_key_holding_an_equals_sign_and_a_dtype_starting_with_one(tmp_path) -> None:
+    write_npz(tmp_path / "src" / "a.npz", **{"lr=0.1": np.array([0.5]), "x": np.arange(2, dtype=np.int32)})
+    write_npz(tmp_path / "src" / "b.npz", **{"lr=0.1": np.array([0.25], "f4"), "x": np.arange(2, dtype=np.int16)})
+    result = run("convert", tmp_path / "src", "-o", tmp_path / "out", "--cast", "lr=0.1=float32", "--cast", "x==i4", "-q")
+    assert result.exit_code == 0, result.output
+    reader = DatasetReader(tmp_path / "out")
+    assert reader.column("lr=0.1").dtype == np.dtype("<f4") and reader.column("x").dtype == np.dtype("<i4")
+    assert reader.column("lr=0.1").tolist() == [[0.5], [0.25]]
