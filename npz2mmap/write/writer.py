@@ -15,26 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
-import math
 import os
 import warnings
 import weakref
-import zlib
 from array import array
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from types import TracebackType
-from typing import Any, NamedTuple, overload
+from typing import Any
 
 import numpy as np
 
 from .. import fsutil
 from ..errors import FixedShapeError, OutputError, RaggedFieldWarning, SourceError
 from ..format.index import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN
-from ..format.provenance import MAX_LINE_NBYTES
-from ..ingest.elements import Piece, stored_pieces
-from ..ingest.npy_header import MemberHeader
-from ..ingest.npz import CHUNK_NBYTES
 from ..parallel import (
     SIGNAL_MASK_FRAMES,
     interrupts_blocked,
@@ -48,8 +41,7 @@ from .conversion import check_free_space, dataset_nbytes, free_nbytes, make_stag
 from .options import PartOption, WriteOptions
 from .plan import WRITER_HINTS, PendingSource, Plan, PlanBuilder, check_field_name
 from .shapes import NearlyFixed, describe_nearly_fixed, find_nearly_fixed, unfixed_problem
-
-SPOOL_BUFFER_NBYTES = 1 << 20
+from .spools import Marks, SourceNames, Spool, array_header
 
 
 class Writer:
@@ -117,7 +109,7 @@ class Writer:
             self._stack.callback(_LOCK_FDS.discard, lock.fd)
             # The spools' directory and close's staging directory alike go with the lock's release.
             self._spool_dir = make_staging_dir(self.out_dir)
-            self._names = _SourceNames(os.path.join(self._spool_dir, "sources"))
+            self._names = SourceNames(os.path.join(self._spool_dir, "sources"))
             self._stack.callback(self._names.spool.close)
             self._builder = PlanBuilder(
                 align,
@@ -126,10 +118,10 @@ class Writer:
                 hints=WRITER_HINTS,
                 fixed=self._fixed,
             )
-            self._spools: dict[str, _Spool] = {}
+            self._spools: dict[str, Spool] = {}
             self._num_spools_made = 0
             self._crc32s: list[array[int]] = []  # per field, one CRC-32 per sample
-            self._owed: _Marks | None = None  # where an interrupted append must go back to, until it has
+            self._owed: Marks | None = None  # where an interrupted append must go back to, until it has
             self._closed = False
             self._published = False  # by close, once the dataset is at OUT
             self._close_began = False  # a close that began but did not publish wrote nothing
@@ -173,7 +165,7 @@ class Writer:
             arrays = {
                 _field_name(key, label): _as_array(value, f"{label}[{key}]") for key, value in sample.items()
             }
-            pending = self._builder.check(label, {key: _header(key, a) for key, a in arrays.items()})
+            pending = self._builder.check(label, {key: array_header(key, a) for key, a in arrays.items()})
             self._check_fixed(arrays, label)
             spools = [self._spool(key) for key in pending.collectors]
             # All or nothing, whenever a Ctrl-C strikes: the undo to these marks is owed from here
@@ -215,7 +207,7 @@ class Writer:
         arrays: dict[str, np.ndarray],
         line: bytes,
         label: str,
-        spools: list[_Spool],
+        spools: list[Spool],
     ) -> list[int]:
         """Append one checked sample's stored bytes to its spools; its CRC-32 per field."""
         crc32s = [
@@ -225,10 +217,10 @@ class Writer:
         self._names.spool.write(line)
         return crc32s
 
-    def _marks(self, spools: list[_Spool]) -> _Marks:
+    def _marks(self, spools: list[Spool]) -> Marks:
         """What the writer holds now, for ``_settle`` to return to."""
         every_spool = (*spools, self._names.spool)
-        return _Marks(self._builder.num_sources, every_spool, tuple(spool.nbytes for spool in every_spool))
+        return Marks(self._builder.num_sources, every_spool, tuple(spool.nbytes for spool in every_spool))
 
     def _record(self, pending: PendingSource, crc32s: list[int]) -> None:
         """Add a spooled sample to the tables; ``_settle`` takes it out again while the undo is owed."""
@@ -345,7 +337,7 @@ class Writer:
                 "use one Writer per process, e.g. part=(rank, world)"
             )
 
-    def _spool(self, key: str) -> _Spool:
+    def _spool(self, key: str) -> Spool:
         """The spool of field ``key``, made (with Ctrl-C held back, so it is closed in the end) if new."""
         if key not in self._spools:
             with interrupts_blocked():
@@ -354,7 +346,7 @@ class Writer:
                 path = os.path.join(self._spool_dir, f"field-{self._num_spools_made}")
                 self._num_spools_made += 1
                 try:
-                    spool = _Spool(path)
+                    spool = Spool(path)
                 except OSError as exc:
                     if not fsutil.is_io_error(exc):
                         raise
@@ -499,138 +491,3 @@ def _saved_dtype(dtype: np.dtype, where: str) -> np.dtype:
             return np.lib.format.descr_to_dtype(np.lib.format.dtype_to_descr(dtype))
     except (TypeError, ValueError, KeyError) as exc:
         raise SourceError(f"{where}: dtype {dtype} cannot be saved as .npy ({exc})") from None
-
-
-def _header(key: str, value: np.ndarray) -> MemberHeader:
-    """What the .npy header of ``value`` saved in C order would declare."""
-    return MemberHeader(key, value.dtype, value.shape, False, 0, value.nbytes)
-
-
-def _c_order_bytes(value: np.ndarray) -> Iterator[Piece]:
-    """The raw bytes of ``value`` in C order, padding as in memory, in pieces of about CHUNK_NBYTES.
-
-    Viewed as opaque items of its itemsize, numpy copies records byte for
-    byte (its structured copies leave padding undefined).
-    """
-    raw = value.view(np.dtype((np.void, value.dtype.itemsize)))
-    if raw.flags.c_contiguous:
-        flat = raw.reshape(-1).view(np.uint8)
-        for start in range(0, len(flat), CHUNK_NBYTES):
-            yield flat[start : start + CHUNK_NBYTES].data
-        return
-    row_nbytes = raw.itemsize * math.prod(raw.shape[1:])
-    if raw.ndim > 1 and row_nbytes > CHUNK_NBYTES:
-        for row in raw:
-            yield from _c_order_bytes(row)
-        return
-    rows_per_piece = max(1, CHUNK_NBYTES // max(1, row_nbytes))
-    for start in range(0, len(raw), rows_per_piece):
-        piece = np.ascontiguousarray(raw[start : start + rows_per_piece])
-        yield piece.reshape(-1).view(np.uint8).data
-
-
-class _Marks(NamedTuple):
-    """How far the tables and the spools a sample is written to went before it."""
-
-    num_samples: int
-    spools: tuple[_Spool, ...]
-    spool_nbytes: tuple[int, ...]
-
-
-class _Spool:
-    """An append-only file written through a small buffer; the last append can be undone."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | fsutil.BINARY, 0o600)
-        self.flushed = 0  # bytes in the file
-        self.buffer = bytearray()
-
-    @property
-    def nbytes(self) -> int:
-        return self.flushed + len(self.buffer)
-
-    def write(self, piece: Piece) -> None:
-        self.buffer += piece
-        if len(self.buffer) >= SPOOL_BUFFER_NBYTES:
-            self.flush()
-
-    def write_stored(self, value: np.ndarray, stored: np.dtype, where: str) -> int:
-        """Append ``value`` as stored with dtype ``stored``; return the CRC-32 of what was written."""
-        crc = 0
-        header = _header("", value)
-        for piece in stored_pieces(_c_order_bytes(value), header, stored, where, cast_option="casts="):
-            self.write(piece)
-            crc = zlib.crc32(piece, crc)
-        return crc
-
-    def flush(self) -> None:
-        nbytes = len(self.buffer)
-        fsutil.write_all_at(self.fd, self.buffer, self.flushed)
-        self.flushed += nbytes
-        # A new buffer, not clear(): a failed write's traceback may still hold a view of the old one.
-        self.buffer = bytearray()
-
-    def truncate(self, nbytes: int) -> None:
-        """Forget everything after the first ``nbytes``, in the buffer and in the file.
-
-        The buffer is replaced, not resized, so a view of it that an error
-        left alive cannot stop the undo; the file is cut to what was flushed,
-        dropping the part of a failed write that reached it.
-        """
-        if nbytes >= self.flushed:
-            self.buffer = self.buffer[: nbytes - self.flushed]
-        else:
-            self.buffer = bytearray()
-            self.flushed = nbytes
-        with fsutil.io_errors_ignored():  # bytes past ``flushed`` are never read; this only frees them
-            os.ftruncate(self.fd, self.flushed)
-
-    def close(self) -> None:
-        """Close the file once: forgotten first, so an interrupt never leaves it to be closed twice."""
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-
-class _SourceNames(Sequence[str]):
-    """Every sample's source name, kept as sources.jsonl lines in a spool: 8 bytes of memory each."""
-
-    def __init__(self, path: str) -> None:
-        self.spool = _Spool(path)
-        self.ends: array[int] = array("q")  # where each line ends in the spool
-
-    def line(self, name: str, label: str) -> bytes:
-        """The line ``name`` becomes; SourceError if readers would refuse it as too long."""
-        line = (json.dumps(name) + "\n").encode("utf-8")
-        if len(line) > MAX_LINE_NBYTES:
-            raise SourceError(
-                f"{label}: its source name takes {len(line):,} bytes in sources.jsonl, "
-                f"more than the {MAX_LINE_NBYTES:,} a line may hold"
-            )
-        return line
-
-    def record(self, end: int) -> None:
-        self.ends.append(end)
-
-    def __len__(self) -> int:
-        return len(self.ends)
-
-    @overload
-    def __getitem__(self, k: int) -> str: ...
-    @overload
-    def __getitem__(self, k: slice) -> Sequence[str]: ...
-    def __getitem__(self, k: int | slice) -> str | Sequence[str]:
-        if isinstance(k, slice):
-            return [self[i] for i in range(*k.indices(len(self)))]
-        end = self.ends[k]
-        start = self.ends[k - 1] if k % len(self) else 0
-        self.spool.flush()
-        return str(json.loads(fsutil.read_at(self.spool.fd, end - start, start)))
-
-    def __iter__(self) -> Iterator[str]:
-        """In order, reading the spool once."""
-        self.spool.flush()
-        with open(self.spool.path, "rb") as fp:
-            for _ in range(len(self)):
-                yield str(json.loads(fp.readline(MAX_LINE_NBYTES)))

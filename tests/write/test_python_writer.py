@@ -41,7 +41,7 @@ from npz2mmap.check.verify import verify
 from npz2mmap.cli.commands import cli
 from npz2mmap.errors import OutputError, SourceError
 from npz2mmap.read.reader import DatasetReader
-from npz2mmap.write import writer
+from npz2mmap.write import spools, writer
 from npz2mmap.write.conversion import convert
 from npz2mmap.write.merge import merge
 from npz2mmap.write.options import part_from_environment
@@ -740,7 +740,7 @@ def writer_bytes(
 
 def test_a_write_error_in_any_spool_is_undone_in_every_spool(tmp_path, monkeypatch) -> None:
     """The failing write keeps a view of the spool's buffer alive in its traceback, as a real one does."""
-    monkeypatch.setattr(writer, "SPOOL_BUFFER_NBYTES", 1)  # every piece is written at once
+    monkeypatch.setattr(spools, "SPOOL_BUFFER_NBYTES", 1)  # every piece is written at once
     samples = three_field_samples(3)
     real_write_all_at = fsutil.write_all_at
     calls = []
@@ -820,7 +820,7 @@ def test_an_oserror_a_signal_handler_raises_in_a_write_comes_out_unchanged(
     """A handler raising while os.write waits (the signal.alarm timeout idiom) makes the
     write raise its exception, which has no errno: append and close let it through as it
     is, after the undo, where a disk error (with an errno) becomes OutputError."""
-    monkeypatch.setattr(writer, "SPOOL_BUFFER_NBYTES", 1)  # every piece is written at once
+    monkeypatch.setattr(spools, "SPOOL_BUFFER_NBYTES", 1)  # every piece is written at once
     real_write_all_at = fsutil.write_all_at
     samples = three_field_samples(3)
 
@@ -944,7 +944,7 @@ def test_a_ctrl_c_anywhere_in_append_leaves_the_sample_out_and_the_writer_usable
     leaves the writer as before and SIGINT unblocked, so the same writer takes the next
     try; the dataset at the end is byte for byte what a fresh writer given only the
     samples that got in writes."""
-    monkeypatch.setattr(writer, "SPOOL_BUFFER_NBYTES", 8)  # flushes inside append
+    monkeypatch.setattr(spools, "SPOOL_BUFFER_NBYTES", 8)  # flushes inside append
     monkeypatch.setattr(os, "fsync", lambda fd: None)  # durability is not under test: speed
     samples = cast_samples(3)
     head = [] if phase == "first sample" else [samples[0]]
@@ -1125,7 +1125,7 @@ def test_real_ctrl_c_at_random_moments_in_small_appends_loses_nothing(tmp_path, 
     KeyboardInterrupt out of append left its sample out (but for one that came as append
     returned, a few bytecodes: rare). (Now and then a SIGINT taken by another thread of
     this process never raises at all; those trials count as uninterrupted.)"""
-    monkeypatch.setattr(writer, "SPOOL_BUFFER_NBYTES", 64)
+    monkeypatch.setattr(spools, "SPOOL_BUFFER_NBYTES", 64)
     rng = np.random.default_rng(10)
     samples = [
         {"a": np.arange(k % 50 + 1, dtype=np.int16), "b": np.full((2, 3), k, ">f8"), "c": np.float64(k)}
