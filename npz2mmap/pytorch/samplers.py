@@ -73,7 +73,7 @@ class _Resumable:
                 f"sampler state has {', '.join(map(repr, unknown))}, which {type(self).__name__} does not "
                 "write (the state of another sampler?); resume with the sampler the state was saved from"
             )
-        epoch, seed, yielded = (_state_int(state, key) for key in ("epoch", "seed", "yielded"))
+        epoch, seed, yielded = (state_int(state, key) for key in ("epoch", "seed", "yielded"))
         if epoch < 0:
             raise ValueError(f"sampler state: epoch {epoch} is negative")
         if seed != self.seed:
@@ -466,7 +466,7 @@ def check_flag(name: str, value: Any) -> bool:
     return bool(value)
 
 
-def _state_int(state: dict[str, Any], key: str, what: str = "sampler state") -> int:
+def state_int(state: dict[str, Any], key: str, what: str = "sampler state") -> int:
     """One integer entry of a state; ValueError naming ``what`` if missing or not an int."""
     value = state.get(key)
     if type(value) is not int:
