@@ -36,6 +36,7 @@ from ..parallel import Mapper, keeps_signal_mask, worker_map
 from ..progress import Progress, progress_display
 from ..text import human_bytes
 from . import blob_writer, publish
+from .layout import Plan
 from .options import (
     PartOption,
     PathOrPaths,
@@ -45,7 +46,7 @@ from .options import (
     select_part,
     sources_before_part,
 )
-from .plan import CLI_HINTS, Plan, PlanBuilder, drop_files
+from .plan import CLI_HINTS, PlanBuilder, drop_files
 from .shapes import HeldShape, NearlyFixed, describe_unfixed, find_nearly_fixed, find_unfixed, held_shapes
 
 # The copy pass sends at most this many consecutive files to a worker at once.

@@ -31,7 +31,7 @@ from ..format.manifest import (
 from ..progress import Progress, SilentProgress
 from ..read.parts import Parts, PartsReader
 from . import blob_writer, publish
-from .plan import Plan, lay_out
+from .layout import Plan, lay_out
 
 COPY_CHUNK_NBYTES = 8 << 20
 

@@ -36,7 +36,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..text import plural
-from .plan import FieldPlan, Hints, Plan
+from .layout import FieldPlan, Plan
+from .plan import Hints
 
 MAX_SHAPES = 4
 MAX_ODD_PERCENT = 1

@@ -38,8 +38,9 @@ from ..parallel import (
 from ..text import brief, printable
 from . import blob_writer, publish
 from .conversion import check_free_space, dataset_nbytes, free_nbytes, make_staging_dir
+from .layout import Plan
 from .options import PartOption, WriteOptions
-from .plan import WRITER_HINTS, PendingSource, Plan, PlanBuilder, check_field_name
+from .plan import WRITER_HINTS, PendingSource, PlanBuilder, check_field_name
 from .shapes import NearlyFixed, describe_nearly_fixed, find_nearly_fixed, unfixed_problem
 from .spools import Marks, SourceNames, Spool, array_header
 

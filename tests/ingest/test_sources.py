@@ -29,7 +29,8 @@ from npz2mmap.ingest.npy_header import MemberHeader
 from npz2mmap.ingest.sources import scan_source
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write import publish
-from npz2mmap.write.plan import MAX_NUM_SAMPLES, build_plan, lay_out
+from npz2mmap.write.layout import lay_out
+from npz2mmap.write.plan import MAX_NUM_SAMPLES, build_plan
 
 
 def digest(directory: Path) -> dict[str, str]:

@@ -33,7 +33,7 @@ from npz2mmap.format.index import (
     load_index,
 )
 from npz2mmap.write.conversion import convert
-from npz2mmap.write.plan import lay_out
+from npz2mmap.write.layout import lay_out
 from npz2mmap.write.shapes import NearlyFixed, find_nearly_fixed
 
 IMAGE = (3, 96, 96)

@@ -29,7 +29,8 @@ from npz2mmap.ingest.npz import MemberLocation
 from npz2mmap.parallel import _serial_map
 from npz2mmap.progress import SilentProgress
 from npz2mmap.write import blob_writer, conversion
-from npz2mmap.write.plan import Plan, PlanBuilder
+from npz2mmap.write.layout import Plan
+from npz2mmap.write.plan import PlanBuilder
 
 DTYPES = ["|u1", "<i4", ">i4", "<f8", "<f4"]
 
