@@ -199,6 +199,8 @@ def _collate_plain_dicts(samples: Sequence[Mapping[str, Any]]) -> Any:
                 f"collate_fn=npz2mmap.PaddedCollate(ragged=[{key!r}]) to pad it, or collate it yourself"
             )
         out[key] = torch_collate(values, collate_fn_map=PLAIN_COLLATE_FNS)
+    if isinstance(samples[0], (MarkedSample, GatheredSample)):
+        return out  # a batch of the dataset's samples is a dict, as its GatheredBatch's collate is
     try:
         return type(samples[0])(out)  # type: ignore[call-arg]  # as torch's: the samples' own mapping type
     except TypeError:
