@@ -31,7 +31,8 @@ import torch
 
 from ..errors import WorkerError
 from .batch_plan import BatchPlan
-from .slots import Ring, is_bare_layout, pin_ring
+from .leaves import is_bare_layout
+from .slots import Ring, pin_ring
 from .workers import WorkerPool, pickled_or_none, seed_base, worker_failure
 
 # Leaving a pass early waits this long at most (or ``timeout``) for the batches in flight, then
