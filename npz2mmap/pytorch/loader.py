@@ -312,8 +312,14 @@ class MmapLoader:
 
         Raises ValueError for a state this loader did not write, another seed, batch
         size, dataset length, shuffle or drop_last (its batches would be other samples),
-        and mid-pass over torch's RandomSampler, whose order cannot be drawn again.
+        and mid-pass over torch's RandomSampler, whose order cannot be drawn again;
+        RuntimeError while a pass is running.
         """
+        if self._pass_running:  # the running pass would go on, and the next one skip batches
+            raise RuntimeError(
+                "MmapLoader.load_state_dict during a pass: finish the pass, or leave it (break) and "
+                "let the iterator go, before loading a state"
+            )
         self._position.load(self, state)
 
 

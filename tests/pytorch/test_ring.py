@@ -636,7 +636,13 @@ def test_leaving_a_pass_early_lets_the_next_pass_start_clean(dataset_dir, num_wo
         with pytest.raises(RuntimeError, match="one pass at a time"):
             next(iter(loader))
         assert loader.state_dict()["batches_yielded"] == 1  # the refused pass changed nothing
+        saved = loader.state_dict()
+        with pytest.raises(RuntimeError, match=r"^MmapLoader.load_state_dict during a pass: finish the pass"):
+            loader.load_state_dict(saved)  # it would leave this pass as it is and skip the next one's batches
         assert [b.tolist() for b in first] == expected[1:]
+        assert [b.tolist() for b in loader] == expected  # the next pass whole
+        loader.load_state_dict(saved)  # between passes: the next pass resumes after batch 1
+        assert [b.tolist() for b in loader] == expected[1:]
 
 
 def test_a_transform_spawn_cannot_pickle_is_refused_and_leaves_no_worker(dataset_dir) -> None:
