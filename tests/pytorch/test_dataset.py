@@ -290,6 +290,18 @@ def test_an_index_that_is_not_an_integer_is_refused_naming_it(labelled, index, k
 
 
 @pytest.mark.parametrize(
+    "index",
+    [torch.tensor([2]), torch.tensor([[2]]), np.array([2]), np.array([[2]])],
+    ids=["tensor-1d", "tensor-2d", "array-1d", "array-2d"],
+)
+def test_an_index_of_one_element_but_with_axes_is_refused(labelled, index) -> None:
+    """A one-element tensor of any shape has __index__; as an index it has axes, as numpy says."""
+    with pytest.raises(TypeError, match=rf"^sample index .* is an array of {index.ndim} dimensions, not an integer$"):
+        labelled[index]
+    assert int(labelled[torch.tensor(2)]) == int(labelled[np.int64(2)]) == 2  # 0-d ones are integers
+
+
+@pytest.mark.parametrize(
     ("indices", "dtype"),
     [
         (np.array([0.9, 1.9]), "float64"),
