@@ -426,8 +426,9 @@ def normalise_index(i: SupportsIndex, n: int) -> int:
         return i
     if isinstance(i, (bool, np.bool_)) or str(getattr(i, "dtype", "")) in ("bool", "torch.bool"):
         raise TypeError(_not_an_integer(i))
-    if getattr(i, "ndim", 0) != 0:  # a one-element tensor of any shape has __index__; an index has no axes
-        raise TypeError(f"sample index {i!r} is an array of {i.ndim} dimensions, not an integer")
+    ndim = getattr(i, "ndim", 0)
+    if ndim != 0:  # a one-element tensor of any shape has __index__; an index has no axes
+        raise TypeError(f"sample index {i!r} is an array of {ndim} dimensions, not an integer")
     try:
         i = operator.index(i)
     except TypeError:
