@@ -99,6 +99,22 @@ def open_regular_sized(path: str) -> tuple[int, int]:
         raise
 
 
+def absolute_path(path: str | os.PathLike[str]) -> str:
+    """The absolute path of the file the system opens for ``path``.
+
+    os.path.abspath drops ``link/..`` lexically, where POSIX goes up from the link's target: a
+    ``..`` is resolved here as the system resolves it (realpath of the path up to the last
+    ``..``). Windows resolves ``..`` lexically itself, so there abspath is the answer.
+    """
+    text = os.fspath(path)
+    parts = text.split("/")
+    if os.path.sep != "/" or ".." not in parts:
+        return os.path.abspath(text)
+    last = len(parts) - 1 - parts[::-1].index("..")
+    head = "/".join(parts[: last + 1]) or "/"
+    return os.path.normpath(os.path.join(os.path.realpath(head), *parts[last + 1 :]))
+
+
 def check_regular(mode: int) -> None:
     """NotRegularFile, naming what it is, unless ``mode`` (an st_mode) is a regular file's."""
     if not stat.S_ISREG(mode):

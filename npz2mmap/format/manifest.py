@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Sequence
 
+from .. import fsutil
 from ..errors import FormatError
 from ..text import brief
 from .files import decode_json, read_regular_file
@@ -214,6 +215,6 @@ def _numbers(runs: list[tuple[int, int]]) -> str:
 
 def manifest_text(directory: str, parts: Sequence[str]) -> str:
     """The manifest naming ``parts``, relative to ``directory`` where possible."""
-    relative = [os.path.relpath(os.path.abspath(p), os.path.abspath(directory)) for p in parts]
+    relative = [os.path.relpath(fsutil.absolute_path(p), fsutil.absolute_path(directory)) for p in parts]
     document = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "parts": relative}
     return json.dumps(document, indent=1, sort_keys=True) + "\n"

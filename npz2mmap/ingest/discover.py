@@ -101,7 +101,7 @@ def _expand_list_file(
         raise SourceError(f"{list_path}: list file is {exc}") from None
     except UnicodeDecodeError:
         raise SourceError(f"{list_path}: list file is not UTF-8 text") from None
-    base = os.path.dirname(os.path.abspath(list_path))
+    base = os.path.dirname(fsutil.absolute_path(list_path))
     for number, line in enumerate(lines, start=1):
         if line.strip() and not line.lstrip().startswith("#"):
             try:
@@ -128,7 +128,7 @@ def _expand_path(path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPat
         raise SourceError(npy_with_sample_dirs(path))
     if os.path.isfile(path) or (skip_bad and os.path.lexists(path)):
         _refuse_blob_of_dataset(path)
-        absolute = os.path.abspath(path)
+        absolute = fsutil.absolute_path(path)
         return [(absolute, resolve(absolute))]
     if os.path.lexists(path):
         raise SourceError(f"{path}: {fsutil.describe_kind(path)}, not a regular file or directory")
@@ -156,7 +156,7 @@ def _walk(top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> l
     """
     found: list[Found] = []
     seen_dirs: set[tuple[int, int]] = set()
-    absolute = os.path.abspath(top)
+    absolute = fsutil.absolute_path(top)
     pending = [(absolute, _Directory(top, absolute, resolve(absolute)))]
     while pending:
         directory = heapq.heappop(pending)[1]

@@ -264,7 +264,7 @@ def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[st
 def free_nbytes(out: str) -> int | None:
     """Bytes free on the file system that will hold OUT, or None where unknown."""
     try:
-        return shutil.disk_usage(os.path.dirname(os.path.abspath(out))).free
+        return shutil.disk_usage(os.path.dirname(fsutil.absolute_path(out))).free
     except OSError as exc:
         fsutil.reraise_if_from_a_handler(exc)
         return None

@@ -228,7 +228,7 @@ def take_output_lock(out_dir: str, held_in: list[OutputLock] | None = None) -> O
     The lock is also put in ``held_in`` before this returns, so that a caller
     interrupted as the call returns still finds it to release.
     """
-    parent, name = os.path.split(os.path.abspath(out_dir))
+    parent, name = os.path.split(fsutil.absolute_path(out_dir))
     made_dirs = _missing_dirs(parent)
     lock_path = os.path.join(parent, f".{name}{LOCK_SUFFIX}")
     taken: list[locks.HeldLock] = []
@@ -307,7 +307,7 @@ def make_staging_dir(out_dir: str) -> str:
 
     Created with the umask's permissions (not mkdtemp's 0700), since it becomes OUT.
     """
-    parent, name = os.path.split(os.path.abspath(out_dir))
+    parent, name = os.path.split(fsutil.absolute_path(out_dir))
     return _make_unique_dir(parent, f".{name}{STAGING_MARK}")
 
 
@@ -334,7 +334,7 @@ def publish(staging_dir: str, out_dir: str, overwrite: bool) -> None:
     of the old files (on Windows, the rename then fails instead).
     """
     check_output(out_dir, overwrite)
-    parent = os.path.dirname(os.path.abspath(out_dir))
+    parent = os.path.dirname(fsutil.absolute_path(out_dir))
     if not os.path.lexists(out_dir):
         os.rename(staging_dir, out_dir)
         fsutil.fsync_dir(parent)
@@ -355,7 +355,7 @@ def publish(staging_dir: str, out_dir: str, overwrite: bool) -> None:
 
 def remove_staging_dirs(out_dir: str) -> None:
     """Remove every staging directory of OUT: only for the holder of OUT's lock, whose they all are."""
-    parent, name = os.path.split(os.path.abspath(out_dir))
+    parent, name = os.path.split(fsutil.absolute_path(out_dir))
     with fsutil.io_errors_ignored():
         for entry in os.listdir(parent):
             if entry.startswith(f".{name}{STAGING_MARK}"):

@@ -666,3 +666,20 @@ def test_a_blob_under_another_name_is_refused_by_its_bytes(tmp_path, how, option
         "datasets with npz2mmap merge",
     )
     assert not (tmp_path / "again.mmap").exists()
+
+
+@pytest.mark.skipif(os.name == "nt", reason="Windows resolves .. lexically itself")
+def test_dot_dot_after_a_directory_link_goes_up_from_its_target_as_the_system_does(tmp_path, monkeypatch) -> None:
+    """link/../a.npz is deep/a.npz to open(), np.load and the shell, not ./a.npz."""
+    write_npz(tmp_path / "deep" / "real" / "inner.npz", x=np.int64(0))
+    write_npz(tmp_path / "deep" / "a.npz", x=np.int64(3))  # what the system opens
+    write_npz(tmp_path / "a.npz", x=np.int64(4))  # what dropping "link/.." as text names
+    (tmp_path / "link").symlink_to(tmp_path / "deep" / "real", target_is_directory=True)
+    (tmp_path / "deep" / "real" / "list.txt").write_text("../a.npz\n")
+    monkeypatch.chdir(tmp_path)
+    with np.load("link/../a.npz") as oracle:
+        assert int(oracle["x"]) == 3
+    opened = str(tmp_path / "deep" / "a.npz")
+    assert discover_sources(["link/../a.npz"]) == [opened]
+    assert discover_sources(["@link/list.txt"]) == [opened]
+    assert discover_sources(["link/.."]) == [opened, str(tmp_path / "deep" / "real" / "inner.npz")]
