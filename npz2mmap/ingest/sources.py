@@ -187,9 +187,9 @@ class _Npz:
             self.view = FileView(self.fd, self.file_nbytes, self.path)
             directory, directory_offset = directory_entries(self.view)
             entries, by_key = members(directory, self.path)
-            if entries and min(entry.header_offset for entry in entries) >= len(NPY_MAGIC):  # bytes before it
-                _refuse_a_npy_file(bytes(self.view.read(0, len(NPY_MAGIC))), self.path)
             check_no_overlap(self.view, entries, directory_offset, self.path)
+            if entries and min(entry.header_offset for entry in entries) > 0:  # no member at byte 0
+                _refuse_bytes_before_the_zip(bytes(self.view.read(0, len(NPY_MAGIC))), self.path)
             self.entries = by_key  # only once every check passed: a refused file stays refused
         return self.view, self.entries
 
@@ -215,14 +215,25 @@ class _Npz:
         return located_bytes(self.fd, self.file_nbytes, location, key, f"{self.path}[{key}]")
 
 
-def _refuse_a_npy_file(start: bytes, path: str) -> None:
-    """SourceError for an .npz that starts as a .npy file does: np.load reads it as that one array
-    (numpy/lib/_npyio_impl.py, load), whatever zip follows, so converting the zip would differ."""
+# How np.load tells an NPZ: by its first bytes, a member's local header or (empty) the end record.
+NP_LOAD_ZIP_PREFIXES = (b"PK\x03\x04", b"PK\x05\x06")
+
+
+def _refuse_bytes_before_the_zip(start: bytes, path: str) -> None:
+    """SourceError for an .npz whose zip does not start at its first byte. np.load reads only a
+    file that starts as a zip does as an NPZ (numpy/lib/_npyio_impl.py, load): one that starts as
+    a .npy file is that one array, and anything else, a pickle say, is refused."""
+    if start.startswith(NP_LOAD_ZIP_PREFIXES):
+        return
     if start.startswith(NPY_MAGIC):
         raise SourceError(
             f"{path}: not a valid zip/npz file: it starts as a .npy file does, and np.load reads it "
             "as one array; rename it to .npy to convert that array"
         )
+    raise SourceError(
+        f"{path}: not a valid zip/npz file: its zip does not start at its first byte, and np.load "
+        "reads no such file as an NPZ (bytes before it, a pickle say, are not converted)"
+    )
 
 
 class _NpyFile:
