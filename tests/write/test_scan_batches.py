@@ -95,7 +95,7 @@ def plan_one_by_one(scan_source, paths, scan: conversion.Scan) -> tuple[Plan, li
 def plan_in_batches(paths, scan: conversion.Scan, batch_files: int) -> tuple[Plan, list, list]:
     skipped: list[tuple[str, str]] = []
     found = blob_writer.MemberLocations()
-    plan = scan.run(paths, _serial_map, batch_files, SilentProgress(), skipped, (0, 1), found)
+    plan = scan.run(paths, _serial_map, batch_files, SilentProgress(), skipped, (0, 2), found)  # a part: may be empty
     return plan, skipped, list(found.values)
 
 
