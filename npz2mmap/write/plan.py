@@ -41,6 +41,7 @@ class Hints(NamedTuple):
     casts_named: str
     fixed: str = "--fixed {key}"  # formatted with key=
     fixed_way_out: str = "; use --skip-bad to leave such files out"
+    one_cast_each: str = " (--cast takes one KEY=DTYPE: give it once for each key)"
 
 
 CLI_HINTS = Hints(
@@ -56,6 +57,7 @@ WRITER_HINTS = Hints(
     casts_named="casts= names",
     fixed="fixed=[{key!r}]",
     fixed_way_out="",
+    one_cast_each="",
 )
 
 
@@ -289,8 +291,9 @@ class PlanBuilder:
         }
         unknown = sorted(set(self.casts) - set(collectors))
         if unknown:
-            raise SourceError(
-                f"{source}: {self.hints.casts_named} key(s) {quoted(unknown)} that are not converted"
+            repeat = self.hints.one_cast_each if any("=" in key for key in unknown) else ""
+            raise UnknownKeyError(
+                f"{source}: {self.hints.casts_named} key(s) {quoted(unknown)} that are not converted{repeat}"
             )
         unknown = sorted(self.fixed - set(collectors))
         if unknown:

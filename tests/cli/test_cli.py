@@ -116,6 +116,11 @@ def test_usage_errors_exit_2(tmp_path, sources) -> None:
             "Invalid value for '--cast': '0.1=f4x' is not a numpy dtype",
         ),
         (("convert", sources, "@", "-o", tmp_path / "o"), "Invalid value for 'INPUT...': '@' names no list file"),
+        (("convert", sources, "-o", tmp_path / "o", "--cast", "zz=float32"), "--cast names key(s) 'zz' that are not"),
+        (  # one option for two casts: the key would be 'input=f8,label'
+            ("convert", sources, "-o", tmp_path / "o", "--cast", "input=f8,label=i8"),
+            "not converted (--cast takes one KEY=DTYPE: give it once for each key)",
+        ),
         (
             ("convert", sources, "-o", tmp_path / "o", "--cast", "input=int64", "--cast", "input=int32"),
             "'input=int64' and 'input=int32' cast 'input' two ways; give one",
