@@ -1,6 +1,6 @@
 """The ``npz2mmap`` commands: thin click commands that parse, call one library function and render.
 
-Only the CLI (this module and its entry point, ``cli.py``) prints, draws
+Only the CLI (this folder: these commands, their entry point ``main.py``, ``render.py``) prints, draws
 progress bars and picks exit codes: 0 for success, 1 for bad data, a failed
 verify or Ctrl-C, 2 for usage errors. It never imports torch.
 """
@@ -25,9 +25,8 @@ from ..check.verify import verify as verify_dataset
 from ..check.warm import warm as warm_dataset
 from ..errors import Npz2mmapError, RaggedFieldWarning, UnknownKeyError
 from ..format.index import ALIGN_RULE, MIN_ALIGN, SKIPPED_NAME, is_valid_align
-from ..ingest.discover import npy_with_sample_dirs
+from ..ingest.discover import is_npy_named_with_sample_dirs, npy_with_sample_dirs
 from ..ingest.npy_header import CLI_HEADER_OPTION, MAX_HEADER_SIZE_LIMIT, MAX_NPY_HEADER_CHARS, HeaderLimit
-from ..ingest.sources import is_npy_path
 from ..progress import PROGRESS_MODES, showing_progress
 from ..read.memory import fits_in_memory, larger_than_memory, memory_limit
 from ..text import human_bytes, plural
@@ -363,7 +362,7 @@ def convert(
         message = "'@' names no list file: give @LIST, e.g. @train.txt"
         raise click.BadParameter(message, param_hint="'INPUT...'")
     if sample_dirs:
-        named_npy = [path for path in inputs if is_npy_path(path) and not os.path.isdir(path)]
+        named_npy = [path for path in inputs if is_npy_named_with_sample_dirs(path)]
         if named_npy:
             raise click.UsageError(npy_with_sample_dirs(named_npy[0]))
     try:

@@ -1,8 +1,9 @@
 """The on-disk format, version 2: constants, the index model and its validation.
 
-This module is the only place that builds or parses ``index.json`` and the
-blob header; ``docs/FORMAT.md`` states the same rules in prose.  The writer,
-the reader and ``verify`` all go through it.
+This module builds and validates ``index.json`` and the blob header;
+``docs/FORMAT.md`` states the same rules in prose. The writer, the reader and
+``verify`` all go through it (discovery reads only an index's ``format`` key,
+to refuse a dataset as an input).
 """
 
 from __future__ import annotations

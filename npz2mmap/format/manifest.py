@@ -2,8 +2,8 @@
 
 A multi-part dataset is either a list of dataset directories or a directory
 holding ``manifest.json`` that names them (relative paths, in order). This
-module reads and writes that file, with bounds, and resolves a dataset path
-to its parts; the parts' indexes are read by ``index.py`` (docs/FORMAT.md).
+module reads that file, with bounds, makes its text (``merge`` writes it), and
+resolves a dataset path to its parts; the parts' indexes are read by ``index.py`` (docs/FORMAT.md).
 """
 
 from __future__ import annotations

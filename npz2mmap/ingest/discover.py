@@ -124,7 +124,7 @@ def _spaces_hint(base: str, line: str) -> str:
 def _expand_path(path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> list[Found]:
     if os.path.isdir(path):
         return _walk(path, sample_dirs, skip_bad, resolve)
-    if sample_dirs and is_npy_path(path) and os.path.lexists(path):
+    if sample_dirs and is_npy_named_with_sample_dirs(path):
         raise SourceError(npy_with_sample_dirs(path))
     if os.path.isfile(path) or (skip_bad and os.path.lexists(path)):
         _refuse_blob_of_dataset(path)
@@ -133,6 +133,28 @@ def _expand_path(path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPat
     if os.path.lexists(path):
         raise SourceError(f"{path}: {fsutil.describe_kind(path)}, not a regular file or directory")
     raise SourceError(f"{path}: no such file or directory")
+
+
+def looks_like_sample_dirs(sources: Sequence[str]) -> bool:
+    """Whether .npy files look like the fields of samples, one directory each: their names
+    repeat across directories (s0/x.npy, s0/y.npy, s1/x.npy), unlike a flat folder's."""
+    names_by_dir: dict[str, set[str]] = {}
+    for path in sources:
+        if is_npy_path(path):
+            names_by_dir.setdefault(os.path.dirname(path), set()).add(os.path.basename(path))
+    if not any(len(names) > 1 for names in names_by_dir.values()):
+        return False
+    seen: set[str] = set()
+    for names in names_by_dir.values():
+        if seen & names:
+            return True
+        seen |= names
+    return False
+
+
+def is_npy_named_with_sample_dirs(path: str) -> bool:
+    """Whether ``path``, an input named with --sample-dirs, is a .npy file (refused: npy_with_sample_dirs)."""
+    return is_npy_path(path) and os.path.lexists(path) and not os.path.isdir(path)
 
 
 def npy_with_sample_dirs(path: str) -> str:

@@ -6,7 +6,7 @@ mapping (``assemble``), padded too when ``collate_fn`` is a plain
 PaddedCollate; transformed samples are stacked as ``collate`` does; any
 other ``collate_fn`` or ``batch_transform`` makes the batch, which is then
 held as it is. The same plan fills new memory in the trainer (``InMemory``)
-and a ring slot in a worker (``ring.SlotDestination``): the destination
+and a ring slot in a worker (``slots.SlotDestination``): the destination
 says where each array goes, so both give the same batch.
 """
 

@@ -6,7 +6,7 @@ segment). This loader gathers each batch in one copy per field from the page
 cache into the output tensor, in the training process (or a thread running
 ahead of it: numpy copies release the GIL); with ``num_workers``, worker
 processes run transforms in parallel and write batches into a shared ring
-that the trainer reads without a copy (ring.py).
+that the trainer reads without a copy (ring.py, slots.py, workers.py).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class MmapLoader:
     also once it is closed or dropped (``.clone()`` what you keep longer);
     ``pin_memory`` page-locks the ring. A batch that takes longer than
     ``timeout`` seconds (0: no limit) raises WorkerError and stops the
-    workers. See ring.py.
+    workers. See ring.py and slots.py.
     ``state_dict`` / ``load_state_dict`` resume a pass mid-way, with or without workers.
 
     When the dataset reads exactly (``MmapDataset(reads=)``: by default when it

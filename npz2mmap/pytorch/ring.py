@@ -1,17 +1,15 @@
-"""MmapLoader's worker processes: batches written into a shared ring of slots, read as views.
+"""The trainer's side of MmapLoader's worker ring (RingWorkers): which slot each batch goes to,
+the tasks sent to the workers in order, and the batches handed out as views of their slots.
 
 Torch's DataLoader moves every batch from a worker through a fresh
 shared-memory segment whose handle crosses a socket; for data that needs no
 decoding that hand-off costs more than the work. Here the loader allocates
-one shared block of ``num_slots`` slots once; a worker writes its batch
-straight into the slot it is given and sends back a small descriptor
-(dtype, shape, offset, strides per tensor), and the trainer hands out tensors that are
-views of the slot. The block is a mapping of its own (``RingBlock``): on
-POSIX a temporary file unlinked at once (in /dev/shm on Linux) whose
-descriptor workers inherit or receive, so no name is left behind and the
-kernel frees it with the last process that maps it, whatever way they end.
-In the trainer it is unmapped only once no tensor views it any more, so a
-batch kept past its loader's end is never overwritten by another ring.
+one shared block of ``num_slots`` slots once (``slots.py``: ``Ring``,
+``RingBlock``); a worker (``workers.py``) writes its batch straight into the
+slot it is given and sends back a small descriptor (dtype, shape, offset,
+strides per tensor), and the trainer hands out tensors that are views of the
+slot. The block is unmapped in the trainer only once no tensor views it any
+more, so a batch kept past its loader's end is never overwritten by another ring.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ A slot holds a batch's arrays one after another, each aligned; the batch
 itself travels as a small descriptor tree (leaves of dtype, shape, offset,
 strides), which the trainer turns into tensors viewing the slot. The block
 is a mapping of its own (``RingBlock``), unmapped in the trainer only once no
-tensor views it any more (see ring.py).
+tensor views it any more: on POSIX a temporary file unlinked at once (in
+/dev/shm on Linux) whose descriptor workers inherit or receive, so no name
+is left behind and the kernel frees it with the last process that maps it.
 """
 
 from __future__ import annotations

@@ -510,3 +510,15 @@ def _write_file(path: str, lines: Iterable[str]) -> None:
         fp.writelines(lines)
         fp.flush()
         os.fsync(fp.fileno())
+
+
+def dataset_nbytes(plan: Plan, skipped: Sequence[tuple[str, str]], part: tuple[int, int] | None) -> int:
+    """Bytes of every file the conversion of ``plan`` writes: the blob, sources.jsonl,
+    skipped.jsonl and (at most) index.json.
+
+    With long paths, sources.jsonl can be a large part of a dataset of small samples.
+    """
+    skipped_nbytes = sum(len(line.encode("utf-8")) for line in provenance.skipped_lines(skipped))
+    text_nbytes = provenance.source_lines_nbytes(plan) + skipped_nbytes
+    index_nbytes = index_nbytes_bound(plan, len(skipped) + len(plan.sources), part)
+    return BLOB_HEADER_NBYTES + plan.payload_nbytes + text_nbytes + index_nbytes

@@ -10,7 +10,6 @@ import contextlib
 import errno
 import functools
 import os
-import shutil
 import time
 from array import array
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
@@ -20,18 +19,16 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import fsutil, pagecache
-from ..errors import DatasetInputError, FixedShapeError, MismatchError, OutputError, SourceError
-from ..format import provenance
+from ..errors import DatasetInputError, MismatchError, OutputError, SourceError
 from ..format.index import (
-    BLOB_HEADER_NBYTES,
     BLOB_NAME,
     MIN_ALIGN,
     Index,
 )
-from ..ingest.discover import discover_sources
+from ..ingest.discover import discover_sources, looks_like_sample_dirs
 from ..ingest.npy_header import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, header_limit
 from ..ingest.npz import MemberLocation
-from ..ingest.sources import is_field_name, is_npy_path, scan_source
+from ..ingest.sources import is_field_name, scan_source
 from ..parallel import Mapper, keeps_signal_mask, worker_map
 from ..progress import Progress, progress_display
 from ..text import human_bytes
@@ -46,8 +43,13 @@ from .options import (
     select_part,
     sources_before_part,
 )
-from .plan import CLI_HINTS, PlanBuilder, drop_files
-from .shapes import HeldShape, NearlyFixed, describe_unfixed, find_nearly_fixed, find_unfixed, held_shapes
+from .plan import PlanBuilder, drop_files
+from .shapes import (
+    HeldShape,
+    NearlyFixed,
+    find_nearly_fixed,
+    hold_fixed,
+)
 
 # The copy pass sends at most this many consecutive files to a worker at once.
 MAX_BATCH_FILES = 256
@@ -134,7 +136,7 @@ def convert(
         publish.output_lock(out) as lock_fd,
         worker_map(workers or os.cpu_count() or 1, len(sources), close_in_workers=(lock_fd,)) as imap,
     ):
-        space = free_nbytes(out)
+        space = publish.free_nbytes(out)
         found = blob_writer.MemberLocations()
         scan = Scan(
             chosen_keys,
@@ -157,10 +159,10 @@ def convert(
         earlier = earlier_held_shapes(sources_before_part(all_sources, part), scan)
         plan, locations = hold_fixed(plan, locations, fixed_keys, skip_bad, skipped, part, earlier)
         blob_writer.check_index_nbytes(out, plan, len(skipped) + len(plan.sources), part)
-        needed = dataset_nbytes(plan, skipped, part)
-        check_free_space(out, needed, space)
+        needed = blob_writer.dataset_nbytes(plan, skipped, part)
+        publish.check_free_space(out, needed, space)
         sources_nbytes = _total_file_nbytes(plan.sources) if sample_dirs else _scanned_file_nbytes(locations)
-        staging = make_staging_dir(out)
+        staging = publish.make_staging_dir(out)
         try:
             copy = _Copy(plan, locations, staging, imap, shown, skip_bad, workers or os.cpu_count() or 1)
             plan, index = copy.run(sources, skipped, part)
@@ -177,36 +179,6 @@ def convert(
     return ConvertResult(
         out, index, plan.data_nbytes, seconds, tuple(skipped), sources_nbytes, find_nearly_fixed(plan)
     )
-
-
-def hold_fixed(
-    plan: Plan,
-    locations: np.ndarray,
-    fixed: Sequence[str],
-    skip_bad: bool,
-    skipped: list[tuple[str, str]],
-    part: tuple[int, int] | None,
-    earlier: dict[str, HeldShape] | None = None,
-) -> tuple[Plan, np.ndarray]:
-    """The plan and member locations without the files whose sample shape breaks ``fixed``
-    (the shape ``earlier`` holds, else the first file's), each listed in ``skipped``; without
-    ``skip_bad``, FixedShapeError naming the first of them instead."""
-    differing, fields = find_unfixed(plan, fixed, earlier)
-    if not len(differing):
-        return plan, locations
-    held = {**held_shapes(plan, fixed), **(earlier or {})}
-
-    def reason(k: int, j: int) -> str:
-        return describe_unfixed(plan, k, plan.fields[j], CLI_HINTS, held[plan.fields[j].name])
-
-    if not skip_bad:
-        raise FixedShapeError(reason(int(differing[0]), int(fields[0])) + CLI_HINTS.fixed_way_out)
-    skipped.extend(
-        (plan.sources[k], reason(k, j)) for k, j in zip(differing.tolist(), fields.tolist(), strict=True)
-    )
-    kept = np.ones(len(plan.sources), dtype=bool)
-    kept[differing] = False
-    return drop_files(plan, differing.tolist(), allow_empty=part is not None), locations[kept]
 
 
 def earlier_held_shapes(earlier_sources: Sequence[str], scan: Scan) -> dict[str, HeldShape]:
@@ -234,23 +206,6 @@ def earlier_held_shapes(earlier_sources: Sequence[str], scan: Scan) -> dict[str,
     return held
 
 
-def looks_like_sample_dirs(sources: Sequence[str]) -> bool:
-    """Whether .npy files look like the fields of samples, one directory each: their names
-    repeat across directories (s0/x.npy, s0/y.npy, s1/x.npy), unlike a flat folder's."""
-    names_by_dir: dict[str, set[str]] = {}
-    for path in sources:
-        if is_npy_path(path):
-            names_by_dir.setdefault(os.path.dirname(path), set()).add(os.path.basename(path))
-    if not any(len(names) > 1 for names in names_by_dir.values()):
-        return False
-    seen: set[str] = set()
-    for names in names_by_dir.values():
-        if seen & names:
-            return True
-        seen |= names
-    return False
-
-
 def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[str]]) -> None:
     """OUT inside an input directory would be walked by the next conversion of it."""
     real_out = os.path.realpath(out)
@@ -259,36 +214,6 @@ def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[st
         real_input = os.path.realpath(path)
         if os.path.isdir(path) and os.path.commonpath([real_out, real_input]) == real_input:
             raise OutputError(f"{out}: is inside the input directory {path}; write the dataset elsewhere")
-
-
-def free_nbytes(out: str) -> int | None:
-    """Bytes free on the file system that will hold OUT, or None where unknown."""
-    try:
-        return shutil.disk_usage(os.path.dirname(fsutil.absolute_path(out))).free
-    except OSError as exc:
-        fsutil.reraise_if_from_a_handler(exc)
-        return None
-
-
-def check_free_space(out: str, needed_nbytes: int, free_nbytes: int | None) -> None:
-    """Refuse, before anything is written, a dataset larger than the space free for it."""
-    if free_nbytes is not None and needed_nbytes > free_nbytes:
-        raise OutputError(
-            f"{out}: the dataset needs {needed_nbytes:,} bytes ({human_bytes(needed_nbytes)}), "
-            f"{free_nbytes:,} bytes ({human_bytes(free_nbytes)}) free on its file system"
-        )
-
-
-def dataset_nbytes(plan: Plan, skipped: Sequence[tuple[str, str]], part: tuple[int, int] | None) -> int:
-    """Bytes of every file the conversion of ``plan`` writes: the blob, sources.jsonl,
-    skipped.jsonl and (at most) index.json.
-
-    With long paths, sources.jsonl can be a large part of a dataset of small samples.
-    """
-    skipped_nbytes = sum(len(line.encode("utf-8")) for line in provenance.skipped_lines(skipped))
-    text_nbytes = provenance.source_lines_nbytes(plan) + skipped_nbytes
-    index_nbytes = blob_writer.index_nbytes_bound(plan, len(skipped) + len(plan.sources), part)
-    return BLOB_HEADER_NBYTES + plan.payload_nbytes + text_nbytes + index_nbytes
 
 
 def _sizes(exc: OSError, needed_nbytes: int, free_nbytes: int | None) -> str:
@@ -320,16 +245,6 @@ def _source_nbytes(path: str) -> int:
         return os.stat(path).st_size
     with os.scandir(path) as entries:
         return sum(e.stat().st_size for e in entries if is_field_name(e.name) and e.is_file())
-
-
-def make_staging_dir(out: str) -> str:
-    """A hidden directory beside OUT (see publish.make_staging_dir); OutputError if it cannot be made."""
-    try:
-        return publish.make_staging_dir(out)
-    except OSError as exc:
-        if not fsutil.is_io_error(exc):
-            raise
-        raise publish.creation_error(out, exc) from exc
 
 
 Scanned = tuple[dict[str, MemberHeader], dict[str, MemberLocation]]

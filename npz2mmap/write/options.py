@@ -1,8 +1,10 @@
 """The options a dataset is written with, each with its one meaning and its one check.
 
-``convert()``, ``npz2mmap convert`` and ``Writer`` take the same options (which part, the
-alignment, casts, fields held fixed) and check them here, before anything starts:
-``WriteOptions.checked`` for the library, the same functions behind the CLI's usage errors.
+``convert()`` and ``Writer`` take the same options (which part, the alignment, casts, fields
+held fixed) and check them with ``WriteOptions.checked``, before anything starts. The CLI
+parses its own syntax (``KEY=DTYPE``, ``A,B``) into those values, checking them with the same
+rules (``cast_dtype``, ``resolve_part``, ``format.index.is_valid_align``) so that a bad value
+is a usage error naming its option.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from ..errors import FormatError, OutputError
 from ..format.index import DATASET_FILES, INDEX_NAME, load_index
 from ..format.manifest import MANIFEST_NAME, read_manifest
 from ..parallel import interrupts_blocked
+from ..text import human_bytes
 
 STAGING_MARK = ".npz2mmap-tmp-"
 RETIRED_MARK = ".npz2mmap-old-"
@@ -303,12 +304,36 @@ def _holds_data(path: str) -> bool:
 
 
 def make_staging_dir(out_dir: str) -> str:
-    """A hidden sibling of OUT, so the final rename stays on one filesystem.
+    """A hidden sibling of OUT, so the final rename stays on one filesystem; OutputError if it
+    cannot be made.
 
     Created with the umask's permissions (not mkdtemp's 0700), since it becomes OUT.
     """
     parent, name = os.path.split(fsutil.absolute_path(out_dir))
-    return _make_unique_dir(parent, f".{name}{STAGING_MARK}")
+    try:
+        return _make_unique_dir(parent, f".{name}{STAGING_MARK}")
+    except OSError as exc:
+        if not fsutil.is_io_error(exc):
+            raise
+        raise creation_error(out_dir, exc) from exc
+
+
+def free_nbytes(out: str) -> int | None:
+    """Bytes free on the file system that will hold OUT, or None where unknown."""
+    try:
+        return shutil.disk_usage(os.path.dirname(fsutil.absolute_path(out))).free
+    except OSError as exc:
+        fsutil.reraise_if_from_a_handler(exc)
+        return None
+
+
+def check_free_space(out: str, needed_nbytes: int, free_nbytes: int | None) -> None:
+    """Refuse, before anything is written, a dataset larger than the space free for it."""
+    if free_nbytes is not None and needed_nbytes > free_nbytes:
+        raise OutputError(
+            f"{out}: the dataset needs {needed_nbytes:,} bytes ({human_bytes(needed_nbytes)}), "
+            f"{free_nbytes:,} bytes ({human_bytes(free_nbytes)}) free on its file system"
+        )
 
 
 def _make_unique_dir(parent: str, prefix: str) -> str:

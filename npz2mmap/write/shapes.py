@@ -29,15 +29,16 @@ whole input list, so that its parts refuse what one conversion would.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
 
+from ..errors import FixedShapeError
 from ..text import plural
 from .layout import FieldPlan, Plan
-from .plan import Hints
+from .plan import CLI_HINTS, Hints, drop_files
 
 MAX_SHAPES = 4
 MAX_ODD_PERCENT = 1
@@ -193,3 +194,33 @@ def unfixed_problem(
 
 def _shape(row: NDArray[np.int64]) -> tuple[int, ...]:
     return tuple(int(d) for d in row)
+
+
+def hold_fixed(
+    plan: Plan,
+    locations: np.ndarray,
+    fixed: Sequence[str],
+    skip_bad: bool,
+    skipped: list[tuple[str, str]],
+    part: tuple[int, int] | None,
+    earlier: dict[str, HeldShape] | None = None,
+) -> tuple[Plan, np.ndarray]:
+    """The plan and member locations without the files whose sample shape breaks ``fixed``
+    (the shape ``earlier`` holds, else the first file's), each listed in ``skipped``; without
+    ``skip_bad``, FixedShapeError naming the first of them instead."""
+    differing, fields = find_unfixed(plan, fixed, earlier)
+    if not len(differing):
+        return plan, locations
+    held = {**held_shapes(plan, fixed), **(earlier or {})}
+
+    def reason(k: int, j: int) -> str:
+        return describe_unfixed(plan, k, plan.fields[j], CLI_HINTS, held[plan.fields[j].name])
+
+    if not skip_bad:
+        raise FixedShapeError(reason(int(differing[0]), int(fields[0])) + CLI_HINTS.fixed_way_out)
+    skipped.extend(
+        (plan.sources[k], reason(k, j)) for k, j in zip(differing.tolist(), fields.tolist(), strict=True)
+    )
+    kept = np.ones(len(plan.sources), dtype=bool)
+    kept[differing] = False
+    return drop_files(plan, differing.tolist(), allow_empty=part is not None), locations[kept]

@@ -37,7 +37,6 @@ from ..parallel import (
 )
 from ..text import brief, printable
 from . import blob_writer, publish
-from .conversion import check_free_space, dataset_nbytes, free_nbytes, make_staging_dir
 from .layout import Plan
 from .options import PartOption, WriteOptions
 from .plan import WRITER_HINTS, PendingSource, PlanBuilder, check_field_name
@@ -109,13 +108,13 @@ class Writer:
             _LOCK_FDS.add(lock.fd)
             self._stack.callback(_LOCK_FDS.discard, lock.fd)
             # The spools' directory and close's staging directory alike go with the lock's release.
-            self._spool_dir = make_staging_dir(self.out_dir)
+            self._spool_dir = publish.make_staging_dir(self.out_dir)
             self._names = SourceNames(os.path.join(self._spool_dir, "sources"))
             self._stack.callback(self._names.spool.close)
             self._builder = PlanBuilder(
                 align,
                 options.casts,
-                max_payload_nbytes=free_nbytes(self.out_dir),
+                max_payload_nbytes=publish.free_nbytes(self.out_dir),
                 hints=WRITER_HINTS,
                 fixed=self._fixed,
             )
@@ -362,8 +361,10 @@ class Writer:
         plan = self._builder.finish(self._names, allow_empty=True)
         blob_writer.check_index_nbytes(self.out_dir, plan, 0, self.part)
         found = find_nearly_fixed(plan)
-        check_free_space(self.out_dir, dataset_nbytes(plan, (), self.part), free_nbytes(self.out_dir))
-        staging = make_staging_dir(self.out_dir)  # removed with the spools' directory, however this ends
+        needed = blob_writer.dataset_nbytes(plan, (), self.part)
+        publish.check_free_space(self.out_dir, needed, publish.free_nbytes(self.out_dir))
+        # Removed with the spools' directory, however this ends.
+        staging = publish.make_staging_dir(self.out_dir)
         try:
             blob_writer.create_blob(staging, plan.payload_nbytes)
             self._copy_spools(plan, os.path.join(staging, BLOB_NAME))
