@@ -170,7 +170,7 @@ class _Npz:
             self.fd, self.file_nbytes = open_regular_file(path)
         except OSError as exc:
             fsutil.reraise_if_from_a_handler(exc)
-            raise SourceError(f"{path}: {exc.strerror or exc}") from None
+            raise _cannot_open(path, exc) from None
         # Made on first use: the copy reads members by location, without them.
         self.entries: dict[str, ZipEntry] | None = None
         self.view: FileView | None = None
@@ -439,6 +439,12 @@ def _open_npy(path: str) -> BinaryIO:
         raise SourceError(f"{path}: {exc}") from None
     except OSError as exc:
         fsutil.reraise_if_from_a_handler(exc)
-        if exc.errno in (errno.ENOENT, errno.ELOOP) and os.path.lexists(path):
-            raise SourceError(f"{path}: {fsutil.describe_kind(path)}, not a regular file") from None
-        raise SourceError(f"{path}: cannot open ({exc.strerror or exc})") from None
+        raise _cannot_open(path, exc) from None
+
+
+def _cannot_open(path: str, exc: OSError) -> SourceError:
+    """Why a source could not be opened, the same for an NPZ and a .npy file: a broken link or a
+    link loop named as such, anything else by the system's words."""
+    if exc.errno in (errno.ENOENT, errno.ELOOP) and os.path.lexists(path):
+        return SourceError(f"{path}: {fsutil.describe_kind(path)}, not a regular file")
+    return SourceError(f"{path}: {exc.strerror or exc}")

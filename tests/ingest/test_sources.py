@@ -29,6 +29,7 @@ from npz2mmap.ingest.npy_header import MemberHeader
 from npz2mmap.ingest.sources import scan_source
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write import publish
+from npz2mmap.write.conversion import convert
 from npz2mmap.write.layout import lay_out
 from npz2mmap.write.plan import MAX_NUM_SAMPLES, build_plan
 
@@ -414,3 +415,14 @@ def test_a_source_rewritten_after_the_scan_at_the_same_size_is_named_as_perhaps_
         f"Error: {victim}[x]: Bad CRC-32 for file 'x.npy' (corrupt, or changed since it was scanned)"
     ]
     assert not out.exists()
+
+
+def test_a_broken_link_is_named_alike_for_npz_and_npy_sources_under_skip_bad(tmp_path) -> None:
+    (tmp_path / "src").mkdir()
+    np.save(tmp_path / "src" / "good.npy", np.arange(2))
+    for name in ("a.npz", "b.npy"):
+        (tmp_path / "src" / name).symlink_to(tmp_path / "gone")
+    result = convert([tmp_path / "src"], tmp_path / "out", skip_bad=True, workers=1)
+    assert [reason for _, reason in result.skipped] == [
+        f"{tmp_path / 'src' / name}: a broken link, not a regular file" for name in ("a.npz", "b.npy")
+    ]
