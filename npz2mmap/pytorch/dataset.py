@@ -148,9 +148,10 @@ class MmapDataset(Dataset[Any]):
 
     def __getitem__(self, i: int) -> Any:
         """Sample ``i``, knowing its ragged fields, so that a collate of samples taken one by one
-        (through ConcatDataset or Subset) treats them as it treats a batch of this dataset."""
+        (through ConcatDataset or Subset) treats them as it treats a batch of this dataset. Only a
+        plain dict is marked: a transform's own mapping type is given back as it made it."""
         sample = self._read(i)
-        return self._marked(sample, self.transform is None) if isinstance(sample, dict) else sample
+        return self._marked(sample, self.transform is None) if type(sample) is dict else sample
 
     def _read(self, i: int) -> Any:
         reader = self.reader

@@ -303,3 +303,15 @@ def test_samples_taken_one_by_one_collate_as_a_batch_of_the_dataset(tmp_path, wr
         assert p["seq_lengths"].tolist() == [len(r) for r in rows]
         assert isinstance(d["seq"], list) and [t.tolist() for t in d["seq"]] == [r.tolist() for r in rows]
         assert d["lab"].tolist() == [2 * k, 2 * k + 1]
+
+
+def test_a_transforms_own_mapping_type_is_given_back_by_ds_i(tmp_path) -> None:
+    class Sample(dict):  # a user's mapping, with its own behaviour
+        def total(self) -> float:
+            return float(sum(v.sum() for v in self.values()))
+
+    with npz2mmap.Writer(tmp_path / "ds") as writer:
+        writer.append({"x": np.arange(3)})
+    ds = MmapDataset(tmp_path / "ds", transform=Sample)
+    assert type(ds[0]) is Sample and ds[0].total() == 3.0
+    assert type(MmapDataset(tmp_path / "ds")[0]) is not Sample and isinstance(MmapDataset(tmp_path / "ds")[0], dict)
