@@ -162,8 +162,10 @@ def collate(batch: Any) -> Any:
     """
     if isinstance(batch, GatheredBatch) and batch.samples_edited:  # by the samples as edited
         batch = SampleList(list(batch), batch.ragged, batch.single)
-    elif not isinstance(batch, (GatheredBatch, SampleList)) and marked_ragged(batch):
-        batch = SampleList(list(batch), marked_ragged(batch), _bare_field(batch))
+    elif not isinstance(batch, (GatheredBatch, SampleList)):
+        ragged = marked_ragged(batch)  # one walk of the samples per batch
+        if ragged:
+            batch = SampleList(list(batch), ragged, _bare_field(batch))
     if isinstance(batch, SampleList):
         return _collate_listing_ragged(batch)
     if not isinstance(batch, GatheredBatch):
