@@ -35,11 +35,13 @@ from .collate import collate
 from .dataset import MmapDataset
 from .leaves import (
     Leaf,
+    LeafUnpickler,
+    PickledTree,
     RowsLeaf,
     ViewLeaf,
     describe_leaf,
-    described_tree,
     map_tree,
+    pickle_with_leaves,
     plan_regions,
     span_nbytes,
 )
@@ -227,6 +229,8 @@ class BatchViews:
         self.storages: dict[tuple[int, int], torch.UntypedStorage] = {}
 
     def build(self, tree: Any) -> Any:
+        if isinstance(tree, PickledTree):
+            return LeafUnpickler(tree, self.build).load()
         if isinstance(tree, Leaf):
             return self.ring.view(self.slot, tree)
         if isinstance(tree, RowsLeaf):
@@ -295,23 +299,24 @@ class SlotWriter:
         )
         return leaf, leaf.offsets()
 
-    def write(self, tree: Any) -> Any:
-        """Copy every tensor and array of ``tree`` into the slot; return the descriptor tree.
+    def write(self, tree: Any) -> PickledTree:
+        """Copy every tensor and array of ``tree`` into the slot; return its descriptor.
 
-        Leaves are grouped by the memory they view: each region of
+        ``tree`` is pickled whole, its plain tensors and arrays (wherever
+        they are: in any container, object or attribute) as references.
+        Those are grouped by the memory they view: each region of
         overlapping leaves is copied once, whole, at its start's alignment
         modulo SLOT_ALIGN, and each leaf is described as a view into it with
         its own strides, so the trainer's batch shares memory, layout and
         identity as this one does. Every place is taken before any byte is
-        copied. Anything else (numbers, strings, nested or sparse tensors,
-        object arrays, and what a view of bare bytes would lose: a tensor's
-        requires_grad, subclass, quantization or conj/neg bit, its Python
-        attributes, an itemless dtype) stays in the tree and travels pickled with it.
+        copied. What a view of bare bytes would lose stays in the pickle: a
+        tensor's requires_grad, quantization or conj/neg bit, an object or
+        itemless dtype.
         """
-        regions = plan_regions(tree)
+        data, leaves = pickle_with_leaves(tree)
         described: dict[int, ViewLeaf] = {}
         copies = []
-        for region in regions:
+        for region in plan_regions(leaves):
             offset = self.reserve_at_alignment_of(region.nbytes, region.start)
             slot_region = (offset, region.nbytes)
             copies.append((offset, region))
@@ -321,7 +326,7 @@ class SlotWriter:
         for offset, region in copies:
             if region.nbytes:
                 ctypes.memmove(address + offset, region.start, region.nbytes)
-        return described_tree(tree, described)
+        return PickledTree(data, tuple(described[id(leaf)] for leaf in leaves))
 
     def reserve_at_alignment_of(self, nbytes: int, address: int) -> int:
         """Room for ``nbytes`` starting at ``address`` modulo SLOT_ALIGN: every item keeps its alignment."""
@@ -333,7 +338,7 @@ class SlotWriter:
 
 def tree_nbytes(tree: Any) -> int:
     """The slot bytes ``tree`` would need at most (a batch larger than its slot is given this much)."""
-    return sum(aligned(region.nbytes + SLOT_ALIGN) for region in plan_regions(tree))
+    return sum(aligned(region.nbytes + SLOT_ALIGN) for region in plan_regions(pickle_with_leaves(tree)[1]))
 
 
 class SlotDestination:
@@ -381,7 +386,7 @@ def write_collated(samples: Sequence[Any], writer: SlotWriter) -> Any:
     """
     if not isinstance(samples, SampleList) or not samples or not isinstance(samples[0], dict):
         return writer.write(collate(samples))
-    out = {}
+    out: dict[str, Any] = {}
     for name in samples[0]:
         values = [sample[name] for sample in samples]
         if name not in samples.ragged and _stackable(values):

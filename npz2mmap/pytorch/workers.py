@@ -29,6 +29,7 @@ from .. import parallel
 from ..errors import WorkerError
 from .batch_plan import BatchPlan, InMemory
 from .forkserver_socket import ForkserverSocket
+from .leaves import TensorPickler
 from .slots import Ring, SlotDestination, SlotFull, SlotWriter, allocate_ring, tree_nbytes
 
 STOP_TIMEOUT_S = 5.0
@@ -108,56 +109,8 @@ def _layout(tree: Any) -> bytes:
     """A slot's descriptor tree (or a whole batch), pickled apart, so the trainer can tell a layout
     it has seen by its bytes."""
     data = io.BytesIO()
-    _TensorPickler(data, pickle.HIGHEST_PROTOCOL).dump(tree)
+    TensorPickler(data, pickle.HIGHEST_PROTOCOL).dump(tree)
     return data.getvalue()
-
-
-# The dtypes torch's own pickling takes; it refuses the others (the wider unsigned ints, complex32,
-# the float8 and smaller ones: "UntypedStorage has no attribute dtype"), which go as their bytes.
-_PICKLED_BY_TORCH = frozenset(
-    [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16]
-    + [torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
-)
-
-
-class _TensorPickler(pickle.Pickler):
-    """Pickle, with the plain tensors of dtypes torch cannot pickle sent as their bytes."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if _pickled_as_bytes(obj):
-            bits = (obj.is_conj(), obj.is_neg(), obj.requires_grad)
-            plain = obj.detach()
-            plain = plain.conj() if bits[0] else plain  # a conj or neg view's memory, as torch keeps it
-            plain = plain._neg_view() if bits[1] else plain
-            raw = plain.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            return _tensor_from_bytes, (raw, str(obj.dtype).removeprefix("torch."), tuple(obj.shape), bits)
-        return NotImplemented
-
-
-def _pickled_as_bytes(obj: Any) -> bool:
-    """A plain dense CPU tensor of a dtype torch's pickling refuses (quantized ones it takes)."""
-    return (
-        type(obj) is torch.Tensor
-        and obj.dtype not in _PICKLED_BY_TORCH
-        and obj.layout == torch.strided
-        and obj.device.type == "cpu"
-        and not (obj.is_quantized or obj.is_nested)
-    )
-
-
-def _tensor_from_bytes(
-    raw: bytes, dtype_name: str, shape: tuple[int, ...], bits: tuple[bool, bool, bool]
-) -> torch.Tensor:
-    """A tensor _TensorPickler sent as its bytes, with its conj, neg and requires_grad bits."""
-    dtype = getattr(torch, dtype_name)
-    if not raw:
-        tensor = torch.empty(shape, dtype=dtype)
-    else:
-        tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
-    conj, neg, requires_grad = bits
-    tensor = tensor._neg_view() if neg else tensor
-    tensor = tensor.conj() if conj else tensor
-    return tensor.requires_grad_(requires_grad)
 
 
 def pickled_or_none(exc: BaseException) -> bytes | None:

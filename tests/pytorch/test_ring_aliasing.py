@@ -9,6 +9,8 @@ both trees equal (or fail the same way in both).
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import gc
 import io
 import os
@@ -71,7 +73,32 @@ def piece_makers(samples: Any) -> dict[str, Any]:
         "floats_after_bytes": lambda: x.flatten()[1:],
         "strings": lambda: np.array([f"s{v}" for v in lab]),
         "with_attributes": lambda: with_attributes(x * 3, meta={"scale": 3}, step=len(lab)),
+        "attribute_view": lambda: with_attributes(x[:, ::2], base=x, labels=lab[::-1]),
+        "ordered_dict": lambda: collections.OrderedDict(a=x[:, 1:3], b=lab),
+        "defaultdict": lambda: collections.defaultdict(list, {"x": x.t(), "n": x.numpy()}),
+        "dataclass": lambda: Pair(x[1:], lab[::-1]),
+        "list_subclass": lambda: Rows([x[0], x[1], lab]),
+        "tensor_subclass": lambda: x.as_subclass(Tagged)[:, 1:],
+        "masked": lambda: np.ma.MaskedArray(x.numpy(), mask=x.numpy() > 0),
+        "matrix": lambda: x.numpy()[:, :2].view(np.matrix),
+        "recarray": lambda: records.view(np.recarray),
     }
+
+
+@dataclasses.dataclass
+class Pair:
+    """A dataclass a collate_fn may return, holding views."""
+
+    first: Any
+    second: Any
+
+
+class Rows(list):
+    """A list subclass."""
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass."""
 
 
 def with_attributes(tensor: torch.Tensor, **attributes: Any) -> torch.Tensor:
@@ -105,13 +132,34 @@ class Pieces:
 
 
 def leaves(tree: Any) -> list[Any]:
-    """Tensors and arrays of a tree, in order."""
-    if isinstance(tree, (torch.Tensor, np.ndarray)):
+    """Tensors and arrays of a tree, in order: in any mapping, sequence, dataclass or tensor attribute
+    (a masked array's data and mask both)."""
+    if isinstance(tree, np.ma.MaskedArray):
+        return [tree, tree.mask] if tree.mask is not np.ma.nomask else [tree]
+    if isinstance(tree, torch.Tensor):
+        return [tree, *leaves(list(tree.__dict__.values()))]
+    if isinstance(tree, np.ndarray):
         return [tree]
     if isinstance(tree, dict):
         return [leaf for value in tree.values() for leaf in leaves(value)]
     if isinstance(tree, (list, tuple)):
         return [leaf for value in tree for leaf in leaves(value)]
+    if dataclasses.is_dataclass(tree):
+        return leaves([getattr(tree, field.name) for field in dataclasses.fields(tree)])
+    return []
+
+
+def container_types(tree: Any) -> list[Any]:
+    """The type of every container in a tree, in order, and a defaultdict's factory."""
+    if isinstance(tree, (torch.Tensor, np.ndarray)):
+        return []
+    if isinstance(tree, dict):
+        factory = [tree.default_factory] if isinstance(tree, collections.defaultdict) else []
+        return [type(tree), *factory, *(t for value in tree.values() for t in container_types(value))]
+    if isinstance(tree, (list, tuple)):
+        return [type(tree), *(t for value in tree for t in container_types(value))]
+    if dataclasses.is_dataclass(tree):
+        return [type(tree), *container_types(dataclasses.astuple(tree))]
     return []
 
 
@@ -122,7 +170,8 @@ def raw_bytes(leaf: Any) -> bytes:
 
 def layout(leaf: Any) -> tuple[Any, ...]:
     if isinstance(leaf, torch.Tensor):
-        return (type(leaf), leaf.dtype, tuple(leaf.shape), leaf.stride(), leaf.__dict__)
+        attributes = {k: v for k, v in leaf.__dict__.items() if not isinstance(v, (torch.Tensor, np.ndarray))}
+        return (type(leaf), leaf.dtype, tuple(leaf.shape), leaf.stride(), sorted(leaf.__dict__), attributes)
     return (type(leaf), leaf.dtype, leaf.shape, leaf.strides, leaf.flags.writeable)
 
 
@@ -141,6 +190,7 @@ def change(leaf: Any) -> str:
 
 
 def assert_same_batch(got: Any, expected: Any) -> None:
+    assert container_types(got) == container_types(expected)
     got_leaves, expected_leaves = leaves(got), leaves(expected)
     assert [layout(leaf) for leaf in got_leaves] == [layout(leaf) for leaf in expected_leaves]
     assert [raw_bytes(leaf) for leaf in got_leaves] == [raw_bytes(leaf) for leaf in expected_leaves]
