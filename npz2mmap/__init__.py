@@ -7,6 +7,7 @@ import torch.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -58,8 +59,9 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     """Import on first use, so that ``import npz2mmap`` never pulls in torch.
 
-    Raises ImportError naming the extra to install when a name needs torch
-    and torch is missing.
+    Raises ImportError with the command that installs torch for this very
+    Python when a name needs torch and torch is missing (the extra,
+    ``npz2mmap[torch]``, installs only from a package index, not a clone).
     """
     if name not in _LAZY:
         raise AttributeError(f"module 'npz2mmap' has no attribute {name!r}")
@@ -69,7 +71,8 @@ def __getattr__(name: str) -> Any:
         if exc.name != "torch":
             raise
         raise ImportError(
-            f"npz2mmap.{name} needs PyTorch, which is not installed: pip install 'npz2mmap[torch]'",
+            f"npz2mmap.{name} needs PyTorch, which is not installed in this Python: "
+            f"{sys.executable} -m pip install torch",
             name="torch",
         ) from exc
     return getattr(module, name)

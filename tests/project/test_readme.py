@@ -95,8 +95,8 @@ def test_mmap_dataset_without_torch_says_what_to_install(tmp_path: Path) -> None
     result = run_python(BLOCK_TORCH + "from npz2mmap import MmapDataset", tmp_path)
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1] == (
-        "ImportError: npz2mmap.MmapDataset needs PyTorch, which is not installed: "
-        "pip install 'npz2mmap[torch]'"
+        "ImportError: npz2mmap.MmapDataset needs PyTorch, which is not installed in this Python: "
+        f"{sys.executable} -m pip install torch"
     )
 
 
@@ -149,3 +149,24 @@ def test_the_many_process_writer_snippet_merges_every_rank_under_torchrun(tmp_pa
     ds = MmapDataset(tmp_path / "shards.mmap", fields="x")
     expected = np.repeat(np.arange(1000, dtype=np.float32)[:, None], 4, axis=1)
     np.testing.assert_array_equal(np.stack([ds[i] for i in range(len(ds))]), expected)
+
+
+def test_the_activation_block_gives_the_command_and_python_m(tmp_path: Path) -> None:
+    """The README's block after the quick start, run in bash where the scripts put the environment."""
+    [block] = [
+        code
+        for code in re.findall(r"^```bash\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+        if "activate" in code
+    ]
+    venv = Path(os.environ.get("NPZ2MMAP_VENV", ROOT / ".venv"))
+    if not (venv / "bin" / "activate").exists():
+        pytest.skip(f"no environment at {venv}: scripts/test.sh makes it")
+    script = block.replace("source .venv/bin/activate", f"source '{venv}/bin/activate'")
+    done = subprocess.run(["bash", "-ec", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("Usage: npz2mmap [OPTIONS] COMMAND [ARGS]...") == 1  # the console script's help
+    assert "python -m npz2mmap" in block
+    python_m = subprocess.run(
+        [venv / "bin" / "python", "-m", "npz2mmap", "--help"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert python_m.stdout == done.stdout
