@@ -22,6 +22,7 @@ from npz2mmap.write.conversion import convert
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent  # what a subprocess puts on PYTHONPATH to import this checkout
 GOLDEN_DIR = TESTS_DIR / "data" / "golden"
+SKIP_BAD_HINT = "; --skip-bad leaves such files out"  # the end of a conversion's error for a bad file
 
 
 @dataclass(frozen=True)

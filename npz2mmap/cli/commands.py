@@ -34,7 +34,7 @@ from ..write.conversion import convert as convert_files
 from ..write.merge import merge as merge_parts
 from ..write.options import cast_dtype, resolve_part
 from ..write.shapes import NearlyFixed, describe_nearly_fixed
-from .render import render_json, render_sample, render_summary
+from .render import PathsAsGiven, render_json, render_sample, render_summary
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -369,7 +369,12 @@ def convert(
         chosen_part, _ = resolve_part(part, out_dir)  # a usage error, before anything starts
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="'--part'") from None
-    with showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress, _usage_errors():
+    as_given = PathsAsGiven(inputs)
+    with (
+        showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress,
+        _usage_errors(),
+        _shown_as_given(as_given),
+    ):
         result = convert_files(
             list(inputs),
             out_dir,
@@ -392,12 +397,12 @@ def convert(
         click.echo(
             one_line(
                 f"Warning: skipped {plural(len(result.skipped), 'bad file')}, listed in "
-                f"{os.path.join(out_dir, SKIPPED_NAME)}; the first: {first_reason}"
+                f"{os.path.join(out_dir, SKIPPED_NAME)}; the first: {as_given(first_reason)}"
             ),
             err=True,
         )
     for item in result.nearly_fixed:
-        echo_err(f"Warning: {_describe_nearly_fixed(item)}")
+        echo_err(f"Warning: {as_given(_describe_nearly_fixed(item))}")
     if not quiet:
         index = result.index
         click.echo(
@@ -409,6 +414,16 @@ def convert(
         growth = _growth_note(result.data_nbytes, result.sources_nbytes)
         if growth:
             click.echo(growth)
+
+
+@contextlib.contextmanager
+def _shown_as_given(as_given: PathsAsGiven) -> Iterator[None]:
+    """The project's errors name the inputs' files as the user typed the inputs."""
+    try:
+        yield
+    except Npz2mmapError as exc:
+        exc.args = (as_given(str(exc)),)
+        raise
 
 
 @contextlib.contextmanager

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from ..fsutil import absolute_path
 from ..text import human_bytes, printable
 
 
@@ -147,3 +150,32 @@ def _finite_or_null(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite_or_null(item) for item in value]
     return value
+
+
+class PathsAsGiven:
+    """Shows the paths a message names as the user typed the inputs, not as made absolute.
+
+    The conversion works on absolute paths (resolved as the system resolves
+    them); a message reads best in the user's own terms: ``data/x.npz`` for
+    an input typed ``data``. Other paths (OUT's, a list file's lines) are
+    shown as they are.
+    """
+
+    def __init__(self, inputs: Sequence[str]) -> None:
+        given = sorted(
+            ((absolute_path(path), path.rstrip(os.sep) or path) for path in inputs if path[:1] != "@"),
+            key=lambda pair: -len(pair[0]),  # the longest first: data/train before data
+        )
+        alternatives = [re.escape(absolute) + _AFTER_PATH for absolute, _ in given]
+        self._typed = [typed for _, typed in given]
+        self._pattern = re.compile(_BEFORE_PATH + "(?:" + "|".join(f"({a})" for a in alternatives) + ")")
+
+    def __call__(self, text: str) -> str:
+        if not self._typed:
+            return text
+        return self._pattern.sub(lambda match: self._typed[(match.lastindex or 1) - 1], text)
+
+
+# A path starts after a character no path holds before it, and ends at one no path holds after it.
+_BEFORE_PATH = r"(?<![\w./\\~-])"
+_AFTER_PATH = r"(?=[/\\\[:;,)'\"\s]|$)"

@@ -27,7 +27,7 @@ from ..format.index import (
     IDENTITY_MAGIC,
 )
 from .npy_header import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, NotNpyError, parse_npy_header
-from .zip_directory import FileView, ZipEntry
+from .zip_directory import LOCAL_SIGNATURE, FileView, ZipEntry
 
 NPY_SUFFIX = ".npy"
 
@@ -45,7 +45,6 @@ DEFLATE_SLACK_NBYTES = 1024
 # A zip local file header: signature, version, flags, 18 bytes we do not need, name and extra lengths.
 ZIP_LOCAL_HEADER = struct.Struct("<4s2xH18xHH")
 
-ZIP_LOCAL_SIGNATURE = b"PK\x03\x04"
 
 ZIP_STORED, ZIP_DEFLATED = 0, 8
 
@@ -410,7 +409,7 @@ def _local_header(view: FileView, entry: ZipEntry, path: str) -> tuple[int, int,
     signature, flags, name_nbytes, extra_nbytes = ZIP_LOCAL_HEADER.unpack(
         view.read(start, ZIP_LOCAL_HEADER.size)
     )
-    if signature != ZIP_LOCAL_SIGNATURE:
+    if signature != LOCAL_SIGNATURE:
         raise SourceError(f"{path}[{member_key(entry.filename)}]: no zip member header at byte {start}")
     offset = start + ZIP_LOCAL_HEADER.size + name_nbytes + extra_nbytes
     end = offset + entry.compress_size

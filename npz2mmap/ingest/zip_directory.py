@@ -41,6 +41,7 @@ ZIP64_END_RECORD = struct.Struct("<4sQ2H2L4Q")
 ZIP64_END_SIGNATURE = b"PK\x06\x06"
 CENTRAL_ENTRY = struct.Struct("<4s4B4HL2L5H2L")
 CENTRAL_SIGNATURE = b"PK\x01\x02"
+LOCAL_SIGNATURE = b"PK\x03\x04"  # each member's local header; a zip starts with one
 ZIP64_EXTRA_ID = 0x0001
 ZIP64_MARKS = (0xFFFF_FFFF_FFFF_FFFF, 0xFFFF_FFFF)  # a size that zipfile takes from the zip64 extra
 ZIP64_MARK = 0xFFFF_FFFF
@@ -168,13 +169,23 @@ def _refuse(view: FileView, problem: str) -> NoReturn:
     raise SourceError(f"{view.where}: not a valid zip/npz file ({problem})")
 
 
+def _refuse_endless(view: FileView) -> NoReturn:
+    """No end record: a file cut short if it starts as a zip does (a copy or download stopped)."""
+    if view.file_nbytes >= len(LOCAL_SIGNATURE) and view.read(0, len(LOCAL_SIGNATURE)) == LOCAL_SIGNATURE:
+        raise SourceError(
+            f"{view.where}: not a valid zip/npz file: truncated (it starts as a zip does, "
+            f"but its end, the zip's directory, is missing; {view.file_nbytes:,} bytes)"
+        )
+    _refuse(view, "File is not a zip file")
+
+
 def _end_record(view: FileView) -> tuple[int, tuple[int, ...]]:
     """Where the end records begin and the directory fields (disk, directory disk, entries on this
     disk, entries, directory size, directory offset) of the one in effect: the ZIP64 end record if
     its locator precedes the end record, as zipfile decides."""
     size = view.file_nbytes
     if size < END_RECORD.size:
-        _refuse(view, "File is not a zip file")
+        _refuse_endless(view)
     view.hold_tail(TAIL_NBYTES)
     record = view.read(size - END_RECORD.size, END_RECORD.size)
     if record[:4] == END_SIGNATURE and record[-2:] == b"\0\0":
@@ -185,7 +196,7 @@ def _end_record(view: FileView) -> tuple[int, tuple[int, ...]]:
         search_start = max(size - (1 << 16) - END_RECORD.size, 0)
         found = bytes(view.read(search_start, size - search_start)).rfind(END_SIGNATURE)
         if found < 0 or search_start + found + END_RECORD.size > size:
-            _refuse(view, "File is not a zip file")
+            _refuse_endless(view)
         end_offset = search_start + found
         record = view.read(end_offset, END_RECORD.size)
     zip64 = _zip64_end_record(view, end_offset)

@@ -43,7 +43,7 @@ from .options import (
     select_part,
     sources_before_part,
 )
-from .plan import PlanBuilder, drop_files
+from .plan import Disagreements, PlanBuilder, drop_files
 from .shapes import (
     HeldShape,
     NearlyFixed,
@@ -262,7 +262,7 @@ class ScannedBatch(NamedTuple):
     plan: PlanBuilder | None  # the usable files, each checked against the first of them
     skipped: list[tuple[int, str]]  # with a plan: (position, reason) of each file --skip-bad leaves out
     locations: array[int]  # with a plan: the usable files' MemberLocations, in plan order
-    files: list[Scanned | str]  # without a plan: each file's scan (or reason to skip it), in order
+    files: list[Scanned | str | MismatchError]  # without a plan: each file's scan (or why it is left out)
     error: SourceError | None = None  # without a plan: what the scan of the file after ``files`` raised
 
 
@@ -312,24 +312,26 @@ class Scan:
         # Only this builder names the fields, so only it checks that ``fixed`` names fields.
         builder = PlanBuilder(self.align, self.casts, self.rows, self.max_payload_nbytes, fixed=self.fixed)
         usable: list[str] = []
+        disagreements = Disagreements()  # every file that disagrees is named at the end, in one error
 
         def batches() -> Iterator[list[str]]:
             return (sources[i : i + batch_files] for i in range(0, len(sources), batch_files))
 
         for paths, batch in zip(batches(), imap(self.scan_batch, batches(), per_message=1), strict=True):
+            if batch.plan is not None:
+                try:
+                    self._take_batch(batch.plan, batch, paths, builder, usable, skipped, found)
+                except MismatchError:  # its first file disagrees with the dataset's: look at each
+                    batch = ScannedBatch(None, [], array("q"), [self.scan_or_refusal(p) for p in paths])
             if batch.plan is None:
                 scans = zip(paths[: len(batch.files)], batch.files, strict=True)  # up to any unreadable one
-                _add_one_by_one(scans, builder, usable, skipped, found)
+                _add_one_by_one(scans, builder, usable, skipped, found, disagreements)
                 if batch.error is not None:
-                    raise batch.error
-            else:
-                left_out = dict(batch.skipped)
-                kept = [path for k, path in enumerate(paths) if k not in left_out]
-                builder.merge(batch.plan, kept)
-                skipped.extend((paths[k], reason) for k, reason in batch.skipped)
-                usable.extend(kept)
-                found.values.extend(batch.locations)  # only once the plan has taken the files
+                    raise stopped_at(batch.error, disagreements.error(builder.first_source))
             progress.advance(len(paths), 0)
+        error = disagreements.error(builder.first_source)
+        if error is not None:
+            raise error
         if not usable and skipped and (part is None or part[1] == 1):  # a part of one is the whole
             count, first = f"{len(skipped):,}", skipped[0][1]
             raise SourceError(f"no usable input: --skip-bad left out all {count}; the first: {first}")
@@ -345,14 +347,16 @@ class Scan:
         builder: PlanBuilder | None = PlanBuilder(self.align, self.casts, self.rows, self.max_payload_nbytes)
         skipped: list[tuple[int, str]] = []
         found = blob_writer.MemberLocations()
-        files: list[Scanned | str] = []
+        files: list[Scanned | str | MismatchError] = []
         for k, path in enumerate(pagecache.read_ahead(paths)):
             try:
-                scanned = self.scan_one(path)
+                scanned = self.scan_or_refusal(path)
             except SourceError as exc:
                 return ScannedBatch(None, [], array("q"), files, exc)
             files.append(scanned)
-            if isinstance(scanned, str):
+            if isinstance(scanned, MismatchError):
+                builder = None
+            elif isinstance(scanned, str):
                 skipped.append((k, scanned))
             elif builder is not None:
                 try:
@@ -367,6 +371,34 @@ class Scan:
             return ScannedBatch(None, [], array("q"), files)
         return ScannedBatch(builder, skipped, found.values, [])
 
+    def _take_batch(
+        self,
+        planned: PlanBuilder,
+        batch: ScannedBatch,
+        paths: list[str],
+        builder: PlanBuilder,
+        usable: list[str],
+        skipped: list[tuple[str, str]],
+        found: blob_writer.MemberLocations,
+    ) -> None:
+        """Record a batch a worker planned whole; MismatchError, recording nothing, if it disagrees."""
+        left_out = dict(batch.skipped)
+        kept = [path for k, path in enumerate(paths) if k not in left_out]
+        builder.merge(planned, kept)
+        skipped.extend((paths[k], reason) for k, reason in batch.skipped)
+        usable.extend(kept)
+        found.values.extend(batch.locations)  # only once the plan has taken the files
+
+    def scan_or_refusal(self, path: str) -> Scanned | str | MismatchError:
+        """scan_one, or the MismatchError that names what the source lacks (a key --keys chose),
+        returned so that the scan goes on and names every such source."""
+        try:
+            return self.scan_one(path)
+        except DatasetInputError:
+            raise
+        except MismatchError as exc:
+            return exc
+
     def scan_one(self, path: str) -> Scanned | str:
         """A source's member headers and locations, or with --skip-bad the reason it is unusable."""
         try:
@@ -379,18 +411,35 @@ class Scan:
             return str(exc)
 
 
+def stopped_at(error: SourceError, disagreed: MismatchError | None) -> SourceError:
+    """The error of a file that stops the scan, with the way past it, after the files that
+    disagreed before it, if any (so that one run names them all)."""
+    if not isinstance(error, DatasetInputError):  # an input that is a dataset is never left out
+        error = type(error)(f"{error}; --skip-bad leaves such files out")
+    if disagreed is None:
+        return error
+    return SourceError(f"{disagreed}; then the scan stopped at {error}")
+
+
 def _add_one_by_one(
-    scans: Iterable[tuple[str, Scanned | str]],
+    scans: Iterable[tuple[str, Scanned | str | MismatchError]],
     builder: PlanBuilder,
     usable: list[str],
     skipped: list[tuple[str, str]],
     found: blob_writer.MemberLocations,
+    disagreements: Disagreements,
 ) -> None:
     for path, scanned in scans:
         if isinstance(scanned, str):
             skipped.append((path, scanned))
             continue
-        builder.add(path, scanned[0])
+        try:
+            if isinstance(scanned, MismatchError):
+                raise scanned
+            builder.add(path, scanned[0])
+        except MismatchError as exc:
+            disagreements.add(exc)
+            continue
         usable.append(path)
         found.add(scanned[1])  # only once the plan has taken the file
 

@@ -36,7 +36,8 @@ MAX_NUM_SAMPLES = MAX_PAYLOAD_NBYTES // OFFSET_DTYPE.itemsize - 1
 class Hints(NamedTuple):
     """How messages name the options that resolve a disagreement: the CLI's, or the Writer's arguments."""
 
-    cast: str  # formatted with key=
+    cast: str  # formatted with key= and dtype=
+    no_cast: str  # formatted with key= and dtypes=: what to do where no dtype holds them all
     keys: str
     casts_named: str
     fixed: str = "--fixed {key}"  # formatted with key=
@@ -45,20 +46,86 @@ class Hints(NamedTuple):
 
 
 CLI_HINTS = Hints(
-    cast="use --cast {key}=DTYPE to store one dtype",
+    cast="use --cast {key}={dtype} to store one dtype",
+    no_cast="{dtypes} share no dtype --cast could store them as (it keeps their kind): "
+    "convert such files apart, or leave {key} out with --keys",
     keys="; select common keys with --keys",
     casts_named="--cast names",
 )
 
 
 WRITER_HINTS = Hints(
-    cast="pass casts={{{key!r}: DTYPE}} to store one dtype",
+    cast="pass casts={{{key!r}: {dtype!r}}} to store one dtype",
+    no_cast="{dtypes} share no dtype casts= could store them as (it keeps their kind): "
+    "write such samples to another dataset",
     keys="",
     casts_named="casts= names",
     fixed="fixed=[{key!r}]",
     fixed_way_out="",
     one_cast_each="",
 )
+
+
+class Disagreement(MismatchError):
+    """A source disagrees with the first: ``problem``, then ``way_out`` (what resolves it).
+
+    For a dtype that differs, ``key`` and ``dtypes`` (the stored one and the
+    source's) let Disagreements suggest one cast that holds every source's.
+    """
+
+    def __init__(
+        self, problem: str, way_out: str = "", key: str | None = None, dtypes: tuple[np.dtype, ...] = ()
+    ) -> None:
+        self.problem, self.way_out, self.key, self.dtypes = problem, way_out, key, dtypes
+        super().__init__(f"{problem}; {way_out}" if way_out else problem)
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str | None, tuple[np.dtype, ...]]]:
+        return type(self), (self.problem, self.way_out, self.key, self.dtypes)
+
+
+def dtype_disagreement(problem: str, key: str, dtypes: tuple[np.dtype, ...], hints: Hints) -> Disagreement:
+    """A Disagreement on ``key``'s dtypes, with the cast that stores them all (or what else to do)."""
+    return Disagreement(problem, cast_hint(key, dtypes, hints), key, dtypes)
+
+
+def cast_hint(key: str, dtypes: Sequence[np.dtype], hints: Hints) -> str:
+    """The way to store ``dtypes`` as one: a cast every one of them allows, or what else to do."""
+    target = common_cast_target(dtypes)
+    if target is None:
+        names = [str(dtype) for dtype in dtypes]
+        return hints.no_cast.format(key=key, dtypes=", ".join(names[:-1]) + " and " + names[-1])
+    return hints.cast.format(key=key, dtype=target)
+
+
+def common_cast_target(dtypes: Sequence[np.dtype]) -> str | None:
+    """How to spell a dtype every one of ``dtypes`` casts to under --cast's rule, if there is one:
+    numpy's promotion of them all where they allow it, else the first of them they all allow."""
+    candidates = list(dtypes)
+    try:
+        candidates.insert(0, np.result_type(*dtypes))
+    except TypeError:  # numpy's DTypePromotionError: no promotion (a string and a number)
+        pass
+    for candidate in candidates:
+        spelled = dtype_spelling(storage_dtype(candidate))
+        if spelled is not None and all(_casts_meaningfully(dtype, np.dtype(spelled)) for dtype in dtypes):
+            return spelled
+    return None
+
+
+def _casts_meaningfully(source: np.dtype, target: np.dtype) -> bool:
+    """can_cast, less the casts of numbers to text that numpy's rule allows (uint8 to U3)."""
+    return can_cast(source, target) and not (source.kind in "biuf?c" and target.kind in "SU")
+
+
+def dtype_spelling(dtype: np.dtype) -> str | None:
+    """The shortest text --cast parses back to ``dtype`` (float32, U8, datetime64[ms]), if any."""
+    for text in (dtype.name, dtype.str.lstrip("<|="), dtype.str):
+        try:
+            if np.dtype(text) == dtype and not dtype.fields and not dtype.subdtype:
+                return text
+        except TypeError:
+            continue
+    return None
 
 
 class _FieldCollector:
@@ -96,7 +163,7 @@ class _FieldCollector:
         sample_shape = header.shape[1:] if self.rows else header.shape
         if len(sample_shape) != self.ndim:
             what = "rows" if self.rows else "arrays"
-            raise MismatchError(
+            raise Disagreement(
                 f"{path}[{header.key}]: {len(header.shape)}-d array {header.shape} differs from the "
                 f"{self.ndim + self.rows}-d {what} in {self.first_path}"
             )
@@ -106,17 +173,71 @@ class _FieldCollector:
         where = f"{path}[{header.key}]"
         if self.cast is not None:
             if not can_cast(header.dtype, self.dtype):
-                raise SourceError(
-                    f"{where}: dtype {header.dtype} cannot be cast to {self.dtype} without changing kind"
+                raise dtype_disagreement(
+                    f"{where}: dtype {header.dtype} cannot be cast to {self.dtype} without changing kind",
+                    header.key,
+                    (self.dtype, header.dtype),
+                    self.hints,
                 )
         elif storage_dtype(header.dtype) != self.dtype:
-            raise MismatchError(
-                f"{where}: dtype {header.dtype} differs from {self.dtype} in {self.first_path}; "
-                + self.hints.cast.format(key=header.key)
+            raise dtype_disagreement(
+                f"{where}: dtype {header.dtype} differs from {self.dtype} in {self.first_path}",
+                header.key,
+                (self.dtype, header.dtype),
+                self.hints,
             )
 
     def shapes(self, num_samples: int) -> NDArray[np.int64]:
         return np.frombuffer(self.dims, dtype=np.int64).reshape(num_samples, self.ndim)
+
+
+class Disagreements:
+    """The sources that disagree with the first, gathered so that one run names them all.
+
+    Keeps the first few problems as they read and, for each key whose dtype
+    differs, every dtype met, so that the one cast suggested holds them all.
+    """
+
+    SHOWN = 3
+
+    def __init__(self, hints: Hints = CLI_HINTS) -> None:
+        self.hints = hints
+        self.count = 0
+        self.first: MismatchError | None = None
+        self.problems: list[str] = []
+        self.dtypes: dict[str, list[np.dtype]] = {}
+        self.other_hints: list[str] = []
+
+    def add(self, exc: MismatchError) -> None:
+        """Count one source's disagreement."""
+        self.count += 1
+        self.first = self.first or exc
+        problem, hint = str(exc), ""
+        if isinstance(exc, Disagreement):
+            problem, hint = exc.problem, exc.way_out
+            if exc.key is not None:  # a dtype: one cast for all is suggested at the end instead
+                known = self.dtypes.setdefault(exc.key, [])
+                known.extend(dtype for dtype in exc.dtypes if dtype not in known)
+                hint = ""
+        if len(self.problems) < self.SHOWN:
+            self.problems.append(problem)
+        if hint and hint not in self.other_hints:
+            self.other_hints.append(hint)
+
+    def error(self, first_source: str) -> MismatchError | None:
+        """One error naming them all (the first few, and how many more), or None if all agreed."""
+        if self.first is None or self.count == 1:
+            return self.first
+        more = f"; and {self.count - len(self.problems):,} more" if self.count > len(self.problems) else ""
+        ways = [cast_hint(key, dtypes, self.hints) for key, dtypes in self.dtypes.items()]
+        ways += self.other_hints
+        against = f" with the first, {first_source}" if first_source else ""
+        return MismatchError(
+            f"{self.count:,} files disagree{against}: "
+            + "; ".join(self.problems)
+            + more
+            + "".join(f"; {way}" for way in ways)
+        )
 
 
 def check_field_name(name: str, where: str) -> None:
@@ -274,9 +395,9 @@ class PlanBuilder:
             raise SourceError(f"{source}: holds no arrays")
         collectors = self.collectors if self.counts else self._first_collectors(source, members)
         if members.keys() != collectors.keys():
-            raise MismatchError(
-                _describe_key_mismatch(source, sorted(members), sorted(collectors), self.first_source)
-                + self.hints.keys
+            raise Disagreement(
+                _describe_key_mismatch(source, sorted(members), sorted(collectors), self.first_source),
+                self.hints.keys.removeprefix("; "),
             )
         checked = [collector.check(members[key], source) for key, collector in collectors.items()]
         dims = tuple(member_dims for member_dims, _ in checked)

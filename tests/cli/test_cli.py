@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import REPO_ROOT, write_npz, write_samples
+from conftest import REPO_ROOT, SKIP_BAD_HINT, write_npz, write_samples
 
 from npz2mmap import DatasetReader
 from npz2mmap.cli.commands import cli
@@ -260,7 +260,9 @@ def test_errors_are_one_line_whatever_a_path_holds(tmp_path, sources, name, show
     (sources / name).write_bytes(b"")
     result = run_script("convert", sources, "-o", tmp_path / "out")
     assert result.returncode == 1
-    assert result.stderr == f"Error: {sources}/{shown}: not a valid zip/npz file (File is not a zip file)\n"
+    assert result.stderr == (
+        f"Error: {sources}/{shown}: not a valid zip/npz file (File is not a zip file){SKIP_BAD_HINT}\n"
+    )
     result = run_script("convert", sources, "-o", tmp_path / "out", "--skip-bad", "-q")
     assert result.returncode == 0
     assert result.stderr == (

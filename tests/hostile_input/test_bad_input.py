@@ -40,12 +40,12 @@ BAD_FILES = {
     "not-npy": (
         hostile.not_npy_member,
         r"bad\.npz\[x\]: not a \.npy array \(bad magic bytes\); np\.load gives such a member as raw bytes, "
-        r"not an array: name the keys to convert with --keys$",
+        r"not an array: name the keys to convert with --keys; --skip-bad leaves such files out$",
     ),
     "npy-before-a-zip": (
         hostile.npy_before_a_zip,
         r"bad\.npz: not a valid zip/npz file: it starts as a \.npy file does, and np\.load reads it as one "
-        r"array; rename it to \.npy to convert that array$",
+        r"array; rename it to \.npy to convert that array; --skip-bad leaves such files out$",
     ),
     "short-text-member": (hostile.short_text_member, r"bad\.npz\[readme\.txt\]: not a \.npy array \(bad magic"),
     "empty-member": (hostile.empty_member, r"bad\.npz\[x\]: empty, not a \.npy array; np\.load gives"),
@@ -385,5 +385,9 @@ def test_skip_bad_does_not_leave_out_files_lacking_a_selected_key(tmp_path, work
         write_npz(tmp_path / "src" / f"f{k}.npz", **arrays)
     with pytest.raises(SourceError) as refused:
         convert([tmp_path / "src"], tmp_path / "out", keys=["x", "z"], skip_bad=True, workers=workers)
-    assert str(refused.value) == f"{tmp_path / 'src' / 'f1.npz'}: no key 'z' (has: 'x')"
+    src = tmp_path / "src"
+    assert str(refused.value) == (  # every such file, in one message
+        f"3 files disagree with the first, {src / 'f0.npz'}: {src / 'f1.npz'}: no key 'z' (has: 'x'); "
+        f"{src / 'f3.npz'}: no key 'z' (has: 'x'); {src / 'f5.npz'}: no key 'z' (has: 'x')"
+    )
     assert not (tmp_path / "out").exists()

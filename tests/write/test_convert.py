@@ -325,7 +325,7 @@ def test_cast_refuses_a_change_of_kind_and_unknown_keys(tmp_path) -> None:
         convert([tmp_path / "src"], tmp_path / "out", casts={"x": "int32"}, workers=1)
     with pytest.raises(SourceError, match="--cast names key\\(s\\) 'y' that are not converted"):
         convert([tmp_path / "src"], tmp_path / "out", casts={"y": "int32"}, workers=1)
-    with pytest.raises(SourceError, match="use --cast x=DTYPE to store one dtype"):
+    with pytest.raises(SourceError, match="use --cast x=float64 to store one dtype"):
         convert([tmp_path / "src"], tmp_path / "out", workers=1)
     assert not (tmp_path / "out").exists()
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import write_samples
+from conftest import SKIP_BAD_HINT, write_samples
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -272,7 +272,7 @@ def test_a_member_whose_local_header_names_another_file_is_refused_as_zipfile_re
         zf.open("x.npy")
     with pytest.raises(SourceError) as caught:
         convert([path], tmp_path / "out", workers=1)
-    assert str(caught.value) == f"{path}[x]: not a valid zip/npz file ({expected.value})"
+    assert str(caught.value) == f"{path}[x]: not a valid zip/npz file ({expected.value}){SKIP_BAD_HINT}"
     assert "File name in directory 'x.npy' and header b'y.npy' differ." in str(caught.value)
 
 
@@ -556,5 +556,5 @@ def test_a_deflated_member_smaller_by_its_zip_size_than_its_header_ends_early_as
         npz["a"]
     with pytest.raises(SourceError) as caught:
         convert([path], tmp_path / "out", workers=1)
-    assert str(caught.value) == f"{path}[a]: ends early ({size - 10} of {header_nbytes - 10} bytes)"
+    assert str(caught.value) == f"{path}[a]: ends early ({size - 10} of {header_nbytes - 10} bytes){SKIP_BAD_HINT}"
     assert not (tmp_path / "out").exists()

@@ -16,6 +16,7 @@ import inspect
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import REPO_ROOT, TESTS_DIR, RunSize, sized, write_npz, write_samples
+from conftest import REPO_ROOT, SKIP_BAD_HINT, TESTS_DIR, RunSize, sized, write_npz, write_samples
 from corpus import Corpus, Options, corpora, load_raw, options_for, write_corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -213,7 +214,7 @@ def opened(tmp_path):
         (
             {"x": np.zeros(3), "y": 1.0},
             "sample 1 (b.npz)[x]: dtype float64 differs from float32 in sample 0 (a.npz); "
-            "pass casts={'x': DTYPE} to store one dtype",
+            "pass casts={'x': 'float64'} to store one dtype",
         ),
         (
             {"x": np.zeros((3, 1), np.float32), "y": 1.0},
@@ -1330,7 +1331,8 @@ def test_a_field_name_a_dataset_may_not_hold_is_refused_by_convert_and_the_write
     src = tmp_path / "src" / "a.npz"
     src.parent.mkdir()
     np.savez(src, **{name: np.arange(3)})
-    with pytest.raises(SourceError, match=f"^{src}: field name {shown} {problem}$"):
+    way_out = re.escape(SKIP_BAD_HINT) if name == "" else ""  # a member named .npy: a bad file, left out
+    with pytest.raises(SourceError, match=f"^{src}: field name {shown} {problem}{way_out}$"):
         convert([src], tmp_path / "converted", workers=1)
     assert sorted(os.listdir(tmp_path)) == ["src", "written"]
 

@@ -11,18 +11,19 @@ disagreeing files, casts, rows and tight free space cheaply.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import write_npz, write_samples
+from conftest import SKIP_BAD_HINT, write_npz, write_samples
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from npz2mmap.cli.commands import cli
-from npz2mmap.errors import SourceError
+from npz2mmap.errors import MismatchError, SourceError
 from npz2mmap.format.index import MIN_ALIGN
 from npz2mmap.ingest.npy_header import MemberHeader
 from npz2mmap.ingest.npz import MemberLocation
@@ -30,7 +31,7 @@ from npz2mmap.parallel import _serial_map
 from npz2mmap.progress import SilentProgress
 from npz2mmap.write import blob_writer, conversion
 from npz2mmap.write.layout import Plan
-from npz2mmap.write.plan import PlanBuilder
+from npz2mmap.write.plan import Disagreements, PlanBuilder
 
 DTYPES = ["|u1", "<i4", ">i4", "<f8", "<f4"]
 
@@ -78,17 +79,25 @@ def plan_one_by_one(scan_source, paths, scan: conversion.Scan) -> tuple[Plan, li
     """The oracle: every file scanned and added in order, by the serial rules."""
     builder = PlanBuilder(scan.align, scan.casts, scan.rows, scan.max_payload_nbytes)
     usable, skipped, found = [], [], blob_writer.MemberLocations()
+    disagreements = Disagreements()  # a file that disagrees is left out and named at the end
     for path in paths:
         try:
             headers, locations = scan_source(path, None)
         except SourceError as exc:
             if not scan.skip_bad:
-                raise
+                raise conversion.stopped_at(exc, disagreements.error(builder.first_source)) from None
             skipped.append((path, str(exc)))
             continue
-        builder.add(path, headers)
+        try:
+            builder.add(path, headers)
+        except MismatchError as exc:
+            disagreements.add(exc)
+            continue
         usable.append(path)
         found.add(locations)
+    error = disagreements.error(builder.first_source)
+    if error is not None:
+        raise error
     return builder.finish(usable, allow_empty=True), skipped, list(found.values)
 
 
@@ -175,11 +184,11 @@ def many_files(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     ("edits", "skip_bad", "named"),
     [
-        ({300: "dtype", 450: "unreadable"}, False, 300),
-        ({257: "unreadable", 400: "dtype"}, False, 257),
-        ({257: "unreadable", 400: "dtype"}, True, 400),
-        ({1: "keys", 599: "dtype"}, False, 1),
-        ({400: "dtype", 405: "unreadable"}, False, 400),  # one batch: the file before the unreadable one
+        ({300: "dtype", 450: "unreadable"}, False, [300, 450]),  # a file that disagrees, then the scan stops
+        ({257: "unreadable", 400: "dtype"}, False, [257]),
+        ({257: "unreadable", 400: "dtype"}, True, [400]),
+        ({1: "keys", 599: "dtype"}, False, [1, 599]),  # every file that disagrees, in one message
+        ({400: "dtype", 405: "unreadable"}, False, [400, 405]),  # one batch: the file before the unreadable one
     ],
 )
 def test_a_conversion_names_the_same_first_bad_file_with_any_number_of_workers(
@@ -202,7 +211,17 @@ def test_a_conversion_names_the_same_first_bad_file_with_any_number_of_workers(
         assert result.exit_code == 1 and not (tmp_path / "out").exists()
         outputs.add(result.output)
     (output,) = outputs
-    assert output.startswith(f"Error: {src / f's{named:05d}.npz'}")
+    disagreeing = [k for k in named if edits[k] != "unreadable"]
+    if len(disagreeing) > 1:
+        assert output.startswith(f"Error: {len(disagreeing)} files disagree with the first, {src / 's00000.npz'}: ")
+    else:
+        assert output.startswith(f"Error: {src / f's{named[0]:05d}.npz'}")
+    named_in_order = [int(k) for k in re.findall(r"s(\d{5})\.npz\[?\w*\]?: ", output)]
+    assert [k for k in named_in_order if k != 0] == named  # s00000.npz is the first, named as such
     assert len(output.splitlines()) == 1
-    if edits[named] != "unreadable":
+    if edits[named[0]] != "unreadable":
         assert f"in {src / 's00000.npz'}" in output or "differ from " + str(src / "s00000.npz") in output
+    if edits[named[-1]] == "unreadable":
+        assert output.endswith(f"{src / f's{named[-1]:05d}.npz'}: not a valid zip/npz file: truncated (it starts "
+                               "as a zip does, but its end, the zip's directory, is missing; 40 bytes)"
+                               f"{SKIP_BAD_HINT}\n")

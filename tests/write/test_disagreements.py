@@ -1,0 +1,131 @@
+"""Files that disagree: one run names every one of them, and the cast it suggests succeeds."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import SKIP_BAD_HINT, write_npz
+
+from npz2mmap.cli.commands import cli
+from npz2mmap.errors import MismatchError
+from npz2mmap.write.conversion import convert
+
+
+def convert_cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, ["convert", "-q", "--workers", "1", *args])
+    return result.exit_code, result.output
+
+
+def test_every_file_that_disagrees_is_named_in_one_run_with_a_cast_that_holds_them_all(tmp_path) -> None:
+    src = tmp_path / "src"
+    dtypes = ["float32", "float64", "float32", "int32", "float64", "float32", "float64"]
+    for k, dtype in enumerate(dtypes):
+        write_npz(src / f"{k}.npz", image=np.zeros(2, dtype))
+    with pytest.raises(MismatchError) as refused:
+        convert([src], tmp_path / "out", workers=1)
+    first = src / "0.npz"
+    assert str(refused.value) == (
+        f"4 files disagree with the first, {first}: "
+        f"{src / '1.npz'}[image]: dtype float64 differs from float32 in {first}; "
+        f"{src / '3.npz'}[image]: dtype int32 differs from float32 in {first}; "
+        f"{src / '4.npz'}[image]: dtype float64 differs from float32 in {first}; "
+        "and 1 more; use --cast image=float64 to store one dtype"
+    )
+    assert not (tmp_path / "out").exists()
+    code, output = convert_cli(str(src), "-o", str(tmp_path / "out"), "--cast", "image=float64")
+    assert (code, output) == (0, "")  # the cast suggested succeeds
+
+
+@pytest.mark.parametrize(
+    ("first", "other", "suggested"),
+    [("uint8", "float32", "float32"), ("float32", "uint8", "float32"), ("int64", "int8", "int64")],
+)
+def test_the_cast_suggested_is_one_every_file_allows(tmp_path, first, other, suggested) -> None:
+    write_npz(tmp_path / "src" / "a.npz", x=np.zeros(2, first))
+    write_npz(tmp_path / "src" / "b.npz", x=np.zeros(2, other))
+    code, output = convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"))
+    assert code == 1 and output.endswith(f"; use --cast x={suggested} to store one dtype\n")
+    assert convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--cast", f"x={suggested}")[0] == 0
+
+
+def test_a_cast_refused_suggests_one_that_succeeds(tmp_path) -> None:
+    write_npz(tmp_path / "src" / "a.npz", image=np.zeros(2, np.uint8))
+    write_npz(tmp_path / "src" / "b.npz", image=np.zeros(2, np.float32))
+    code, output = convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--cast", "image=uint8")
+    assert (code, output) == (
+        1,
+        f"Error: {tmp_path / 'src' / 'b.npz'}[image]: dtype float32 cannot be cast to uint8 without changing "
+        "kind; use --cast image=float32 to store one dtype\n",
+    )
+
+
+def test_where_no_cast_holds_both_the_message_says_what_else_to_do(tmp_path) -> None:
+    write_npz(tmp_path / "src" / "a.npz", x=np.zeros(2, np.uint8), y=np.int64(0))
+    write_npz(tmp_path / "src" / "b.npz", x=np.array(["ab"]), y=np.int64(1))
+    code, output = convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"))
+    assert (code, output) == (
+        1,
+        f"Error: {tmp_path / 'src' / 'b.npz'}[x]: dtype <U2 differs from uint8 in {tmp_path / 'src' / 'a.npz'}; "
+        "uint8 and <U2 share no dtype --cast could store them as (it keeps their kind): convert such files "
+        "apart, or leave x out with --keys\n",
+    )
+
+
+def test_a_truncated_zip_is_called_truncated_and_the_way_past_it_named(tmp_path) -> None:
+    good = write_npz(tmp_path / "src" / "a.npz", x=np.arange(3))
+    cut = tmp_path / "src" / "b.npz"
+    cut.write_bytes(good.read_bytes()[:100])
+    (tmp_path / "src" / "c.npz").write_bytes(b"plain text, no zip at all")
+    code, output = convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"))
+    assert (code, output) == (
+        1,
+        f"Error: {cut}: not a valid zip/npz file: truncated (it starts as a zip does, but its end, the zip's "
+        f"directory, is missing; 100 bytes){SKIP_BAD_HINT}\n",
+    )
+    cut.unlink()
+    code, output = convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"))
+    assert output == f"Error: {tmp_path / 'src' / 'c.npz'}: not a valid zip/npz file (File is not a zip file){SKIP_BAD_HINT}\n"
+
+
+def test_files_that_disagree_then_a_bad_file_are_all_named(tmp_path) -> None:
+    src = tmp_path / "src"
+    write_npz(src / "0.npz", x=np.zeros(2, np.float32))
+    write_npz(src / "1.npz", x=np.zeros(2, np.float64))
+    (src / "2.npz").write_bytes(b"")
+    code, output = convert_cli(str(src), "-o", str(tmp_path / "out"))
+    assert (code, output) == (
+        1,
+        f"Error: {src / '1.npz'}[x]: dtype float64 differs from float32 in {src / '0.npz'}; use --cast "
+        f"x=float64 to store one dtype; then the scan stopped at {src / '2.npz'}: not a valid zip/npz file "
+        f"(File is not a zip file){SKIP_BAD_HINT}\n",
+    )
+
+
+def test_messages_name_the_inputs_files_as_the_user_typed_them(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    write_npz(tmp_path / "data" / "train" / "0.npz", x=np.zeros(2, np.float32))
+    write_npz(tmp_path / "data" / "train" / "1.npz", x=np.zeros(2, np.float64))
+    os.mkdir("elsewhere")
+    for typed in ["data/train", "data/train/", "./data/train", "data/../data/train", str(tmp_path / "data/train")]:
+        code, output = convert_cli(typed, "-o", "out")
+        shown = typed.rstrip("/")
+        assert (code, output) == (
+            1,
+            f"Error: {shown}/1.npz[x]: dtype float64 differs from float32 in {shown}/0.npz; "
+            "use --cast x=float64 to store one dtype\n",
+        ), typed
+    monkeypatch.chdir("elsewhere")
+    code, output = convert_cli("../data/train/0.npz", "../data/train/1.npz", "-o", "out")
+    assert output == (
+        "Error: ../data/train/1.npz[x]: dtype float64 differs from float32 in ../data/train/0.npz; "
+        "use --cast x=float64 to store one dtype\n"
+    )
+    (tmp_path / "data" / "train" / "1.npz").write_bytes(b"")
+    code, output = convert_cli("../data", "-o", "out", "--skip-bad")
+    assert output.startswith(
+        "Warning: skipped 1 bad file, listed in out/skipped.jsonl; the first: ../data/train/1.npz: not a valid"
+    )
+    assert str(tmp_path) in (tmp_path / "elsewhere" / "out" / "skipped.jsonl").read_text()  # the file: absolute
