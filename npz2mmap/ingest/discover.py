@@ -186,7 +186,8 @@ def _walk(top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> l
         if entries is None:
             continue
         _refuse_dataset(directory.path, entries)
-        if sample_dirs and holds_npy_files(entries):
+        is_sample = sample_dirs and holds_npy_files(entries)
+        if is_sample:
             found.append((directory.absolute, directory.real))
         for entry in entries:
             if is_hidden(entry.name):
@@ -194,6 +195,8 @@ def _walk(top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> l
             if _is(entry.is_dir):
                 inner = _Directory(entry.path, *resolve.entry(directory, entry))
                 heapq.heappush(pending, (inner.absolute, inner))
+            elif is_sample:  # its other files, .npz ones too, are not sources: the directory is
+                continue
             elif entry.name.lower().endswith(NPZ_SUFFIX) or (is_npy_path(entry.name) and not sample_dirs):
                 if not skip_bad and not _is(entry.is_file):
                     raise SourceError(f"{entry.path}: {fsutil.describe_kind(entry.path)}, not a regular file")

@@ -146,6 +146,26 @@ def test_hidden_files_in_sample_dirs_are_not_fields(tmp_path, options) -> None:
     assert verify(str(out), sources=True).ok
 
 
+@pytest.mark.parametrize("options", [[], ["--skip-bad"]])
+def test_other_files_in_a_sample_dir_npz_ones_too_are_not_samples(tmp_path, options) -> None:
+    """The docs: a sample directory's files other than NAME.npy are ignored; a backup.npz beside x.npy
+    was once converted as a sample of its own, between its directory and the next."""
+    arrays = [np.arange(3) + 10 * i for i in range(3)]
+    for i, array in enumerate(arrays):
+        save_npy(tmp_path / "src" / f"s{i}" / "x.npy", array)
+        write_npz(tmp_path / "src" / f"s{i}" / "backup.npz", x=array + 100)
+        write_npz(tmp_path / "src" / f"s{i}" / "OLD.NPZ", x=array + 200)
+        (tmp_path / "src" / f"s{i}" / "notes.txt").write_text("not a field")
+    write_npz(tmp_path / "src" / "loose" / "a.npz", x=np.arange(3) + 30)  # no .npy beside it: an NPZ sample
+    out = tmp_path / "out"
+    code, output = convert_cli(str(tmp_path / "src"), "--sample-dirs", *options, "-o", str(out))
+    assert (code, output) == (0, "")
+    assert stored(out) == [(np.arange(3) + 30).tobytes()] + [a.tobytes() for a in arrays]  # sorted by path
+    assert read_sources(out) == [str(tmp_path / "src" / "loose" / "a.npz")] + [
+        str(tmp_path / "src" / f"s{i}") for i in range(3)
+    ]
+
+
 def test_a_hidden_bare_npy_in_a_sample_dir_no_longer_stops_the_conversion(tmp_path) -> None:
     """A file named ``.npy`` would be a field with an empty name."""
     save_npy(tmp_path / "src" / "s0" / "x.npy", np.arange(3.0))
