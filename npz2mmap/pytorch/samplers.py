@@ -31,16 +31,38 @@ class _Resumable:
         self.epoch = 0
         self._yielded = 0
         self._resume_at = 0
+        self._epoch_given = True  # the next pass takes self.epoch (else the one after it)
 
     def __len__(self) -> int:
         raise NotImplementedError
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch's order; a different epoch drops a pending resume (and has yielded nothing)."""
+        """Choose the next pass's epoch; a different epoch drops a pending resume (and has yielded nothing).
+
+        Without it, each pass takes the epoch after the last one's, a new order
+        every time as torch's RandomSampler gives; with it, the epoch given
+        (DistributedSampler's convention, which a training loop may follow).
+        """
         epoch = check_count("epoch", epoch, 0)
         if epoch != self.epoch:
             self._resume_at = self._yielded = 0
         self.epoch = epoch
+        self._epoch_given = True
+
+    def _begin_pass(self) -> int:
+        """The epoch of the pass beginning now: the one given (``set_epoch``, a loaded state, the
+        first), else the one after the last pass's."""
+        if not self._epoch_given:
+            self.epoch += 1
+            self._resume_at = self._yielded = 0
+        self._epoch_given = False
+        return self.epoch
+
+    def next_pass_state(self) -> dict[str, int]:
+        """The state the next pass will begin from, for a loader's state taken between passes."""
+        if self._epoch_given:
+            return {**self.state_dict(), "yielded": self._resume_at}
+        return {**self.state_dict(), "epoch": self.epoch + 1, "yielded": 0}
 
     def state_dict(self) -> dict[str, int]:
         """Where the current pass stands: its epoch, seed and items yielded so far, with the
@@ -90,6 +112,7 @@ class _Resumable:
             raise ValueError(f"sampler state: yielded {yielded} is outside 0..{len(self)}")
         self.epoch = epoch
         self._yielded = self._resume_at = yielded
+        self._epoch_given = True
 
     def _counted(self, items: Iterable[T]) -> Iterator[T]:
         """Skip a pending resume's items now; count the rest as they are yielded."""
@@ -191,10 +214,11 @@ class BlockShuffleSampler(_Resumable, Sampler[int]):
         return n // replicas if self.drop_last else -(-n // replicas)
 
     def __iter__(self) -> Iterator[int]:
-        return self._counted(self._order())
+        epoch = self._begin_pass()
+        return self._counted(self._order(epoch))
 
-    def _order(self) -> Iterator[int]:
-        rng = np.random.default_rng((self.seed, self.epoch))
+    def _order(self, epoch: int) -> Iterator[int]:
+        rng = np.random.default_rng((self.seed, epoch))
         windows = self.windows(rng)
         for k, window in enumerate(windows):
             if k == 0:
@@ -318,7 +342,7 @@ class ShuffleSampler(_Resumable, Sampler[int]):
         return n // replicas if self.drop_last else -(-n // replicas)
 
     def __iter__(self) -> Iterator[int]:
-        rng = np.random.default_rng((self.seed, self.epoch))
+        rng = np.random.default_rng((self.seed, self._begin_pass()))
         shuffled = rng.permutation(self.num_samples)
         order = np.resize(shuffled, len(self) * self.num_replicas)[self.rank :: self.num_replicas]
         return self._counted(self._reading_ahead(order, self._resume_at))
@@ -410,15 +434,16 @@ class LengthGroupedSampler(_Resumable, Sampler[list[int]]):
         }
 
     def __iter__(self) -> Iterator[list[int]]:
-        return self._counted(self._batches())
+        epoch = self._begin_pass()
+        return self._counted(self._batches(epoch))
 
     def _share_size(self) -> int:
         """How many samples each rank gets per epoch."""
         n = len(self.lengths)
         return n // self.num_replicas if self.drop_last else -(-n // self.num_replicas)
 
-    def _batches(self) -> Iterator[list[int]]:
-        rng = np.random.default_rng((self.seed, self.epoch))
+    def _batches(self, epoch: int) -> Iterator[list[int]]:
+        rng = np.random.default_rng((self.seed, epoch))
         shuffled = rng.permutation(len(self.lengths))
         # Every rank draws the same permutation, so the shares are disjoint.
         order = np.resize(shuffled, self._share_size() * self.num_replicas)[self.rank :: self.num_replicas]

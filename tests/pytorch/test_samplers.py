@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -270,3 +271,52 @@ def test_a_first_version_block_sampler_state_resumes_only_its_own_settings() -> 
     assert list(default) == list(BlockShuffleSampler(NUM_SAMPLES, 5, seed=3))[10:]
     with pytest.raises(ValueError, match="^sampler state has interleave 1, this sampler has 8"):
         BlockShuffleSampler(NUM_SAMPLES, 5, seed=3, interleave=8).load_state_dict(old)
+
+
+def epochs_through(loader: Any, num_epochs: int, set_epoch: Callable[[int], None] | None = None) -> list[list]:
+    passes = []
+    for epoch in range(num_epochs):
+        if set_epoch is not None:
+            set_epoch(epoch)
+        passes.append([item for batch in loader for item in batch])
+    return passes
+
+
+@pytest.mark.parametrize("make_sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+def test_each_epoch_is_a_new_order_without_set_epoch_as_with_shuffle_true(make_sampler) -> None:
+    """DataLoader(shuffle=True) draws a new order every pass; these samplers did so only when told the
+    epoch, so a loop following the docs, with no set_epoch, trained on one order every epoch."""
+    sampler = make_sampler()
+    passes = epochs_through(loader_over(sampler), 4)
+    assert len({tuple(p) for p in passes}) == 4  # four orders
+    if sampler.num_replicas == 1:
+        assert all(sorted(p) == sorted(passes[0]) for p in passes)  # of the same samples
+    told = make_sampler()  # set_epoch(e) before each epoch (DistributedSampler's convention): epoch e
+    assert epochs_through(loader_over(told), 4, told.set_epoch) == passes
+    again = make_sampler()  # the same epoch, given again, is the same order
+    assert epochs_through(loader_over(again), 2, lambda _: again.set_epoch(2)) == [passes[2]] * 2
+
+
+@pytest.mark.parametrize("make_sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+def test_mmap_loader_over_a_sampler_draws_a_new_order_each_pass_and_resumes_the_next_one(
+    make_sampler, tmp_path
+) -> None:
+    from npz2mmap import MmapDataset, MmapLoader, Writer
+
+    with Writer(tmp_path / "ds") as writer:
+        for i in range(NUM_SAMPLES):
+            writer.append({"i": np.int64(i)})
+    ds = MmapDataset(tmp_path / "ds")
+    sampler = make_sampler()
+    batching = {"batch_sampler": sampler} if isinstance(sampler, LengthGroupedSampler) else {"sampler": sampler}
+    loader = MmapLoader(ds, 4, **batching, prefetch=0)
+    expected = epochs_through(loader_over(make_sampler()), 3)
+    got = []
+    for _ in range(2):
+        got.append([int(i) for batch in loader for i in batch["i"]])
+    state = loader.state_dict()  # between passes: the third epoch, from its start
+    twin = make_sampler()
+    resumed = MmapLoader(ds, loader.batch_size, **{key: twin for key in batching}, prefetch=0)
+    resumed.load_state_dict(state)
+    got.append([int(i) for batch in resumed for i in batch["i"]])
+    assert got == expected

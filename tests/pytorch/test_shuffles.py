@@ -184,6 +184,7 @@ def test_batches_through_the_read_ahead_samplers_are_the_sources(
     else:
         sampler = ShuffleSampler(ds, seed=1, read_ahead=40)
     order = list(sampler)
+    sampler.set_epoch(0)  # the same epoch again (without it, the next pass is the next epoch)
     context = {"multiprocessing_context": "fork"} if num_workers else {}
     loader = DataLoader(ds, batch_size=8, sampler=sampler, num_workers=num_workers, **context)
     labels, got = [], []
@@ -277,6 +278,7 @@ def test_an_auto_window_resumes_with_the_interleave_it_was_saved_with(
     limited_to(monkeypatch, int(saved_with * block_limit))
     saved = BlockShuffleSampler(len(ds), 16, seed=4, interleave="auto", dataset=ds)
     order = list(saved)
+    saved.set_epoch(0)  # the same epoch again
     saved_iter = iter(saved)
     for _ in range(37):
         next(saved_iter)
