@@ -147,10 +147,21 @@ _PICKLED_BY_TORCH = frozenset(
 )
 
 
+# What torch's own pickling for processes says of it too ("Cowardly refusing to serialize non-leaf
+# tensor which requires_grad"): plain pickling would send a leaf cut off from its graph, silently.
+_IN_A_GRAPH = (
+    "a tensor in the batch is part of an autograd graph (made by {}, it requires grad), which cannot "
+    "cross from a worker process: its gradients would never reach the tensors it was computed from; "
+    "detach() it in the collate_fn or transform, or compute it in the training loop"
+)
+
+
 class TensorPickler(pickle.Pickler):
     """Pickle, with the plain tensors of dtypes torch cannot pickle sent as their bytes."""
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
+            raise RuntimeError(_IN_A_GRAPH.format(type(obj.grad_fn).__name__))
         if _pickled_as_bytes(obj):
             bits = (obj.is_conj(), obj.is_neg(), obj.requires_grad)
             plain = obj.detach()

@@ -1704,3 +1704,41 @@ def test_tensors_of_a_dtype_torch_cannot_pickle_arrive_exact_with_their_bits(
             collate_fn([ds[i] for i in range(s, min(s + 5, len(ds)))]) for s in range(0, len(ds), 5)
         ]
     assert got == [{key: stored(leaf) for key, leaf in want.items()} for want in expected]
+
+
+WEIGHT = torch.full((1,), 2.0, requires_grad=True)
+
+
+def scaled_by_the_weight(batch: Any, detached: bool = False) -> dict[str, Any]:
+    """A collate_fn computing with a tensor that requires grad: its output is part of a graph."""
+    out = dict(npz2mmap.collate(batch))
+    out["scaled"] = out["input"].mean(dim=(1, 2, 3)) * WEIGHT
+    if detached:
+        out["scaled"] = out["scaled"].detach()
+    return out
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_tensor_of_an_autograd_graph_from_a_worker_is_refused_as_torch_refuses_it(
+    dataset_dir, num_workers
+) -> None:
+    """It came back a leaf cut off from its graph, silently: backward() then never reached the weight."""
+    ds = MmapDataset(dataset_dir / "dataset")
+    with MmapLoader(ds, 4, collate_fn=scaled_by_the_weight, prefetch=0) as loader:  # in process: the graph
+        scaled = next(iter(loader))["scaled"]
+        scaled.sum().backward()
+        assert WEIGHT.grad is not None and scaled.grad_fn is not None
+    with MmapLoader(ds, 4, collate_fn=scaled_by_the_weight, num_workers=num_workers) as loader:
+        with pytest.raises(WorkerError) as refused:
+            next(iter(loader))
+    assert str(refused.value).startswith(
+        "MmapLoader worker 0 failed on batch 0 (samples 0, 1, 2, 3): RuntimeError: a tensor in the batch is "
+        "part of an autograd graph (made by MulBackward0, it requires grad), which cannot cross from a worker "
+        "process: its gradients would never reach the tensors it was computed from; detach() it in the "
+        "collate_fn or transform, or compute it in the training loop"
+    )
+    detached = functools.partial(scaled_by_the_weight, detached=True)
+    with MmapLoader(ds, 4, collate_fn=detached, num_workers=num_workers) as loader:
+        got = next(iter(loader))["scaled"]
+    assert got.grad_fn is None and not got.requires_grad
+    torch.testing.assert_close(got, scaled.detach())
