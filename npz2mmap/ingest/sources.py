@@ -152,6 +152,8 @@ def scan_source(
     """The headers of ``keys`` (all if None) of one source and where each member lies."""
     with open_source(path, limit=limit) as source:
         available = source.keys()
+        if not available:  # a bad file (np.savez of nothing), left out by --skip-bad, not a disagreement
+            raise SourceError(f"{path}: holds no arrays")
         headers = {}
         for key in available if keys is None else keys:
             if key not in available:  # a disagreement on keys, which --skip-bad does not leave out

@@ -129,3 +129,19 @@ def test_messages_name_the_inputs_files_as_the_user_typed_them(tmp_path, monkeyp
         "Warning: skipped 1 bad file, listed in out/skipped.jsonl; the first: ../data/train/1.npz: not a valid"
     )
     assert str(tmp_path) in (tmp_path / "elsewhere" / "out" / "skipped.jsonl").read_text()  # the file: absolute
+
+
+@pytest.mark.parametrize("empty_name", ["0.npz", "b.npz"])  # first, or among the others
+def test_an_npz_holding_no_arrays_is_a_bad_file_wherever_it_sorts(tmp_path, empty_name) -> None:
+    """It was "keys differ ... select common keys with --keys", which then failed again, and --skip-bad
+    never left it out, though the docs list such files among the bad ones."""
+    src = tmp_path / "src"
+    for name in ["a.npz", "c.npz"]:
+        write_npz(src / name, x=np.arange(3))
+    np.savez(src / empty_name)
+    for options in [[], ["--keys", "x"]]:
+        code, output = convert_cli(str(src), "-o", str(tmp_path / "out"), *options)
+        assert (code, output) == (1, f"Error: {src / empty_name}: holds no arrays{SKIP_BAD_HINT}\n")
+    result = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "out"), "--skip-bad", "-q"])
+    assert result.exit_code == 0 and result.output.startswith("Warning: skipped 1 bad file")
+    assert (tmp_path / "out" / "skipped.jsonl").read_text().count(f"{empty_name}: holds no arrays") == 1
