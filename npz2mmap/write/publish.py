@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 from .. import fsutil, locks
 from ..errors import FormatError, OutputError
-from ..format.index import DATASET_FILES, INDEX_NAME, load_index
+from ..format.index import BLOB_NAME, DATASET_FILES, INDEX_NAME, load_index
 from ..format.manifest import MANIFEST_NAME, read_manifest
 from ..parallel import interrupts_blocked
 from ..text import human_bytes
@@ -36,25 +36,42 @@ def check_output(out_dir: str, overwrite: bool) -> None:
     """
     if os.path.islink(out_dir):
         raise OutputError(f"{out_dir}: {_link_problem(out_dir)}")
+    refuse_inside_a_dataset(out_dir)
     if not os.path.lexists(out_dir):
         check_parent(out_dir)
         return
-    if not overwrite:
-        raise OutputError(f"{out_dir}: already exists; pass --overwrite to replace it")
     try:
         reason = _why_not_ours(out_dir)
     except OSError as exc:
         if not fsutil.is_io_error(exc):
             raise
         reason = f"cannot look inside: {exc.strerror or exc}"
-    if reason is not None:
+    if reason is not None:  # said at once: --overwrite would refuse it too
         raise OutputError(
-            f"{out_dir}: exists and is not an npz2mmap dataset ({reason}); refusing to replace it"
+            f"{out_dir}: exists and is not an npz2mmap dataset ({reason}); choose another OUT "
+            "(--overwrite replaces only a dataset or an empty directory)"
         )
+    if not overwrite:
+        raise OutputError(f"{out_dir}: already exists; pass --overwrite to replace it")
+
+
+def refuse_inside_a_dataset(out_dir: str) -> None:
+    """OutputError if OUT lies inside a dataset's directory: one more entry there makes that
+    dataset one that verify and --overwrite refuse (a dataset holds its four files only)."""
+    below = fsutil.absolute_path(out_dir)
+    directory = os.path.dirname(below)
+    while directory != below:
+        if all(os.path.isfile(os.path.join(directory, name)) for name in (INDEX_NAME, BLOB_NAME)):
+            raise OutputError(
+                f"{out_dir}: inside the npz2mmap dataset {directory}, which must hold its own files "
+                "only; choose an OUT outside it"
+            )
+        below, directory = directory, os.path.dirname(directory)
 
 
 def check_creatable_dir(out_dir: str) -> None:
     """OutputError unless OUT is a directory or can be made one (merge writes its manifest inside OUT)."""
+    refuse_inside_a_dataset(out_dir)
     if os.path.isdir(out_dir):
         return
     if os.path.islink(out_dir):

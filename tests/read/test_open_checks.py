@@ -184,7 +184,8 @@ def test_replacing_a_dataset_or_manifest_whose_index_is_a_pipe_is_refused_withou
     convert_result, merge_result = run_bounded(CLI_DRIVER, jobs)
     assert convert_result["exit_code"] == 1 and convert_result["output"] == (
         f"Error: {tree / 'ds'}: exists and is not an npz2mmap dataset "
-        f"({tree / 'ds' / 'index.json'}: a pipe (FIFO), not a regular file); refusing to replace it\n"
+        f"({tree / 'ds' / 'index.json'}: a pipe (FIFO), not a regular file); choose another OUT "
+        "(--overwrite replaces only a dataset or an empty directory)\n"
     )
     manifest = tree / "m" / "manifest.json"
     assert merge_result["exit_code"] == 1 and merge_result["output"] == (

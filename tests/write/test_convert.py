@@ -256,7 +256,7 @@ def test_overwrite_replaces_a_dataset_but_never_other_directories(tmp_path, smal
     (precious / "thesis.tex").write_text("do not delete")
     with pytest.raises(
         OutputError,
-        match=r"exists and is not an npz2mmap dataset \(it holds neither index\.json nor manifest\.json\); refusing to replace it",
+        match=r"exists and is not an npz2mmap dataset \(it holds neither index\.json nor manifest\.json\); choose another OUT \(--overwrite replaces only a dataset or an empty directory\)",
     ):
         convert([tmp_path / "new"], precious, overwrite=True)
     assert (precious / "thesis.tex").read_text() == "do not delete"

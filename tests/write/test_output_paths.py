@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import write_samples
+from conftest import write_npz, write_samples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -280,3 +280,43 @@ def test_any_out_path_converts_or_names_the_entry_in_its_way(
     else:
         assert f"{out}: is a " in result.output and "symbolic link" in result.output
     assert listing(root) == before
+
+
+def test_an_out_inside_a_dataset_is_refused_by_convert_merge_and_the_writer(tmp_path, monkeypatch) -> None:
+    """It was written there, exit 0: the dataset then held a fifth entry, and verify and --overwrite
+    refused it as no dataset."""
+    monkeypatch.chdir(tmp_path)
+    write_npz(tmp_path / "src" / "a.npz", x=np.arange(3))
+    npz2mmap.convert([tmp_path / "src"], "A", workers=1)
+    npz2mmap.convert([tmp_path / "src"], "B", workers=1)
+    before = sorted(os.listdir("A"))
+    refusal = (
+        "{out}: inside the npz2mmap dataset {dataset}, which must hold its own files only; "
+        "choose an OUT outside it"
+    )
+    for out in ["A/nested", "A/deeper/still"]:
+        expected = "Error: " + refusal.format(out=out, dataset=tmp_path / "A") + "\n"
+        result = CliRunner().invoke(cli, ["convert", "-q", str(tmp_path / "src"), "-o", out])
+        assert (result.exit_code, result.output) == (1, expected)
+        result = CliRunner().invoke(cli, ["merge", "-q", "B", "-o", out])
+        assert (result.exit_code, result.output) == (1, expected)
+        with pytest.raises(OutputError) as refused:
+            npz2mmap.Writer(out)
+        assert str(refused.value) == refusal.format(out=out, dataset=tmp_path / "A")
+    assert sorted(os.listdir("A")) == before
+
+
+def test_an_existing_folder_that_is_no_dataset_is_refused_at_once_without_a_hint_of_overwrite(tmp_path) -> None:
+    """It said "pass --overwrite", and --overwrite then refused it: two runs to learn it is not a dataset."""
+    write_npz(tmp_path / "src" / "a.npz", x=np.arange(3))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my own")
+    for options in [[], ["--overwrite"]]:
+        result = CliRunner().invoke(cli, ["convert", "-q", str(tmp_path / "src"), "-o", str(mine), *options])
+        assert (result.exit_code, result.output) == (
+            1,
+            f"Error: {mine}: exists and is not an npz2mmap dataset (it holds neither index.json nor "
+            "manifest.json); choose another OUT (--overwrite replaces only a dataset or an empty directory)\n",
+        )
+    assert os.listdir(mine) == ["notes.txt"]

@@ -91,7 +91,7 @@ def test_overwrite_refuses_a_directory_that_is_not_ours(tmp_path, tiny_sources, 
     lines = result.output.splitlines()
     assert len(lines) == 1, result.output
     assert lines[0].startswith(f"Error: {out}: exists and is not an npz2mmap dataset (")
-    assert lines[0].endswith("); refusing to replace it")
+    assert lines[0].endswith("); choose another OUT (--overwrite replaces only a dataset or an empty directory)")
     assert re.search(reason, lines[0]), lines[0]
     assert tree_digest(out) == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
