@@ -145,3 +145,20 @@ def test_an_npz_holding_no_arrays_is_a_bad_file_wherever_it_sorts(tmp_path, empt
     result = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "out"), "--skip-bad", "-q"])
     assert result.exit_code == 0 and result.output.startswith("Warning: skipped 1 bad file")
     assert (tmp_path / "out" / "skipped.jsonl").read_text().count(f"{empty_name}: holds no arrays") == 1
+
+
+def test_a_cast_of_real_values_to_complex_warns_of_nothing(tmp_path) -> None:
+    """numpy's ComplexWarning of the check that the cast loses nothing reached the user's stderr."""
+    import warnings
+
+    from npz2mmap.check.verify import verify
+    from npz2mmap.read.reader import DatasetReader
+
+    write_npz(tmp_path / "src" / "a.npz", x=np.array([1.5, -2.0], np.float32))
+    write_npz(tmp_path / "src" / "b.npz", x=np.array([3.0, 0.25], np.float64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert([tmp_path / "src"], tmp_path / "out", workers=1, casts={"x": "complex64"})
+        assert verify(tmp_path / "out", sources=True).ok
+    reader = DatasetReader(tmp_path / "out")
+    assert [reader.view("x", i).tolist() for i in range(2)] == [[1.5 + 0j, -2 + 0j], [3 + 0j, 0.25 + 0j]]
