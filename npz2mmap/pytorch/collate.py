@@ -67,6 +67,8 @@ def _collate_transformed_samples(batch: Sequence[MarkedSample], *, collate_fn_ma
             continue
         if name in ragged:
             _check_stackable(name, values)
+        else:
+            _refuse_a_field_of_new_shapes(name, values)
         stacked = collate_numpy_torch_lacks(values)  # strings, records: numpy, as without a transform
         out[name] = stacked if stacked is not None else torch_collate(values, collate_fn_map=collate_fn_map)
     return out
@@ -216,12 +218,28 @@ def _collate_listing_ragged(samples: SampleList) -> Any:
     if not samples or not isinstance(samples[0], dict):
         return _collate_values(list(samples))
     check_same_keys(samples)
-    return {
-        name: [as_tensor_if_array(sample[name]) for sample in samples]
-        if name in samples.ragged
-        else _collate_values([sample[name] for sample in samples])
-        for name in samples[0]
-    }
+    out = {}
+    for name in samples[0]:
+        values = [sample[name] for sample in samples]
+        if name in samples.ragged:
+            out[name] = [as_tensor_if_array(value) for value in values]
+            continue
+        _refuse_a_field_of_new_shapes(name, values)
+        out[name] = _collate_values(values)
+    return out
+
+
+def _refuse_a_field_of_new_shapes(name: str, values: Sequence[Any]) -> None:
+    """ValueError naming a key, not one of the dataset's ragged fields, whose values differ in
+    shape (a ragged field the transform renamed, or made): torch's own error names no key."""
+    shapes = sorted({tuple(v.shape) for v in values if isinstance(v, (np.ndarray, torch.Tensor))})
+    if len(shapes) > 1:
+        raise ValueError(
+            f"{name!r} has samples of shapes {shapes[0]} and {shapes[-1]} in one batch, and is no ragged "
+            f"field of the dataset (a transform renamed or reshaped one?): pass "
+            f"collate_fn=npz2mmap.PaddedCollate(ragged=[{name!r}]) to pad it, or have the transform keep "
+            "one shape, or a ragged field's own name"
+        )
 
 
 def check_same_keys(samples: Sequence[Any]) -> None:

@@ -457,3 +457,28 @@ def test_a_list_of_a_batch_sorted_collates_as_the_batch_would_in_that_order(ragg
             assert [t.tolist() for t in got[key]] == [t.tolist() for t in want[key]]
         else:
             assert got[key].tolist() == want[key].tolist()
+
+
+def renamed(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"ids": sample["tok"], "idx": sample["idx"]}
+
+
+@pytest.mark.parametrize("loader", ["DataLoader", "DataLoader+collate", "MmapLoader", "MmapLoader+collate"])
+def test_a_ragged_field_a_transform_renamed_is_named_with_the_way_out(ragged_dataset, loader) -> None:
+    """torch's own error said only "stack expects each tensor to be equal size", naming no key."""
+    from torch.utils.data import DataLoader
+
+    from npz2mmap import MmapLoader
+
+    ds = MmapDataset(ragged_dataset, transform=renamed)
+    collate_fn = {"collate_fn": npz2mmap.collate} if loader.endswith("+collate") else {}
+    make = DataLoader if loader.startswith("DataLoader") else MmapLoader
+    with pytest.raises(ValueError) as refused:
+        next(iter(make(ds, 4, **collate_fn)))
+    assert str(refused.value) == (
+        "'ids' has samples of shapes (2,) and (6,) in one batch, and is no ragged field of the dataset "
+        "(a transform renamed or reshaped one?): pass collate_fn=npz2mmap.PaddedCollate(ragged=['ids']) to "
+        "pad it, or have the transform keep one shape, or a ragged field's own name"
+    )
+    batch = next(iter(make(ds, 4, collate_fn=PaddedCollate(ragged=["ids"]))))  # the way out works
+    assert batch["ids"].shape == (4, 6) and batch["ids_lengths"].tolist() == [2, 2, 5, 6]
