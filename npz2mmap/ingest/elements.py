@@ -330,6 +330,8 @@ def _describe_lost(values: np.ndarray, converted: np.ndarray, k: int, index: tup
 
 
 def _show(value: np.generic) -> str:
-    text = repr(value.item()) if value.dtype.kind in "SUfc" else str(value)
+    """A value as its exact Python value (a float32's, a record's fields' too), so a value and
+    its cast, which numpy prints alike, (0.1,) and (0.1,), read as they differ."""
+    text = repr(value.item()) if value.dtype.kind in "SUfcV" else str(value)
     text = text.replace("\n", "\\n")
     return text if len(text) <= MAX_VALUE_CHARS else text[: MAX_VALUE_CHARS - 3] + "..."

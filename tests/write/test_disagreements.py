@@ -162,3 +162,16 @@ def test_a_cast_of_real_values_to_complex_warns_of_nothing(tmp_path) -> None:
         assert verify(tmp_path / "out", sources=True).ok
     reader = DatasetReader(tmp_path / "out")
     assert [reader.view("x", i).tolist() for i in range(2)] == [[1.5 + 0j, -2 + 0j], [3 + 0j, 0.25 + 0j]]
+
+
+def test_a_record_value_a_cast_would_change_is_shown_apart_from_what_it_would_become(tmp_path) -> None:
+    """numpy prints a float32 record field as it prints the float64 one: "(0.1,) ... stored as (0.1,)"."""
+    write_npz(tmp_path / "src" / "0.npz", x=np.array([(0,)], [("a", "<f4")]))
+    write_npz(tmp_path / "src" / "1.npz", x=np.array([(0.1,)], [("a", "<f8")]))
+    with pytest.raises(MismatchError) as refused:
+        convert([tmp_path / "src"], tmp_path / "out", casts={"x": [("a", "<f4")]}, workers=1)
+    assert str(refused.value) == (
+        f"{tmp_path / 'src' / '1.npz'}[x]: value (0.1,) at index (0,) does not survive the cast to "
+        "[('a', '<f4')]: it would be stored as (0.10000000149011612,) (--cast keeps only values that "
+        "[('a', '<f4')] represents exactly)"
+    )
