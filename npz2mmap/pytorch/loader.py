@@ -33,7 +33,7 @@ from .padding import PaddedCollate
 from .resume import Position, samplers_of
 from .ring import RingWorkers
 from .slots import default_slot_nbytes
-from .workers import resolve_context
+from .workers import resolve_context, seed_base
 
 _END = object()
 
@@ -47,7 +47,10 @@ class MmapLoader:
     """Iterate an MmapDataset in batches of torch tensors, without or with worker processes.
 
     ``shuffle`` draws a new order each epoch from ``seed`` and the epoch
-    (``set_epoch`` fixes it, as with DistributedSampler); ``sampler`` (any
+    (``set_epoch`` fixes it, as with DistributedSampler); without ``seed``,
+    one is drawn from torch's default generator, as DataLoader draws its own
+    (``torch.manual_seed`` before makes the order repeat), and
+    ``load_state_dict`` takes the state's; ``sampler`` (any
     iterable of indices, e.g. a DistributedSampler or BlockShuffleSampler)
     replaces both, and ``batch_sampler`` (e.g. LengthGroupedSampler) replaces
     the batching too (``batch_size`` is then unused; ``shuffle``, ``sampler`` or
@@ -90,7 +93,7 @@ class MmapLoader:
         drop_last: bool = False,
         prefetch: int = 2,
         pin_memory: bool = False,
-        seed: int = 0,
+        seed: int | None = None,
         num_workers: int = 0,
         batch_transform: Callable[[Any], Any] | None = None,
         multiprocessing_context: BaseContext | str | None = None,
@@ -98,6 +101,13 @@ class MmapLoader:
         timeout: float = 0,
         read_ahead: int = 4,
     ) -> None:
+        if not isinstance(dataset, MmapDataset):
+            raise TypeError(
+                f"MmapLoader reads an MmapDataset, not a {type(dataset).__name__}: wrap your data in "
+                "torch's DataLoader instead, or open the converted dataset with MmapDataset(path)"
+            )
+        self.seed_given = seed is not None
+        seed = seed_base() if seed is None else seed  # as DataLoader's: torch.manual_seed decides it
         for name, value in (
             ("batch_size", batch_size),
             ("read_ahead", read_ahead),
@@ -310,7 +320,8 @@ class MmapLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from a state_dict: the next pass skips the batches already yielded, loading none.
 
-        Raises ValueError for a state this loader did not write, another seed, batch
+        Raises ValueError for a state this loader did not write, another seed than
+        one given to this loader (a loader given none takes the state's), batch
         size, dataset length, shuffle or drop_last (its batches would be other samples),
         and mid-pass over torch's RandomSampler, whose order cannot be drawn again;
         RuntimeError while a pass is running.

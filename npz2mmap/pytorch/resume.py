@@ -118,7 +118,7 @@ class Position:
                 f"loader state has {', '.join(map(repr, unknown))}, which this loader does not write "
                 "(a state of another loader, or of other samplers); resume with the loader it was saved from"
             )
-        if seed != loader.seed:
+        if seed != loader.seed and loader.seed_given:
             raise ValueError(f"loader state has seed {seed}, this loader has seed {loader.seed}")
         if epoch < 0:
             raise ValueError(f"loader state: epoch {epoch} is negative")
@@ -129,6 +129,7 @@ class Position:
         _check_same_settings(loader, state)
         _check_within_the_pass(loader, batches_yielded)
         loader.epoch = epoch
+        loader.seed = seed  # a loader given no seed drew one: the state's is the order's
         for key, sampler in samplers_of(loader):
             if key in state and hasattr(sampler, "load_state_dict"):
                 sampler.load_state_dict(state[key])  # its own epoch and position

@@ -178,12 +178,12 @@ def check_against_sources(
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "shuffle": {"shuffle": True, "seed": 5},
-    "drop_last": {"shuffle": True, "drop_last": True},
-    "transform": {"shuffle": True, "dataset": {"transform": flip_and_scale}},
+    "drop_last": {"shuffle": True, "drop_last": True, "seed": 0},
+    "transform": {"shuffle": True, "dataset": {"transform": flip_and_scale}, "seed": 0},
     "other_values": {"dataset": {"transform": with_other_values}, "batch_size": 4},
     "batch_transform": {"batch_transform": add_one_to_inputs, "dataset": {"fields": ["input", "label"]}},
     "collate_fn": {"collate_fn": labels_and_inputs},
-    "padded": {"collate_fn": PaddedCollate(mask=True), "shuffle": True},
+    "padded": {"collate_fn": PaddedCollate(mask=True), "shuffle": True, "seed": 0},
 }
 
 
@@ -243,9 +243,9 @@ def test_samplers_and_set_epoch_give_the_single_process_order(dataset_dir, sourc
 def test_spawn_and_forkserver_workers_give_the_same_batches(dataset_dir, method) -> None:
     """Each worker imports torch: one worker, one small run."""
     ds = MmapDataset(dataset_dir / "dataset", transform=flip_and_scale)
-    expected = epochs(MmapLoader(ds, 8, shuffle=True, prefetch=0), count=1)
+    expected = epochs(MmapLoader(ds, 8, shuffle=True, seed=0, prefetch=0), count=1)
     before = shm_entries()
-    with MmapLoader(ds, 8, shuffle=True, num_workers=1, multiprocessing_context=method) as loader:
+    with MmapLoader(ds, 8, shuffle=True, seed=0, num_workers=1, multiprocessing_context=method) as loader:
         got = epochs(loader, count=1)
         pids = worker_pids(loader)
     assert_same(got, expected)
@@ -287,8 +287,8 @@ def test_the_ring_is_an_unlinked_file_and_nothing_is_left_in_dev_shm(dataset_dir
 
 def test_a_batch_stays_valid_until_the_next_is_requested_and_only_reused_slots_change(dataset_dir) -> None:
     ds = MmapDataset(dataset_dir / "dataset", fields="input")
-    expected = [clone(b) for b in MmapLoader(ds, 3, shuffle=True, prefetch=0)]
-    with MmapLoader(ds, 3, shuffle=True, num_workers=2, prefetch=2, multiprocessing_context="fork") as loader:
+    expected = [clone(b) for b in MmapLoader(ds, 3, shuffle=True, seed=0, prefetch=0)]
+    with MmapLoader(ds, 3, shuffle=True, seed=0, num_workers=2, prefetch=2, multiprocessing_context="fork") as loader:
         held = []
         for k, batch in enumerate(loader):
             time.sleep(0.002)  # let the workers run ahead into the free slots
@@ -430,7 +430,7 @@ def test_resume_skips_batches_without_loading_them_and_restores_sampler_state(da
         return BlockShuffleSampler(len(ds), 8, seed=3)
 
     uninterrupted = epochs(MmapLoader(ds, 4, sampler=sampler(), prefetch=0), count=2, set_epoch=True)
-    with MmapLoader(ds, 4, sampler=sampler(), num_workers=2, multiprocessing_context="fork") as interrupted:
+    with MmapLoader(ds, 4, sampler=sampler(), seed=0, num_workers=2, multiprocessing_context="fork") as interrupted:
         interrupted.set_epoch(1)
         for k, _ in enumerate(interrupted):
             if k == 5:
@@ -453,8 +453,9 @@ def test_resume_skips_batches_without_loading_them_and_restores_sampler_state(da
     tail = [clone(b) for b in resumed]
     assert_same(tail, uninterrupted[1][6:])
     assert len(calls) == len(tail)  # the skipped batches were never loaded
+    seeded = MmapLoader(ds, 4, sampler=sampler(), seed=0, prefetch=0)
     with pytest.raises(ValueError, match="loader state has seed 4, this loader has seed 0"):
-        resumed.load_state_dict({**state, "seed": 4})
+        seeded.load_state_dict({**state, "seed": 4})
 
 
 @pytest.mark.parametrize("way", [{}, {"transform": flip_and_scale}, {"collate": True}])
@@ -806,7 +807,7 @@ def test_state_dict_between_passes_carries_the_sampler_state(dataset_dir) -> Non
     ds = MmapDataset(dataset_dir / "dataset", fields="label")
 
     def loader_of(sampler: BlockShuffleSampler) -> MmapLoader:
-        return MmapLoader(ds, 4, sampler=sampler, prefetch=0)
+        return MmapLoader(ds, 4, sampler=sampler, seed=0, prefetch=0)
 
     first = loader_of(BlockShuffleSampler(len(ds), 8, seed=3))
     assert first.state_dict()["sampler"] == {
@@ -1742,3 +1743,39 @@ def test_a_tensor_of_an_autograd_graph_from_a_worker_is_refused_as_torch_refuses
         got = next(iter(loader))["scaled"]
     assert got.grad_fn is None and not got.requires_grad
     torch.testing.assert_close(got, scaled.detach())
+
+
+def test_the_shuffle_seed_comes_from_torchs_generator_as_dataloaders_and_resumes(dataset_dir) -> None:
+    """seed=0 by default gave every new loader one order, where DataLoader's comes from torch."""
+    ds = MmapDataset(dataset_dir / "dataset", fields="label")
+
+    def order(loader: MmapLoader) -> list[int]:
+        return [int(i) for batch in loader for i in batch]
+
+    torch.manual_seed(1)
+    first = order(MmapLoader(ds, 4, shuffle=True, prefetch=0))
+    torch.manual_seed(1)
+    assert order(MmapLoader(ds, 4, shuffle=True, prefetch=0)) == first  # torch.manual_seed decides it
+    torch.manual_seed(2)
+    other = MmapLoader(ds, 4, shuffle=True, prefetch=0)
+    assert order(other) != first
+    cut = MmapLoader(ds, 4, shuffle=True, prefetch=0)
+    uninterrupted = order(MmapLoader(ds, 4, shuffle=True, prefetch=0, seed=cut.seed))
+    for k, _ in enumerate(cut):
+        if k == 2:
+            break
+    state = cut.state_dict()
+    resumed = MmapLoader(ds, 4, shuffle=True, prefetch=0)  # a new process: another drawn seed...
+    assert resumed.seed != cut.seed
+    resumed.load_state_dict(state)  # ...and the state's taken, so the resume is exact
+    assert order(resumed) == uninterrupted[12:]
+
+
+def test_a_dataset_that_is_no_mmap_dataset_is_refused_at_construction() -> None:
+    """It was accepted, and iterating failed with an AttributeError."""
+    with pytest.raises(TypeError) as refused:
+        MmapLoader(list(range(5)), 2)
+    assert str(refused.value) == (
+        "MmapLoader reads an MmapDataset, not a list: wrap your data in torch's DataLoader instead, "
+        "or open the converted dataset with MmapDataset(path)"
+    )
