@@ -43,3 +43,7 @@ class RaggedFieldWarning(UserWarning):
 
 class LargerThanMemoryWarning(UserWarning):
     """A dataset's blobs do not fit in the memory this process may use: the page cache cannot keep them."""
+
+
+class UnclosedWriterWarning(UserWarning):
+    """A Writer was collected (or the interpreter ended) before close(): nothing was written at OUT."""

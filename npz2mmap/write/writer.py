@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .. import fsutil
-from ..errors import FixedShapeError, OutputError, RaggedFieldWarning, SourceError
+from ..errors import FixedShapeError, OutputError, RaggedFieldWarning, SourceError, UnclosedWriterWarning
 from ..format.index import BLOB_HEADER_NBYTES, BLOB_NAME, MIN_ALIGN
 from ..parallel import (
     SIGNAL_MASK_FRAMES,
@@ -72,7 +72,8 @@ class Writer:
     Memory stays bounded (a few compact numbers per sample); disk needs
     about twice the dataset's size while closing (the spooled fields and
     the blob they are copied into). A writer never closed is discarded
-    like ``abort()`` when it is collected or the interpreter exits. Not
+    like ``abort()`` when it is collected or the interpreter exits, with an
+    ``UnclosedWriterWarning`` saying that nothing was written. Not
     thread-safe; in a forked child every call raises ValueError, and the
     child does not hold the output lock.
 
@@ -100,7 +101,9 @@ class Writer:
         publish.check_output(self.out_dir, overwrite)
         self._owner_pid = os.getpid()
         self._stack = _Cleanups()
-        self._finalizer = weakref.finalize(self, _discard_in_owner, self._stack, self._owner_pid)
+        self._finalizer = weakref.finalize(
+            self, _discard_in_owner, self._stack, self._owner_pid, self.out_dir
+        )
         try:
             locks: list[publish.OutputLock] = []  # filled before the call returns: see take_output_lock
             self._stack.callback(_release_all, locks)
@@ -126,7 +129,8 @@ class Writer:
             self._published = False  # by close, once the dataset is at OUT
             self._close_began = False  # a close that began but did not publish wrote nothing
         except BaseException as exc:  # a Ctrl-C included: nothing is left for the garbage collector
-            self._finalizer()
+            self._finalizer.detach()
+            self._stack.close()
             if fsutil.is_io_error(exc):
                 raise self._spool_error(exc) from exc
             raise
@@ -435,10 +439,20 @@ def _release_all(locks: list[publish.OutputLock]) -> None:
         lock.release()
 
 
-def _discard_in_owner(stack: _Cleanups, owner_pid: int) -> None:
-    """Remove the spools and release the lock, unless this is a forked copy of the writer's process."""
+def _discard_in_owner(stack: _Cleanups, owner_pid: int, out_dir: str) -> None:
+    """A writer collected open: remove the spools, release the lock, and say that nothing was
+    written, unless this is a forked copy of the writer's process."""
     if os.getpid() == owner_pid:
         stack.close()
+        # No caller's line to point at (the collector or the interpreter's exit runs this).
+        warnings.warn_explicit(
+            f"a Writer of {out_dir} was never closed, so nothing was written there and its samples "
+            "are discarded: call close() (or write in a `with Writer(...) as w:` block)",
+            UnclosedWriterWarning,
+            "npz2mmap.Writer",
+            0,
+            module=__name__,
+        )
 
 
 def _describe_nearly_fixed(item: NearlyFixed) -> str:

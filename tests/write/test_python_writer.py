@@ -1509,3 +1509,36 @@ def test_closing_again_after_a_close_that_raised_says_nothing_was_written(tmp_pa
     aborted.abort()
     aborted.close()  # nor after an abort, which asked for nothing to be written
     assert sorted(os.listdir(tmp_path)) == ["done"]
+
+
+def test_a_writer_never_closed_warns_that_nothing_was_written(tmp_path) -> None:
+    """It wrote nothing, silently: a Writer without close() or a with block lost every sample."""
+    code = f"""
+import gc, numpy as np, npz2mmap
+w = npz2mmap.Writer({str(tmp_path / 'dropped')!r})
+w.append({{"x": np.zeros(2)}})
+del w
+gc.collect()
+print("collected")
+with npz2mmap.Writer({str(tmp_path / 'closed')!r}) as w:
+    w.append({{"x": np.zeros(2)}})
+npz2mmap.Writer({str(tmp_path / 'aborted')!r}).abort()
+try:
+    with npz2mmap.Writer({str(tmp_path / 'failed')!r}) as w:
+        raise KeyError("in the block")
+except KeyError:
+    pass
+left_open = npz2mmap.Writer({str(tmp_path / 'at-exit')!r})
+"""
+    result = run_script(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "collected\n"
+    message = (
+        "npz2mmap.Writer:0: UnclosedWriterWarning: a Writer of {} was never closed, so nothing was written "
+        "there and its samples are discarded: call close() (or write in a `with Writer(...) as w:` block)"
+    )
+    assert result.stderr.splitlines() == [
+        message.format(tmp_path / "dropped"),
+        message.format(tmp_path / "at-exit"),
+    ]
+    assert sorted(os.listdir(tmp_path)) == ["closed"]
