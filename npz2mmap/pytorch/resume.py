@@ -64,7 +64,9 @@ class Position:
         """The samplers' states as this pass begins (they have just been iterated from the start);
         of a sampler with no state of its own but an epoch (DistributedSampler), that epoch."""
         for key, sampler in samplers_of(loader):
-            state = _sampler_state(sampler)
+            # Ours begin a pass at its first item, not yet drawn: their state is the next pass's.
+            ours = hasattr(sampler, "next_pass_state")
+            state = sampler.next_pass_state() if ours else _sampler_state(sampler)
             if state is not None:
                 self.sampler_states[key] = state
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -24,6 +24,10 @@ class _Resumable:
     can call itself): the state is the epoch and how many items the current
     pass has yielded; after ``load_state_dict`` the next pass yields the rest
     of that epoch in the same order, and later passes are whole epochs again.
+
+    A pass begins at its first item, not at ``iter()``: torch's DataLoader with
+    workers makes an iterator it never uses before the one it reads, and only
+    a pass that began moves the sampler on to the next epoch.
     """
 
     def __init__(self, seed: int) -> None:
@@ -32,6 +36,7 @@ class _Resumable:
         self._yielded = 0
         self._resume_at = 0
         self._epoch_given = True  # the next pass takes self.epoch (else the one after it)
+        self._pass_done = False  # the pass of self.epoch yielded its every item
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -44,30 +49,36 @@ class _Resumable:
         (DistributedSampler's convention, which a training loop may follow).
         """
         epoch = check_count("epoch", epoch, 0)
-        if epoch != self.epoch:
+        if epoch != self.epoch or self._pass_over():
             self._resume_at = self._yielded = 0
         self.epoch = epoch
-        self._epoch_given = True
+        self._epoch_given, self._pass_done = True, False
 
-    def _begin_pass(self) -> int:
-        """The epoch of the pass beginning now: the one given (``set_epoch``, a loaded state, the
-        first), else the one after the last pass's."""
-        if not self._epoch_given:
-            self.epoch += 1
-            self._resume_at = self._yielded = 0
-        self._epoch_given = False
-        return self.epoch
-
-    def next_pass_state(self) -> dict[str, int]:
-        """The state the next pass will begin from, for a loader's state taken between passes."""
-        if self._epoch_given:
-            return {**self.state_dict(), "yielded": self._resume_at}
-        return {**self.state_dict(), "epoch": self.epoch + 1, "yielded": 0}
+    def _pass_over(self) -> bool:
+        """Whether the last pass begun yielded all it had (its last item taken, or its end met)."""
+        return not self._epoch_given and (self._pass_done or self._yielded >= len(self))
 
     def state_dict(self) -> dict[str, int]:
         """Where the current pass stands: its epoch, seed and items yielded so far, with the
-        settings that make its order (a state loaded into a sampler of others is refused)."""
-        return {"epoch": self.epoch, "seed": self.seed, "yielded": self._yielded, **self._order_settings()}
+        settings that make its order (a state loaded into a sampler of others is refused).
+
+        Once a pass has yielded all it had, the next one's: the next epoch, from its
+        start, so a state saved at the end of an epoch resumes with the next epoch.
+        """
+        if self._epoch_given:
+            epoch, yielded = self.epoch, self._resume_at
+        elif self._pass_over():
+            epoch, yielded = self.epoch + 1, 0
+        else:
+            epoch, yielded = self.epoch, self._yielded
+        return {"epoch": epoch, "seed": self.seed, "yielded": yielded, **self._order_settings()}
+
+    def next_pass_state(self) -> dict[str, int]:
+        """The state the next pass will begin from (the next epoch, once a pass has begun, unless
+        an epoch or a state was given since), for a loader noting its samplers as a pass begins."""
+        if self._epoch_given:
+            return self.state_dict()
+        return {**self.state_dict(), "epoch": self.epoch + 1, "yielded": 0}
 
     def _order_settings(self) -> dict[str, int]:
         """What besides seed and epoch makes the order; the subclass's."""
@@ -112,19 +123,23 @@ class _Resumable:
             raise ValueError(f"sampler state: yielded {yielded} is outside 0..{len(self)}")
         self.epoch = epoch
         self._yielded = self._resume_at = yielded
-        self._epoch_given = True
+        self._epoch_given, self._pass_done = True, False
 
-    def _counted(self, items: Iterable[T]) -> Iterator[T]:
-        """Skip a pending resume's items now; count the rest as they are yielded."""
+    def _pass(self, items_of: Callable[[int, int], Iterable[T]]) -> Iterator[T]:
+        """One pass, begun at its first item: its epoch (the one given, else the one after the
+        last pass's), a pending resume's items skipped, the rest counted as they are yielded.
+        ``items_of(epoch, skip)`` gives the epoch's items (those before ``skip`` may be left out)."""
+        if not self._epoch_given:
+            self.epoch += 1
+            self._resume_at = 0
+        self._epoch_given, self._pass_done = False, False
         self._yielded = skip = self._resume_at
         self._resume_at = 0
-        return self._count(items, skip)
-
-    def _count(self, items: Iterable[T], skip: int) -> Iterator[T]:
-        for position, item in enumerate(items):
+        for position, item in enumerate(items_of(self.epoch, skip)):
             if position >= skip:
                 self._yielded += 1
                 yield item
+        self._pass_done = True
 
 
 class BlockShuffleSampler(_Resumable, Sampler[int]):
@@ -214,10 +229,9 @@ class BlockShuffleSampler(_Resumable, Sampler[int]):
         return n // replicas if self.drop_last else -(-n // replicas)
 
     def __iter__(self) -> Iterator[int]:
-        epoch = self._begin_pass()
-        return self._counted(self._order(epoch))
+        return self._pass(self._order)
 
-    def _order(self, epoch: int) -> Iterator[int]:
+    def _order(self, epoch: int, skip: int) -> Iterator[int]:
         rng = np.random.default_rng((self.seed, epoch))
         windows = self.windows(rng)
         for k, window in enumerate(windows):
@@ -342,10 +356,13 @@ class ShuffleSampler(_Resumable, Sampler[int]):
         return n // replicas if self.drop_last else -(-n // replicas)
 
     def __iter__(self) -> Iterator[int]:
-        rng = np.random.default_rng((self.seed, self._begin_pass()))
+        return self._pass(self._order)
+
+    def _order(self, epoch: int, skip: int) -> Iterator[int]:
+        rng = np.random.default_rng((self.seed, epoch))
         shuffled = rng.permutation(self.num_samples)
         order = np.resize(shuffled, len(self) * self.num_replicas)[self.rank :: self.num_replicas]
-        return self._counted(self._reading_ahead(order, self._resume_at))
+        return self._reading_ahead(order, skip)
 
     def _reading_ahead(self, order: np.ndarray, skip: int) -> Iterator[int]:
         """The order, each sample's reads asked for ``read_ahead`` samples before it (from ``skip``)."""
@@ -434,15 +451,14 @@ class LengthGroupedSampler(_Resumable, Sampler[list[int]]):
         }
 
     def __iter__(self) -> Iterator[list[int]]:
-        epoch = self._begin_pass()
-        return self._counted(self._batches(epoch))
+        return self._pass(self._batches)
 
     def _share_size(self) -> int:
         """How many samples each rank gets per epoch."""
         n = len(self.lengths)
         return n // self.num_replicas if self.drop_last else -(-n // self.num_replicas)
 
-    def _batches(self, epoch: int) -> Iterator[list[int]]:
+    def _batches(self, epoch: int, skip: int) -> Iterator[list[int]]:
         rng = np.random.default_rng((self.seed, epoch))
         shuffled = rng.permutation(len(self.lengths))
         # Every rank draws the same permutation, so the shares are disjoint.

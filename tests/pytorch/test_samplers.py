@@ -320,3 +320,74 @@ def test_mmap_loader_over_a_sampler_draws_a_new_order_each_pass_and_resumes_the_
     resumed.load_state_dict(state)
     got.append([int(i) for batch in resumed for i in batch["i"]])
     assert got == expected
+
+
+@pytest.mark.parametrize("make_sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+def test_a_state_saved_at_the_end_of_an_epoch_resumes_with_the_next_epoch(make_sampler) -> None:
+    """It named the finished epoch with all its items yielded: the restored sampler's first pass
+    was empty, an epoch lost at the most common checkpoint."""
+    sampler = make_sampler()
+    list(sampler)
+    state = sampler.state_dict()
+    assert (state["epoch"], state["yielded"]) == (1, 0)
+    restored = make_sampler()
+    restored.load_state_dict(state)
+    assert list(restored) == list(sampler)  # the next epoch, whole
+    iterator = iter(sampler)  # the last item taken, the end not yet met: the pass is over all the same
+    for _ in range(len(sampler)):
+        next(iterator)
+    assert sampler.state_dict()["epoch"] == 3 and sampler.state_dict()["yielded"] == 0
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+@pytest.mark.parametrize("told", [False, True], ids=["no set_epoch", "set_epoch"])
+@pytest.mark.parametrize("make_sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+def test_dataloader_workers_give_the_epochs_one_process_gives(make_sampler, told, persistent_workers) -> None:
+    """torch's loader with workers makes an iterator of the sampler it never reads before the one it
+    does: taken as a pass, it skipped every other epoch, and set_epoch(e) gave epoch e + 1."""
+    expected_sampler = make_sampler()
+    expected = epochs_through(loader_over(expected_sampler), 3, expected_sampler.set_epoch if told else None)
+    sampler = make_sampler()
+    dataset = list(range(NUM_SAMPLES))
+    batching = (
+        {"batch_sampler": sampler} if isinstance(sampler, LengthGroupedSampler) else {"batch_size": 4, "sampler": sampler}
+    )
+    loader = DataLoader(
+        dataset, **batching, collate_fn=list, num_workers=2, persistent_workers=persistent_workers,
+        multiprocessing_context="fork",
+    )
+    assert epochs_through(loader, 3, sampler.set_epoch if told else None) == expected
+
+
+def test_mmap_loader_over_a_batch_sampler_of_ours_resumes_a_later_pass_exactly(tmp_path) -> None:
+    """A state taken mid-pass in a pass after the first held the inner sampler's state at the end of the
+    pass before: the resumed loader yielded nothing more of the epoch, then repeated it."""
+    from torch.utils.data import BatchSampler
+
+    from npz2mmap import MmapDataset, MmapLoader, Writer
+
+    with Writer(tmp_path / "ds") as writer:
+        for i in range(NUM_SAMPLES):
+            writer.append({"i": np.int64(i)})
+    ds = MmapDataset(tmp_path / "ds")
+
+    def loader() -> MmapLoader:
+        return MmapLoader(ds, 4, batch_sampler=BatchSampler(ShuffleSampler(NUM_SAMPLES, seed=3), 4, False), seed=0)
+
+    def indices(batches: Any) -> list[list[int]]:
+        return [batch["i"].tolist() for batch in batches]
+
+    uninterrupted = loader()
+    passes = [indices(uninterrupted) for _ in range(3)]
+    for cut in [0, 3]:
+        interrupted = loader()
+        indices(interrupted)  # the first pass, whole
+        taken = []
+        for k, batch in enumerate(interrupted):
+            taken.append(batch["i"].tolist())
+            if k == cut:
+                break
+        resumed = loader()
+        resumed.load_state_dict(interrupted.state_dict())
+        assert taken + indices(resumed) == passes[1]
+        assert indices(resumed) == passes[2]
