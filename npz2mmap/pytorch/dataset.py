@@ -24,7 +24,7 @@ from ..errors import LargerThanMemoryWarning
 from ..read.memory import fits_in_memory, larger_than_memory, memory_limit
 from ..read.parts import Parts, PartsReader
 from ..read.ragged import RaggedRows
-from ..read.reader import ADVICE, copy_bytes
+from ..read.reader import ADVICE, Feature, copy_bytes, features_of
 
 # Imported for its registrations: torch's default collate must know the marked sample types
 # wherever a dataset's batches are collated, in every worker process too.
@@ -208,6 +208,12 @@ class MmapDataset(Dataset[Any]):
         single = self.fields[0] if self.single else None
         regather = functools.partial(_read_again, reader, idx)
         return GatheredBatch(fields, single, len(idx), self.ragged_fields, shared, regather)
+
+    @property
+    def features(self) -> dict[str, Feature]:
+        """Each selected field's dtype and shape (or, ragged, ndim), by name: the schema, as
+        Hugging Face's ``features``; read from the index, no sample data."""
+        return features_of(self.parts.field(name) for name in self.fields)
 
     def lengths(self, field: str) -> np.ndarray:
         """Per-sample lengths of a field (int64 (N,) for 1-d samples, shapes (N, ndim) otherwise).

@@ -149,6 +149,19 @@ class MmapLoader:
         self._position = Position()
         self._pass_running = False
 
+    def __repr__(self) -> str:
+        order = [f"shuffle=True, seed={self.seed}"] if self.shuffle else []
+        order += [f"{name}={type(value).__name__}" for name, value in self._given_orders()]
+        settings = [f"batch_size={self.batch_size}", *order, f"num_workers={self.num_workers}"]
+        if self.collate_fn is not None:
+            named = getattr(self.collate_fn, "__name__", type(self.collate_fn).__name__)
+            settings.append(f"collate_fn={named}")
+        return f"MmapLoader({self.dataset!r}, {', '.join(settings)})"
+
+    def _given_orders(self) -> list[tuple[str, Any]]:
+        given = (("sampler", self.sampler), ("batch_sampler", self.batch_sampler))
+        return [(name, value) for name, value in given if value is not None]
+
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch (for the shuffle and the samplers'); another epoch drops a pending resume."""
         if epoch != self.epoch:

@@ -12,8 +12,8 @@ import operator
 import os
 import weakref
 import zlib
-from collections.abc import Sequence
-from typing import SupportsIndex
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple, Protocol, SupportsIndex
 
 import numpy as np
 from numpy.typing import NDArray
@@ -49,17 +49,55 @@ ADVICE = {
 }
 
 
+class Feature(NamedTuple):
+    """What one field holds in each sample: its dtype and shape, or, for a ragged field (whose
+    samples differ in shape), None and the number of dimensions they share."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...] | None
+    ndim: int
+
+    @property
+    def ragged(self) -> bool:
+        return self.shape is None
+
+    def __repr__(self) -> str:
+        if self.shape is None:
+            return f"Feature(dtype={self.dtype}, ragged, ndim={self.ndim})"
+        return f"Feature(dtype={self.dtype}, shape={self.shape})"
+
+
+class _Described(Protocol):
+    """A field as an index (Field) or a dataset of parts (FieldInfo) describes it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> np.dtype: ...
+    @property
+    def ndim(self) -> int: ...
+    @property
+    def shape(self) -> tuple[int, ...] | None: ...
+
+
+def features_of(fields: Iterable[_Described]) -> dict[str, Feature]:
+    """Each field's Feature, by name, in the order given."""
+    return {f.name: Feature(f.dtype, f.shape, f.ndim) for f in fields}
+
+
 class DatasetReader:
     """A read-only mapping of one dataset directory (one part of a dataset of parts).
 
     Raises FormatError when the index is invalid or the blob does not match it
     (``check_identity=False`` lets ``verify`` go on past an edited index).
+    Pickles as its recipe (path and index), mapped again where it is loaded.
     """
 
     def __init__(
         self, path: str | os.PathLike[str], index: Index | None = None, check_identity: bool = True
     ) -> None:
         self.path = os.fspath(path)
+        self._recipe = (self.path, index, check_identity)
         if index is None and is_manifest_dir(self.path):
             raise FormatError(
                 f"{self.path}: a dataset of parts ({MANIFEST_NAME}); a DatasetReader reads one part: "
@@ -78,9 +116,20 @@ class DatasetReader:
     def __len__(self) -> int:
         return self.index.num_samples
 
+    def __reduce__(self) -> tuple[type[DatasetReader], tuple[str, Index | None, bool]]:
+        return type(self), self._recipe  # the mapping does not pickle: a worker maps the blob again
+
+    def __repr__(self) -> str:
+        return f"DatasetReader({self.path!r}, samples={len(self)}, fields={list(self.field_names)})"
+
     @property
     def field_names(self) -> tuple[str, ...]:
         return self.index.field_names
+
+    @property
+    def features(self) -> dict[str, Feature]:
+        """Each field's dtype and shape (or, ragged, ndim), by name: the dataset's schema."""
+        return features_of(self.index.fields)
 
     def sample_index(self, i: int) -> int:
         """Normalise ``i`` (see normalise_index)."""

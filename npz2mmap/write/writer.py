@@ -135,6 +135,11 @@ class Writer:
                 raise self._spool_error(exc) from exc
             raise
 
+    def __repr__(self) -> str:
+        state = "written" if self._published else "closed" if self._closed else "open"
+        part = f", part={self.part}" if self.part is not None else ""
+        return f"Writer({self.out_dir!r}{part}, samples={self.num_samples}, {state})"
+
     @property
     def num_samples(self) -> int:
         """Samples appended so far (a sample whose undo is still owed is not)."""

@@ -426,3 +426,27 @@ def test_fields_that_are_not_names_are_a_type_error_naming_them(small_dataset, f
     out, _ = small_dataset
     with pytest.raises(TypeError, match=r"^fields names fields by str \(one, or a list of them\), not "):
         MmapDataset(out, fields=fields)
+
+
+def test_the_loader_writer_and_dataset_show_what_they_are_and_the_dataset_its_schema(tmp_path) -> None:
+    from npz2mmap import MmapLoader, PaddedCollate, ShuffleSampler, Writer
+
+    out = str(tmp_path / "ds")
+    writer = Writer(out)
+    assert repr(writer) == f"Writer({out!r}, samples=0, open)"
+    for k in range(3):
+        writer.append({"x": np.zeros(2, np.float32), "tokens": np.arange(k + 1)})
+    assert repr(writer) == f"Writer({out!r}, samples=3, open)"
+    writer.close()
+    assert repr(writer) == f"Writer({out!r}, samples=3, written)"
+    ds = MmapDataset(out, fields=["x"])
+    assert repr(ds) == f"MmapDataset({out!r}, samples=3, fields=['x'])"
+    assert {name: (f.dtype, f.shape) for name, f in ds.features.items()} == {"x": (np.dtype(np.float32), (2,))}
+    assert MmapDataset(out).features["tokens"].ragged
+    assert repr(MmapLoader(ds, 4, shuffle=True, seed=3)) == (
+        f"MmapLoader({ds!r}, batch_size=4, shuffle=True, seed=3, num_workers=0)"
+    )
+    loader = MmapLoader(ds, 4, sampler=ShuffleSampler(ds), collate_fn=PaddedCollate(), num_workers=2)
+    assert repr(loader) == (
+        f"MmapLoader({ds!r}, batch_size=4, sampler=ShuffleSampler, num_workers=2, collate_fn=PaddedCollate)"
+    )

@@ -1,0 +1,50 @@
+"""DatasetReader as Python code meets it: a repr that says what it is, a schema, and pickling."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+from conftest import REPO_ROOT
+
+import npz2mmap
+from npz2mmap import DatasetReader
+
+
+def written(tmp_path) -> str:
+    out = str(tmp_path / "ds")
+    with npz2mmap.Writer(out) as writer:
+        for k in range(3):
+            writer.append({"image": np.full((2, 3), k, np.uint8), "boxes": np.zeros((k, 4), np.float32)})
+    return out
+
+
+def test_a_reader_shows_its_path_size_and_fields_and_its_schema(tmp_path) -> None:
+    reader = DatasetReader(written(tmp_path))
+    assert repr(reader) == f"DatasetReader({str(tmp_path / 'ds')!r}, samples=3, fields=['boxes', 'image'])"
+    features = reader.features
+    assert list(features) == ["boxes", "image"]
+    assert (features["image"].dtype, features["image"].shape, features["image"].ragged) == (
+        np.dtype(np.uint8), (2, 3), False
+    )
+    assert (features["boxes"].dtype, features["boxes"].shape, features["boxes"].ndim) == (
+        np.dtype(np.float32), None, 2
+    )
+    assert repr(features["boxes"]) == "Feature(dtype=float32, ragged, ndim=2)"
+    assert repr(features["image"]) == "Feature(dtype=uint8, shape=(2, 3))"
+
+
+def test_a_reader_pickles_as_its_recipe_and_maps_the_blob_again_where_loaded(tmp_path) -> None:
+    """It raised "cannot pickle 'mmap.mmap' object", which broke datasets.Dataset.from_generator."""
+    reader = DatasetReader(written(tmp_path))
+    pickled = pickle.dumps(reader)
+    assert len(pickled) < 4096  # the recipe, not the data
+    again = pickle.loads(pickled)
+    assert [again.view("image", k).tolist() for k in range(3)] == [reader.view("image", k).tolist() for k in range(3)]
+    code = "import pickle, sys; r = pickle.loads(sys.stdin.buffer.read()); print(r.view('image', 2).sum())"
+    result = subprocess.run(
+        [sys.executable, "-c", code], input=pickled, capture_output=True, env={"PYTHONPATH": str(REPO_ROOT)}
+    )
+    assert (result.returncode, result.stdout) == (0, b"12\n"), result.stderr
