@@ -216,13 +216,27 @@ class MmapDataset(Dataset[Any]):
         return features_of(self.parts.field(name) for name in self.fields)
 
     def lengths(self, field: str) -> np.ndarray:
-        """Per-sample lengths of a field (int64 (N,) for 1-d samples, shapes (N, ndim) otherwise).
+        """Every sample's length (int64, (N,)) along the one dimension in which a field's samples
+        differ: a sequence's length, the count of a (k, 4) field's boxes; its first dimension
+        when none differs. ValueError when several differ: ``shapes`` then has every shape.
 
         Read from the index and its shape tables only, never from sample data,
         so building length-grouped batches costs no I/O of the data itself.
         """
-        shapes = self.reader.shapes(field)
-        return np.ascontiguousarray(shapes[:, 0] if shapes.shape[1] == 1 else shapes)
+        shapes = self.shapes(field)
+        varying = np.flatnonzero((shapes != shapes[:1]).any(axis=0)) if len(shapes) else np.zeros(0, int)
+        if len(varying) > 1:
+            dims = ", ".join(map(str, varying.tolist()))
+            raise ValueError(
+                f"field {field!r} differs between samples in dimensions {dims}, so no one length "
+                f"describes a sample: ds.shapes({field!r}) gives each sample's shape"
+            )
+        axis = int(varying[0]) if len(varying) else 0
+        return np.ascontiguousarray(shapes[:, axis]) if shapes.shape[1] else np.zeros(len(shapes), np.int64)
+
+    def shapes(self, field: str) -> np.ndarray:
+        """Every sample's shape (int64, (N, ndim)), from the index tables alone."""
+        return np.ascontiguousarray(self.reader.shapes(field))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -389,8 +389,8 @@ class LengthGroupedSampler(_Resumable, Sampler[list[int]]):
     A batch sampler: samples are shuffled, cut into pools of ``batch_size *
     pool_batches``, sorted by length within a pool and cut into batches, and
     the batches are shuffled, so padding stays small while order stays random.
-    ``lengths`` comes from ``MmapDataset.lengths(field)`` (shapes of more than
-    one dimension are compared by element count). Every sample appears exactly
+    ``lengths`` comes from ``MmapDataset.lengths(field)`` (or, given shapes,
+    ``MmapDataset.shapes(field)``, they are compared by element count). Every sample appears exactly
     once per epoch; no samples give no batches.
 
     Under DDP, as with ``DistributedSampler``: ``num_replicas`` and ``rank``

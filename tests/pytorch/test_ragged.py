@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import write_samples
+from conftest import write_npz, write_samples
 from torch.utils.data import DataLoader
 
 from npz2mmap import LengthGroupedSampler, MmapDataset, MmapLoader, PaddedCollate, collate
@@ -45,8 +45,9 @@ def test_lengths_come_from_the_tables_without_reading_sample_data(ragged, monkey
     monkeypatch.setattr("npz2mmap.read.reader.DatasetReader.view", forbidden)
     monkeypatch.setattr("npz2mmap.read.reader.DatasetReader.gather", forbidden)
     assert ds.lengths("tokens").tolist() == LENGTHS
-    assert ds.lengths("points").tolist() == [[n, 3] for n in LENGTHS]
-    assert ds.lengths("label").shape == (12, 0)  # 0-d samples have no dimensions
+    assert ds.lengths("points").tolist() == LENGTHS  # (n, 3) points: the count, along the varying axis
+    assert ds.shapes("points").tolist() == [[n, 3] for n in LENGTHS]  # every shape whole
+    assert ds.lengths("label").tolist() == [0] * 12 and ds.shapes("label").shape == (12, 0)  # 0-d: no axes
 
 
 def test_lengths_of_a_multi_part_dataset(ragged, tmp_path) -> None:
@@ -299,4 +300,21 @@ def test_inspect_shows_the_lengths_of_the_axis_that_varies(tmp_path) -> None:
     lengths = summary["fields"][0]["lengths"]
     assert (lengths["axis"], lengths["min"], lengths["max"]) == (1, 1, 3)
     assert lengths["histogram"]["counts"] == [np.count_nonzero(np.array(widths) == w) for w in (1, 2, 3)]
-    assert MmapDataset(tmp_path / "ds").lengths("x").tolist() == [[2, w] for w in widths]  # unchanged
+    assert MmapDataset(tmp_path / "ds").shapes("x").tolist() == [[2, w] for w in widths]  # unchanged
+    assert MmapDataset(tmp_path / "ds").lengths("x").tolist() == widths  # the axis that varies
+
+
+def test_lengths_of_a_field_varying_in_several_axes_say_to_take_its_shapes(tmp_path) -> None:
+    """Boxes (k, 4) give k; an image (h, w) varying in both has no one length."""
+    for i, (k, h, w) in enumerate([(1, 2, 3), (3, 2, 5), (2, 4, 3)]):
+        write_npz(tmp_path / "src" / f"{i}.npz", boxes=np.zeros((k, 4)), image=np.zeros((h, w)))
+    convert([tmp_path / "src"], tmp_path / "ds", workers=1)
+    ds = MmapDataset(tmp_path / "ds")
+    assert ds.lengths("boxes").tolist() == [1, 3, 2] and ds.lengths("boxes").dtype == np.int64
+    with pytest.raises(ValueError) as refused:
+        ds.lengths("image")
+    assert str(refused.value) == (
+        "field 'image' differs between samples in dimensions 0, 1, so no one length describes a sample: "
+        "ds.shapes('image') gives each sample's shape"
+    )
+    assert ds.shapes("image").tolist() == [[2, 3], [2, 5], [4, 3]]

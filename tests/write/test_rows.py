@@ -49,7 +49,8 @@ def test_rows_become_samples_in_order_fixed_and_ragged(tmp_path, shards) -> None
     for name in ("x", "y", "points"):
         for i, source in enumerate(rows_of(src, name)):
             assert_same_array(ds[i][name], source)
-    assert ds.lengths("points").tolist() == [[1, 2]] * 3 + [[3, 2]] * 5 + [[4, 2]] * 2
+    assert ds.shapes("points").tolist() == [[1, 2]] * 3 + [[3, 2]] * 5 + [[4, 2]] * 2
+    assert ds.lengths("points").tolist() == [1] * 3 + [3] * 5 + [4] * 2
     lines = [json.loads(line) for line in (tmp_path / "out" / "sources.jsonl").read_text().splitlines()]
     assert lines == [[str(src / f"shard{k}.npz"), rows] for k, rows in enumerate(shard_rows)]
     assert json.loads((tmp_path / "out" / "index.json").read_text())["provenance"]["mode"] == "rows"
