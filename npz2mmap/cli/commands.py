@@ -89,6 +89,8 @@ def one_line(text: str) -> str:
 def _one_line_errors() -> Iterator[None]:
     try:
         yield
+    except click.exceptions.NoArgsIsHelpError:
+        raise  # the help itself, shown for no command: its lines are meant
     except click.ClickException as exc:
         # click types ``message`` Final, yet it is where every error keeps its text until shown.
         exc.message = one_line(exc.message)  # type: ignore[misc]

@@ -190,4 +190,9 @@ def cast_dtype(value: np.dtype | str) -> np.dtype:
         raise ValueError(f"{value!r} is not a numpy dtype") from None
     if dtype.hasobject or dtype.itemsize == 0:
         raise ValueError(f"{value!r} is not a fixed-size, pickle-free dtype")
+    if dtype.subdtype is not None:  # numpy would store (2,)i8 as raw V16 bytes, each value twice
+        raise ValueError(
+            f"{value!r} is a subarray dtype, a shape with a dtype: name the element dtype, "
+            f"{str(dtype.subdtype[0])!r}; the shape comes from the files"
+        )
     return dtype

@@ -37,7 +37,7 @@ class Hints(NamedTuple):
     """How messages name the options that resolve a disagreement: the CLI's, or the Writer's arguments."""
 
     cast: str  # formatted with key= and dtype=
-    no_cast: str  # formatted with key= and dtypes=: what to do where no dtype holds them all
+    no_cast: str  # formatted with key=, dtypes=, share= and them=: where no dtype holds them all
     keys: str
     casts_named: str
     fixed: str = "--fixed {key}"  # formatted with key=
@@ -47,7 +47,7 @@ class Hints(NamedTuple):
 
 CLI_HINTS = Hints(
     cast="use --cast {key}={dtype} to store one dtype",
-    no_cast="{dtypes} share no dtype --cast could store them as (it keeps their kind): "
+    no_cast="{dtypes} {share} no dtype --cast could store {them} as (it keeps their kind): "
     "convert such files apart, or leave {key} out with --keys",
     keys="; select common keys with --keys",
     casts_named="--cast names",
@@ -56,7 +56,7 @@ CLI_HINTS = Hints(
 
 WRITER_HINTS = Hints(
     cast="pass casts={{{key!r}: {dtype!r}}} to store one dtype",
-    no_cast="{dtypes} share no dtype casts= could store them as (it keeps their kind): "
+    no_cast="{dtypes} {share} no dtype casts= could store {them} as (it keeps their kind): "
     "write such samples to another dataset",
     keys="",
     casts_named="casts= names",
@@ -93,7 +93,9 @@ def cast_hint(key: str, dtypes: Sequence[np.dtype], hints: Hints) -> str:
     target = common_cast_target(dtypes)
     if target is None:
         names = [str(dtype) for dtype in dtypes]
-        return hints.no_cast.format(key=key, dtypes=", ".join(names[:-1]) + " and " + names[-1])
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        share, them = ("has", "it") if len(names) == 1 else ("share", "them")
+        return hints.no_cast.format(key=key, dtypes=listed, share=share, them=them)
     return hints.cast.format(key=key, dtype=target)
 
 
@@ -107,14 +109,9 @@ def common_cast_target(dtypes: Sequence[np.dtype]) -> str | None:
         pass
     for candidate in candidates:
         spelled = dtype_spelling(storage_dtype(candidate))
-        if spelled is not None and all(_casts_meaningfully(dtype, np.dtype(spelled)) for dtype in dtypes):
+        if spelled is not None and all(can_cast(dtype, np.dtype(spelled)) for dtype in dtypes):
             return spelled
     return None
-
-
-def _casts_meaningfully(source: np.dtype, target: np.dtype) -> bool:
-    """can_cast, less the casts of numbers to text that numpy's rule allows (uint8 to U3)."""
-    return can_cast(source, target) and not (source.kind in "biuf?c" and target.kind in "SU")
 
 
 def dtype_spelling(dtype: np.dtype) -> str | None:
@@ -173,10 +170,12 @@ class _FieldCollector:
         where = f"{path}[{header.key}]"
         if self.cast is not None:
             if not can_cast(header.dtype, self.dtype):
+                records = header.dtype.names is not None or self.dtype.names is not None
+                rule = "member by member (the same names, in order)" if records else "without changing kind"
                 raise dtype_disagreement(
-                    f"{where}: dtype {header.dtype} cannot be cast to {self.dtype} without changing kind",
+                    f"{where}: dtype {header.dtype} cannot be cast to {self.dtype} {rule}",
                     header.key,
-                    (self.dtype, header.dtype),
+                    (header.dtype,),  # the cast suggested must hold the sources' dtypes, not this one
                     self.hints,
                 )
         elif storage_dtype(header.dtype) != self.dtype:
@@ -248,8 +247,26 @@ def check_field_name(name: str, where: str) -> None:
 
 
 def can_cast(source: np.dtype, target: np.dtype) -> bool:
-    """What --cast allows: numpy's 'same_kind' rule (float64 -> float32, never float -> int)."""
+    """What --cast allows: numpy's 'same_kind' rule (float64 -> float32, never float -> int),
+    less what numpy allows there but changes the values' kind or place: numbers to text (7 to
+    '7'), and records other than member by member (numpy casts records by position, so another
+    order of names swaps values, and a member of another shape broadcasts them)."""
+    if source.fields is not None or target.fields is not None:
+        return _can_cast_records(source, target)
+    if source.subdtype is not None or target.subdtype is not None:
+        return source.shape == target.shape and can_cast(source.base, target.base)
+    if source.kind in "biufc?" and target.kind in "SU":
+        return False
     return bool(np.can_cast(source, target, casting="same_kind"))
+
+
+def _can_cast_records(source: np.dtype, target: np.dtype) -> bool:
+    """Records cast member by member: the same names, in the same order, each member castable."""
+    if source.names is None or target.names is None or source.names != target.names:
+        return False
+    if not np.can_cast(source, target, casting="same_kind"):
+        return False
+    return all(can_cast(source[name], target[name]) for name in source.names)
 
 
 def build_plan(

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import SKIP_BAD_HINT, write_npz
 
+import npz2mmap
 from npz2mmap.cli.commands import cli
 from npz2mmap.errors import MismatchError
 from npz2mmap.write.conversion import convert
@@ -175,3 +176,55 @@ def test_a_record_value_a_cast_would_change_is_shown_apart_from_what_it_would_be
         "[('a', '<f4')]: it would be stored as (0.10000000149011612,) (--cast keeps only values that "
         "[('a', '<f4')] represents exactly)"
     )
+
+
+@pytest.mark.parametrize(
+    ("stored", "cast", "why"),
+    [
+        (np.array([7, 12345], np.int64), "U8", "without changing kind"),  # 7 stored as '7'
+        (np.array([1.5], np.float64), "S8", "without changing kind"),
+        (
+            np.array([(1.0, 2.0)], [("b", "<f4"), ("a", "<f4")]),  # numpy casts by position: a and b swapped
+            [("a", "<f8"), ("b", "<f8")],
+            "member by member (the same names, in order)",
+        ),
+        (
+            np.array([(1.5,)], [("a", "<f4")]),  # a scalar member broadcast into two
+            [("a", "<f8", (2,))],
+            "member by member (the same names, in order)",
+        ),
+    ],
+    ids=["int-to-text", "float-to-bytes", "records-reordered", "member-broadcast"],
+)
+def test_a_cast_numpy_allows_but_that_moves_or_retypes_values_is_refused(tmp_path, stored, cast, why) -> None:
+    """Each converted, exit 0, into values that were not the files' (verify --sources passed)."""
+    write_npz(tmp_path / "src" / "a.npz", x=stored)
+
+    def write() -> None:
+        with npz2mmap.Writer(tmp_path / "w", casts={"x": cast}) as writer:
+            writer.append({"x": stored})
+
+    for make in (lambda: convert([tmp_path / "src"], tmp_path / "out", workers=1, casts={"x": cast}), write):
+        with pytest.raises(MismatchError) as refused:
+            make()
+        assert f"cannot be cast to {np.dtype(cast)} {why}" in str(refused.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_subarray_dtype_is_no_cast_target(tmp_path) -> None:
+    """Writer(casts={'x': '(2,)i8'}) stored raw V16 bytes, each value twice; the CLI gave a traceback."""
+    write_npz(tmp_path / "src" / "a.npz", x=np.arange(2))
+    message = "'(2,)i8' is a subarray dtype, a shape with a dtype: name the element dtype, 'int64'; the shape comes from the files"
+    with pytest.raises(ValueError) as refused:
+        npz2mmap.Writer(tmp_path / "w", casts={"x": "(2,)i8"})
+    assert str(refused.value) == message
+    code, output = convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--cast", "x=(2,)i8")
+    assert code == 2 and output.splitlines()[-1] == f"Error: Invalid value for '--cast': {message}"
+
+
+def test_no_command_prints_the_help_on_its_lines(tmp_path) -> None:
+    """It came as one line of literal \\n escapes."""
+    result = CliRunner().invoke(cli, [], prog_name="npz2mmap")
+    assert result.exit_code == 2
+    lines = result.output.splitlines()
+    assert lines[0] == "Usage: npz2mmap [OPTIONS] COMMAND [ARGS]..." and "Commands:" in lines
