@@ -98,7 +98,7 @@ def read_manifest(directory: str) -> list[str]:
         raise FormatError(f"{path}: 'parts' must be a non-empty list of paths")
     for part in parts:
         _check_path(part, path)
-    listed = [os.path.normpath(os.path.join(directory, p)) for p in parts]
+    listed = [_part_path(directory, p) for p in parts]
     nested = next((part for part in listed if is_manifest_dir(part)), None)
     if nested is not None:
         raise FormatError(
@@ -213,8 +213,16 @@ def _numbers(runs: list[tuple[int, int]]) -> str:
     )
 
 
+def _part_path(directory: str, part: str) -> str:
+    """Where a listed part lies: its ``..`` taken as the system takes it, up from the directory
+    a link leads to (a lexical join would read another dataset through a linked path)."""
+    joined = os.path.join(directory, part)
+    return fsutil.absolute_path(joined) if ".." in part.split("/") else os.path.normpath(joined)
+
+
 def manifest_text(directory: str, parts: Sequence[str]) -> str:
-    """The manifest naming ``parts``, relative to ``directory`` where possible."""
-    relative = [os.path.relpath(fsutil.absolute_path(p), fsutil.absolute_path(directory)) for p in parts]
+    """The manifest naming ``parts``, relative to ``directory`` where possible: between their
+    real paths, so that the manifest reads the same parts by any path that reaches it."""
+    relative = [os.path.relpath(os.path.realpath(p), os.path.realpath(directory)) for p in parts]
     document = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "parts": relative}
     return json.dumps(document, indent=1, sort_keys=True) + "\n"

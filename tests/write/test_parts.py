@@ -14,7 +14,7 @@ from unittest import mock
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import assert_same_array, convert_part_at, write_samples
+from conftest import assert_same_array, convert_part_at, write_npz, write_samples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -512,3 +512,21 @@ def test_inspect_of_a_manifest_of_one_empty_part_prints_no_empty_field_table(tmp
     assert lines[7].split()[:3] == [str(tmp_path / "empty"), "0", "(empty)"]
     assert lines[-1] == "fields   none (no samples)"
     assert not any(line.startswith("field ") for line in lines)
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink") or os.name == "nt", reason="POSIX links")
+def test_a_manifest_written_through_a_linked_path_reads_the_same_parts_by_any_path(tmp_path, monkeypatch) -> None:
+    """merge -o link/M wrote "../../A" from the link's spelling; opened by its real path (or from
+    inside it) the manifest read another dataset, real/A, and verify passed."""
+    monkeypatch.chdir(tmp_path)
+    write_npz(tmp_path / "in1" / "0.npz", x=np.array([1]))
+    write_npz(tmp_path / "in2" / "0.npz", x=np.array([222]))
+    npz2mmap.convert(["in1"], "A", workers=1)
+    npz2mmap.convert(["in2"], "real/A", workers=1)  # an unrelated dataset where a lexical ".." lands
+    (tmp_path / "real" / "sub").mkdir()
+    os.symlink("real/sub", "link")
+    merge(["A"], "link/M")
+    for path in ["link/M", "real/sub/M", str(tmp_path / "real" / "sub" / "M")]:
+        assert MmapDataset(path)[0]["x"].tolist() == [1], path
+    monkeypatch.chdir(tmp_path / "link" / "M")
+    assert MmapDataset(".")[0]["x"].tolist() == [1]
