@@ -33,6 +33,10 @@ class FixedShapeError(SourceError):
     """A source's sample shape differs, for a field held fixed (--fixed), from the first source's."""
 
 
+class MissingInputError(SourceError):
+    """An input path names nothing; the CLI reports it as a usage error (exit 2)."""
+
+
 class UnknownKeyError(SourceError):
     """An option names a key the sources do not hold; the CLI reports it as a usage error (exit 2)."""
 
@@ -47,3 +51,7 @@ class LargerThanMemoryWarning(UserWarning):
 
 class UnclosedWriterWarning(UserWarning):
     """A Writer was collected (or the interpreter ended) before close(): nothing was written at OUT."""
+
+
+class SameEpochWarning(UserWarning):
+    """A sampler runs over an epoch it has run to its end, in the same order: set_epoch was not called."""

@@ -107,7 +107,8 @@ class MmapLoader:
                 "torch's DataLoader instead, or open the converted dataset with MmapDataset(path)"
             )
         self.seed_given = seed is not None
-        seed = seed_base() if seed is None else seed  # as DataLoader's: torch.manual_seed decides it
+        if seed is None:  # as DataLoader's: torch.manual_seed decides it, drawn only where it is used
+            seed = seed_base() if shuffle is True else 0
         for name, value in (
             ("batch_size", batch_size),
             ("read_ahead", read_ahead),

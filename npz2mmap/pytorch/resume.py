@@ -120,7 +120,7 @@ class Position:
                 f"loader state has {', '.join(map(repr, unknown))}, which this loader does not write "
                 "(a state of another loader, or of other samplers); resume with the loader it was saved from"
             )
-        if seed != loader.seed and loader.seed_given:
+        if seed != loader.seed and loader.seed_given and loader.shuffle:  # else it decides nothing
             raise ValueError(f"loader state has seed {seed}, this loader has seed {loader.seed}")
         if epoch < 0:
             raise ValueError(f"loader state: epoch {epoch} is negative")

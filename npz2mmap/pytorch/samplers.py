@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -12,6 +13,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from ..errors import SameEpochWarning
 from ..read.memory import memory_limit
 
 T = TypeVar("T")
@@ -24,10 +26,14 @@ class _Resumable:
     can call itself): the state is the epoch and how many items the current
     pass has yielded; after ``load_state_dict`` the next pass yields the rest
     of that epoch in the same order, and later passes are whole epochs again.
+    As with ``DistributedSampler``, the order is the epoch's: ``set_epoch``
+    before each pass gives a new one, and a pass that runs over an epoch
+    already run to its end without it warns (SameEpochWarning) once.
 
     A pass begins at its first item, not at ``iter()``: torch's DataLoader with
-    workers makes an iterator it never uses before the one it reads, and only
-    a pass that began moves the sampler on to the next epoch.
+    workers makes an iterator it never reads before the one it does. Of two
+    passes running at once (a peek, ``next(iter(loader))``, inside a loop), the
+    state counts the one that yielded last.
     """
 
     def __init__(self, seed: int) -> None:
@@ -35,50 +41,33 @@ class _Resumable:
         self.epoch = 0
         self._yielded = 0
         self._resume_at = 0
-        self._epoch_given = True  # the next pass takes self.epoch (else the one after it)
-        self._pass_done = False  # the pass of self.epoch yielded its every item
+        self._epoch_given = True  # set_epoch or a loaded state since the last pass began
+        self._epoch_done = False  # a pass of self.epoch yielded its every item
+        self._warned = False
 
     def __len__(self) -> int:
         raise NotImplementedError
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the next pass's epoch; a different epoch drops a pending resume (and has yielded nothing).
-
-        Without it, each pass takes the epoch after the last one's, a new order
-        every time as torch's RandomSampler gives; with it, the epoch given
-        (DistributedSampler's convention, which a training loop may follow).
-        """
+        """Choose the epoch, whose order the next pass yields (DistributedSampler's convention:
+        call it before each epoch); a different epoch drops a pending resume."""
         epoch = check_count("epoch", epoch, 0)
-        if epoch != self.epoch or self._pass_over():
+        if epoch != self.epoch:
             self._resume_at = self._yielded = 0
+            self._epoch_done = False
         self.epoch = epoch
-        self._epoch_given, self._pass_done = True, False
-
-    def _pass_over(self) -> bool:
-        """Whether the last pass begun yielded all it had (its last item taken, or its end met)."""
-        return not self._epoch_given and (self._pass_done or self._yielded >= len(self))
+        self._epoch_given = True
 
     def state_dict(self) -> dict[str, int]:
         """Where the current pass stands: its epoch, seed and items yielded so far, with the
-        settings that make its order (a state loaded into a sampler of others is refused).
-
-        Once a pass has yielded all it had, the next one's: the next epoch, from its
-        start, so a state saved at the end of an epoch resumes with the next epoch.
-        """
-        if self._epoch_given:
-            epoch, yielded = self.epoch, self._resume_at
-        elif self._pass_over():
-            epoch, yielded = self.epoch + 1, 0
-        else:
-            epoch, yielded = self.epoch, self._yielded
-        return {"epoch": epoch, "seed": self.seed, "yielded": yielded, **self._order_settings()}
+        settings that make its order (a state loaded into a sampler of others is refused)."""
+        yielded = self._resume_at if self._epoch_given else self._yielded
+        return {"epoch": self.epoch, "seed": self.seed, "yielded": yielded, **self._order_settings()}
 
     def next_pass_state(self) -> dict[str, int]:
-        """The state the next pass will begin from (the next epoch, once a pass has begun, unless
-        an epoch or a state was given since), for a loader noting its samplers as a pass begins."""
-        if self._epoch_given:
-            return self.state_dict()
-        return {**self.state_dict(), "epoch": self.epoch + 1, "yielded": 0}
+        """The state the next pass will begin from, for a loader noting its samplers as a pass
+        begins: a resume given, else this epoch from its start."""
+        return {**self.state_dict(), "yielded": self._resume_at if self._epoch_given else 0}
 
     def _order_settings(self) -> dict[str, int]:
         """What besides seed and epoch makes the order; the subclass's."""
@@ -123,23 +112,32 @@ class _Resumable:
             raise ValueError(f"sampler state: yielded {yielded} is outside 0..{len(self)}")
         self.epoch = epoch
         self._yielded = self._resume_at = yielded
-        self._epoch_given, self._pass_done = True, False
+        self._epoch_given, self._epoch_done = True, False
 
     def _pass(self, items_of: Callable[[int, int], Iterable[T]]) -> Iterator[T]:
-        """One pass, begun at its first item: its epoch (the one given, else the one after the
-        last pass's), a pending resume's items skipped, the rest counted as they are yielded.
-        ``items_of(epoch, skip)`` gives the epoch's items (those before ``skip`` may be left out)."""
+        """One pass of the epoch, begun at its first item: a pending resume's items skipped, the
+        rest counted as they are yielded. ``items_of(epoch, skip)`` gives the epoch's items
+        (those before ``skip`` may be left out)."""
         if not self._epoch_given:
-            self.epoch += 1
             self._resume_at = 0
-        self._epoch_given, self._pass_done = False, False
-        self._yielded = skip = self._resume_at
+            if (self._epoch_done or self._yielded >= len(self) > 0) and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"{type(self).__name__}: another pass over epoch {self.epoch}, in the same order: "
+                    "call sampler.set_epoch(epoch) before each epoch for a new one, as with "
+                    "DistributedSampler",
+                    SameEpochWarning,
+                    stacklevel=3,
+                )
+        self._epoch_given = False
+        self._yielded = count = skip = self._resume_at
         self._resume_at = 0
         for position, item in enumerate(items_of(self.epoch, skip)):
             if position >= skip:
-                self._yielded += 1
+                count += 1
+                self._yielded = count  # of the pass that yielded last: a peek's iter() does not reset it
                 yield item
-        self._pass_done = True
+        self._epoch_done = True
 
 
 class BlockShuffleSampler(_Resumable, Sampler[int]):

@@ -283,22 +283,33 @@ def epochs_through(loader: Any, num_epochs: int, set_epoch: Callable[[int], None
 
 
 @pytest.mark.parametrize("make_sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
-def test_each_epoch_is_a_new_order_without_set_epoch_as_with_shuffle_true(make_sampler) -> None:
-    """DataLoader(shuffle=True) draws a new order every pass; these samplers did so only when told the
-    epoch, so a loop following the docs, with no set_epoch, trained on one order every epoch."""
-    sampler = make_sampler()
-    passes = epochs_through(loader_over(sampler), 4)
+def test_set_epoch_gives_each_epoch_its_order_and_a_pass_without_it_warns(make_sampler) -> None:
+    """As DistributedSampler: the order is the epoch's. A loop that never called set_epoch trained on one
+    order every epoch without a word; the second pass over an epoch run to its end now says so, once."""
+    import warnings
+
+    from npz2mmap.errors import SameEpochWarning
+
+    told = make_sampler()
+    passes = epochs_through(loader_over(told), 4, told.set_epoch)
     assert len({tuple(p) for p in passes}) == 4  # four orders
-    if sampler.num_replicas == 1:
+    if told.num_replicas == 1:
         assert all(sorted(p) == sorted(passes[0]) for p in passes)  # of the same samples
-    told = make_sampler()  # set_epoch(e) before each epoch (DistributedSampler's convention): epoch e
-    assert epochs_through(loader_over(told), 4, told.set_epoch) == passes
     again = make_sampler()  # the same epoch, given again, is the same order
     assert epochs_through(loader_over(again), 2, lambda _: again.set_epoch(2)) == [passes[2]] * 2
+    untold = make_sampler()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert epochs_through(loader_over(untold), 3) == [passes[0]] * 3
+    assert [str(w.message) for w in caught] == [
+        f"{type(untold).__name__}: another pass over epoch 0, in the same order: call sampler.set_epoch(epoch) "
+        "before each epoch for a new one, as with DistributedSampler"
+    ]
+    assert all(w.category is SameEpochWarning for w in caught)
 
 
 @pytest.mark.parametrize("make_sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
-def test_mmap_loader_over_a_sampler_draws_a_new_order_each_pass_and_resumes_the_next_one(
+def test_mmap_loader_over_a_sampler_gives_the_epochs_it_is_told_and_resumes_the_next_one(
     make_sampler, tmp_path
 ) -> None:
     from npz2mmap import MmapDataset, MmapLoader, Writer
@@ -310,10 +321,13 @@ def test_mmap_loader_over_a_sampler_draws_a_new_order_each_pass_and_resumes_the_
     sampler = make_sampler()
     batching = {"batch_sampler": sampler} if isinstance(sampler, LengthGroupedSampler) else {"sampler": sampler}
     loader = MmapLoader(ds, 4, **batching, prefetch=0)
-    expected = epochs_through(loader_over(make_sampler()), 3)
+    expected_sampler = make_sampler()
+    expected = epochs_through(loader_over(expected_sampler), 3, expected_sampler.set_epoch)
     got = []
-    for _ in range(2):
+    for epoch in range(2):
+        loader.set_epoch(epoch)
         got.append([int(i) for batch in loader for i in batch["i"]])
+    loader.set_epoch(2)
     state = loader.state_dict()  # between passes: the third epoch, from its start
     twin = make_sampler()
     resumed = MmapLoader(ds, loader.batch_size, **{key: twin for key in batching}, prefetch=0)
@@ -323,20 +337,24 @@ def test_mmap_loader_over_a_sampler_draws_a_new_order_each_pass_and_resumes_the_
 
 
 @pytest.mark.parametrize("make_sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
-def test_a_state_saved_at_the_end_of_an_epoch_resumes_with_the_next_epoch(make_sampler) -> None:
-    """It named the finished epoch with all its items yielded: the restored sampler's first pass
-    was empty, an epoch lost at the most common checkpoint."""
+def test_a_state_saved_at_the_end_of_an_epoch_resumes_with_the_next_epoch_set(make_sampler) -> None:
+    """DistributedSampler's loop: for epoch in range(start, n): sampler.set_epoch(epoch). A state
+    saved at an epoch's end has yielded all; resuming at the next epoch, or at this one, is exact."""
     sampler = make_sampler()
+    sampler.set_epoch(4)
     list(sampler)
     state = sampler.state_dict()
-    assert (state["epoch"], state["yielded"]) == (1, 0)
-    restored = make_sampler()
-    restored.load_state_dict(state)
-    assert list(restored) == list(sampler)  # the next epoch, whole
-    iterator = iter(sampler)  # the last item taken, the end not yet met: the pass is over all the same
-    for _ in range(len(sampler)):
-        next(iterator)
-    assert sampler.state_dict()["epoch"] == 3 and sampler.state_dict()["yielded"] == 0
+    assert (state["epoch"], state["yielded"]) == (4, len(sampler))
+    sampler.set_epoch(5)
+    epoch_5 = list(sampler)
+    for resume_at in (4, 5):  # the loop restarts at the epoch saved, or the one after it
+        restored = make_sampler()
+        restored.load_state_dict(state)
+        passes = []
+        for epoch in range(resume_at, 6):
+            restored.set_epoch(epoch)
+            passes.append(list(restored))
+        assert passes == ([[]] if resume_at == 4 else []) + [epoch_5]  # the rest of epoch 4 is nothing
 
 
 @pytest.mark.parametrize("persistent_workers", [False, True])
