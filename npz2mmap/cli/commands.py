@@ -23,7 +23,7 @@ from .._version import __version__
 from ..check.summary import describe_dataset, describe_sample, field_statistics
 from ..check.verify import verify as verify_dataset
 from ..check.warm import warm as warm_dataset
-from ..errors import Npz2mmapError, RaggedFieldWarning, UnknownKeyError
+from ..errors import MissingInputError, Npz2mmapError, RaggedFieldWarning, UnknownKeyError
 from ..format.index import ALIGN_RULE, MIN_ALIGN, SKIPPED_NAME, is_valid_align
 from ..ingest.discover import is_npy_named_with_sample_dirs, npy_with_sample_dirs
 from ..ingest.npy_header import CLI_HEADER_OPTION, MAX_HEADER_SIZE_LIMIT, MAX_NPY_HEADER_CHARS, HeaderLimit
@@ -264,11 +264,31 @@ max_header_size_option = click.option(
 
 def output_option(help_text: str) -> Callable[[F], F]:
     return click.option(
-        "-o", "--output", "out_dir", required=True, type=click.Path(file_okay=False), help=help_text
+        "-o",
+        "--output",
+        "out_dir",
+        required=True,
+        type=click.Path(file_okay=False),
+        metavar="OUT",
+        help=help_text,
     )
 
 
-@cli.command()
+def examples(*lines: str) -> str:
+    """An Examples section for a command's --help, its lines kept as they are (click's \b)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+@cli.command(
+    options_metavar="-o OUT [OPTIONS]",
+    epilog=examples(
+        "npz2mmap convert data/ -o data.mmap",
+        "npz2mmap convert train/ extra.npz -o train.mmap --skip-bad",
+        "npz2mmap convert data/ -o data.mmap --cast image=float32 --fixed image",
+        "npz2mmap convert @files.txt -o shards --part auto      # one part per rank",
+        "npz2mmap convert frames/ -o frames.mmap --sample-dirs   # frames/s0/x.npy, ...",
+    ),
+)
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
 @output_option("Dataset directory to create.")
 @click.option(
@@ -430,10 +450,11 @@ def _shown_as_given(as_given: PathsAsGiven) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _usage_errors() -> Iterator[None]:
-    """An option naming a key the inputs do not hold is a usage error (exit 2), found only once read."""
+    """An option naming a key the inputs do not hold, or an input that does not exist, is a usage
+    error (exit 2), found only once the inputs are looked at."""
     try:
         yield
-    except UnknownKeyError as exc:
+    except (UnknownKeyError, MissingInputError) as exc:
         raise click.UsageError(str(exc)) from None
 
 
@@ -466,8 +487,14 @@ def _growth_note(data_nbytes: int, sources_nbytes: int) -> str | None:
     )
 
 
-@cli.command()
-@click.argument("dataset", type=click.Path(file_okay=False))
+@cli.command(
+    epilog=examples(
+        "npz2mmap inspect data.mmap",
+        "npz2mmap inspect data.mmap --sample 0",
+        "npz2mmap inspect data.mmap --stats --json",
+    )
+)
+@click.argument("dataset", type=click.Path(file_okay=False), metavar="OUT")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
 @click.option("--sample", type=int, default=None, metavar="I", help="Show sample I's arrays instead.")
 @click.option(
@@ -505,8 +532,13 @@ def warn_if_larger_than_memory(dataset: str, blob_nbytes: int) -> None:
         echo_err(one_line(f"Warning: {larger_than_memory(dataset, blob_nbytes, limit)}"))
 
 
-@cli.command()
-@click.argument("dataset", type=click.Path(file_okay=False))
+@cli.command(
+    epilog=examples(
+        "npz2mmap verify data.mmap",
+        "npz2mmap verify data.mmap --sources      # every sample against its file",
+    )
+)
+@click.argument("dataset", type=click.Path(file_okay=False), metavar="OUT")
 @click.option("--sources", is_flag=True, help="Also compare every sample bit for bit with its source file.")
 @max_header_size_option
 @progress_option
@@ -534,7 +566,13 @@ def verify(
         click.echo(one_line(line))
 
 
-@cli.command()
+@cli.command(
+    options_metavar="-o OUT [OPTIONS]",
+    epilog=examples(
+        "npz2mmap merge shards/part-* -o shards    # a manifest beside the parts",
+        "npz2mmap merge a.mmap b.mmap -o all.mmap --copy",
+    ),
+)
 @click.argument("parts", nargs=-1, required=True, metavar="PART...", type=click.Path(file_okay=False))
 @output_option("Directory to hold manifest.json, or with --copy the dataset to create.")
 @click.option("--copy", is_flag=True, help="Copy the parts into one single dataset instead of listing them.")
@@ -565,8 +603,8 @@ def merge(
         echo_err(one_line(f"Warning: {line}"))
 
 
-@cli.command()
-@click.argument("dataset", type=click.Path(file_okay=False))
+@cli.command(epilog=examples("npz2mmap warm data.mmap                  # before training, on each node"))
+@click.argument("dataset", type=click.Path(file_okay=False), metavar="OUT")
 @progress_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress (--progress none).")
 @friendly_errors

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from .. import fsutil
-from ..errors import FormatError, SourceError
+from ..errors import FormatError, MissingInputError, SourceError
 from ..format.files import decode_json, read_regular_file
 from ..format.index import (
     BLOB_HEADER_NBYTES,
@@ -107,7 +107,8 @@ def _expand_list_file(
             try:
                 yield from _expand_path(os.path.join(base, line), sample_dirs, skip_bad, resolve)
             except SourceError as exc:
-                raise SourceError(f"{list_path}, line {number:,}: {exc}{_spaces_hint(base, line)}") from None
+                where = f"{list_path}, line {number:,}"
+                raise type(exc)(f"{where}: {exc}{_spaces_hint(base, line)}") from None
 
 
 def _spaces_hint(base: str, line: str) -> str:
@@ -132,7 +133,7 @@ def _expand_path(path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPat
         return [(absolute, resolve(absolute))]
     if os.path.lexists(path):
         raise SourceError(f"{path}: {fsutil.describe_kind(path)}, not a regular file or directory")
-    raise SourceError(f"{path}: no such file or directory")
+    raise MissingInputError(f"{path}: no such file or directory")
 
 
 def looks_like_sample_dirs(sources: Sequence[str]) -> bool:

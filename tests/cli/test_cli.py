@@ -273,7 +273,7 @@ def test_errors_are_one_line_whatever_a_path_holds(tmp_path, sources, name, show
     assert result.returncode == 2
     usage, hint, blank, error = result.stderr.split("\n")[:-1]
     assert usage.startswith("Usage: ") and hint.startswith("Try ") and blank == ""
-    assert error.startswith(f"Error: Invalid value for 'DATASET': Directory '{sources}/")
+    assert error.startswith(f"Error: Invalid value for 'OUT': Directory '{sources}/")
     assert error.endswith(".npz' is a file.")
 
 
@@ -539,9 +539,9 @@ def test_a_missing_path_in_a_list_file_names_the_list_and_line(tmp_path) -> None
     listed = sorted((tmp_path / "data").iterdir())[0].name
     (tmp_path / "list.txt").write_text(f"# train\ndata/{listed}\n\ndata/gone.npz\n")
     result = run("convert", f"@{tmp_path / 'list.txt'}", "-o", str(tmp_path / "out"))
-    assert result.exit_code == 1
-    assert result.output == (
-        f"Error: {tmp_path / 'list.txt'}, line 4: {tmp_path / 'data' / 'gone.npz'}: no such file or directory\n"
+    assert result.exit_code == 2  # a usage mistake, as the docs call it
+    assert result.output.splitlines()[-1] == (
+        f"Error: {tmp_path / 'list.txt'}, line 4: {tmp_path / 'data' / 'gone.npz'}: no such file or directory"
     )
     assert not (tmp_path / "out").exists()
 
@@ -595,10 +595,10 @@ def test_a_list_line_not_found_with_spaces_around_an_existing_path_says_so(tmp_p
     write_npz(tmp_path / "a.npz", x=np.array([222]))
     (tmp_path / "list.txt").write_text(" a.npz\n")
     result = run("convert", f"@{tmp_path / 'list.txt'}", "-o", tmp_path / "out", "-q")
-    assert result.exit_code == 1
-    assert result.output == (
+    assert result.exit_code == 2
+    assert result.output.splitlines()[-1] == (
         f"Error: {tmp_path / 'list.txt'}, line 1: {tmp_path / ' a.npz'}: no such file or directory "
-        "(the line has white space around 'a.npz', which exists: remove the white space to name it)\n"
+        "(the line has white space around 'a.npz', which exists: remove the white space to name it)"
     )
 
 
@@ -639,3 +639,26 @@ def test_a_cast_names_a_key_holding_an_equals_sign_and_a_dtype_starting_with_one
     reader = DatasetReader(tmp_path / "out")
     assert reader.column("lr=0.1").dtype == np.dtype("<f4") and reader.column("x").dtype == np.dtype("<i4")
     assert reader.column("lr=0.1").tolist() == [[0.5], [0.25]]
+
+
+def test_a_missing_input_is_a_usage_mistake_exit_2_and_each_command_shows_examples(tmp_path) -> None:
+    result = run("convert", str(tmp_path / "nothere"), "-o", str(tmp_path / "out"))
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [
+        "Usage: cli convert -o OUT [OPTIONS] INPUT...",
+        "Try 'cli convert --help' for help.",
+        "",
+        f"Error: {tmp_path / 'nothere'}: no such file or directory",
+    ]
+    for command, usage in [
+        ("convert", "convert -o OUT [OPTIONS] INPUT..."),
+        ("merge", "merge -o OUT [OPTIONS] PART..."),
+        ("inspect", "inspect [OPTIONS] OUT"),
+        ("verify", "verify [OPTIONS] OUT"),
+        ("warm", "warm [OPTIONS] OUT"),
+    ]:
+        shown = run(command, "--help").output
+        assert shown.startswith(f"Usage: cli {usage}\n"), shown
+        examples = shown.split("  Examples:\n")[1].splitlines()
+        assert examples and all(line.startswith(f"    npz2mmap {command} ") for line in examples), shown
+        assert "DIRECTORY" not in shown and "DATASET" not in shown
