@@ -34,6 +34,10 @@ BLOB_NAME = "data.npy"
 SOURCES_NAME = "sources.jsonl"
 SKIPPED_NAME = "skipped.jsonl"
 DATASET_FILES = (INDEX_NAME, BLOB_NAME, SOURCES_NAME, SKIPPED_NAME)
+# Hidden names beside OUT while it is written (write/publish.py): ".OUT<mark>..." and ".OUT<suffix>".
+STAGING_MARK = ".npz2mmap-tmp-"
+RETIRED_MARK = ".npz2mmap-old-"
+LOCK_SUFFIX = ".npz2mmap-lock"
 
 # 64 bytes is numpy's ARRAY_ALIGN and a cache line: any dtype view is aligned.
 MIN_ALIGN = 64
@@ -316,9 +320,25 @@ def load_index(dataset_dir: str | os.PathLike[str]) -> Index:
     path = os.path.join(os.fspath(dataset_dir), INDEX_NAME)
     if not os.path.isdir(dataset_dir):
         what = "not a directory" if os.path.lexists(dataset_dir) else "no such dataset"
+        if not os.path.lexists(dataset_dir) and is_being_written(os.fspath(dataset_dir)):
+            what += (
+                " yet: a conversion, Writer or merge is writing it (or one was stopped: its hidden "
+                "files are beside it); open it once that has finished"
+            )
         raise FormatError(f"{os.fspath(dataset_dir)}: {what}")
     raw = read_regular_file(path, MAX_INDEX_NBYTES)
     return dataclasses.replace(parse_index(decode_json(raw, path), path), digest=index_digest(raw))
+
+
+def is_being_written(dataset_dir: str) -> bool:
+    """Whether the hidden lock or staging files of a write to ``dataset_dir`` lie beside it."""
+    parent, name = os.path.split(os.path.normpath(os.path.abspath(dataset_dir)))
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return False
+    marks = (f".{name}{LOCK_SUFFIX}", f".{name}{STAGING_MARK}")
+    return any(entry.startswith(marks) for entry in entries)
 
 
 def parse_index(document: Any, where: str) -> Index:

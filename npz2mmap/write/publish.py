@@ -17,14 +17,18 @@ from collections.abc import Iterator
 
 from .. import fsutil, locks
 from ..errors import FormatError, OutputError
-from ..format.index import BLOB_NAME, DATASET_FILES, INDEX_NAME, load_index
+from ..format.index import (
+    BLOB_NAME,
+    DATASET_FILES,
+    INDEX_NAME,
+    LOCK_SUFFIX,
+    RETIRED_MARK,
+    STAGING_MARK,
+    load_index,
+)
 from ..format.manifest import MANIFEST_NAME, read_manifest
 from ..parallel import interrupts_blocked
 from ..text import human_bytes
-
-STAGING_MARK = ".npz2mmap-tmp-"
-RETIRED_MARK = ".npz2mmap-old-"
-LOCK_SUFFIX = ".npz2mmap-lock"
 
 
 def check_output(out_dir: str, overwrite: bool) -> None:

@@ -48,3 +48,29 @@ def test_a_reader_pickles_as_its_recipe_and_maps_the_blob_again_where_loaded(tmp
         [sys.executable, "-c", code], input=pickled, capture_output=True, env={"PYTHONPATH": str(REPO_ROOT)}
     )
     assert (result.returncode, result.stdout) == (0, b"12\n"), result.stderr
+
+
+def test_opening_a_dataset_a_writer_is_writing_says_so(tmp_path) -> None:
+    """It said "no such dataset", as for a typo."""
+    import pytest
+    from click.testing import CliRunner
+
+    from npz2mmap.cli.commands import cli
+    from npz2mmap.errors import FormatError
+
+    out = str(tmp_path / "ds")
+    message = (
+        f"{out}: no such dataset yet: a conversion, Writer or merge is writing it (or one was stopped: its "
+        "hidden files are beside it); open it once that has finished"
+    )
+    with npz2mmap.Writer(out) as writer:
+        writer.append({"x": np.zeros(2)})
+        with pytest.raises(FormatError) as refused:
+            DatasetReader(out)
+        assert str(refused.value) == message
+        result = CliRunner().invoke(cli, ["inspect", out])
+        assert (result.exit_code, result.output) == (1, f"Error: {message}\n")
+    assert len(DatasetReader(out)) == 1
+    with pytest.raises(FormatError) as refused:
+        DatasetReader(str(tmp_path / "typo"))
+    assert str(refused.value) == f"{tmp_path / 'typo'}: no such dataset"
