@@ -42,6 +42,7 @@ class VerifyReport:
     bad_samples: dict[str, list[int]] = field(default_factory=dict)
     sources_checked: bool = False
     unsourced: int = 0  # samples whose source is not named (a Writer's, appended without source=)
+    labelled: int = 0  # samples whose source is a label, no file (a Writer's source="generated/3")
 
     @property
     def ok(self) -> bool:
@@ -179,7 +180,9 @@ def _compare_sources(
 ) -> None:
     """Compare each sample with its source: a file, or in rows mode a row of a file.
 
-    A sample whose source is not named (empty) is counted, not compared.
+    A sample whose source is not named (empty), or is a label that names no file (a
+    Writer's ``source=``: relative, where convert records absolute paths), is counted, not
+    compared.
     """
     files, starts = sources
     rows_mode = reader.index.mode == "rows"
@@ -187,6 +190,10 @@ def _compare_sources(
         first, count = int(starts[k]), int(starts[k + 1] - starts[k])
         if not path:
             report.unsourced += count
+            progress.advance(count, 0)
+            continue
+        if _is_a_label(path):
+            report.labelled += count
             progress.advance(count, 0)
             continue
         rows: list[int | None] = list(range(count)) if rows_mode else [None]
@@ -227,6 +234,12 @@ def _compare_file(
                 yield from _compare_member(reader, source, name, path, first, rows)
     except (SourceError, FormatError) as exc:
         yield from _for_every_sample(rows, str(exc))
+
+
+def _is_a_label(path: str) -> bool:
+    """A source= a Writer recorded that names nothing: convert records only absolute paths,
+    and a relative one that no file answers to is a label, not a source gone missing."""
+    return not os.path.isabs(path) and not os.path.lexists(path)
 
 
 def _encodable(path: str) -> bool:

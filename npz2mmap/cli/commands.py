@@ -21,6 +21,7 @@ from click.core import ParameterSource
 
 from .._version import __version__
 from ..check.summary import describe_dataset, describe_sample, field_statistics
+from ..check.verify import VerifyReport
 from ..check.verify import verify as verify_dataset
 from ..check.warm import warm as warm_dataset
 from ..errors import MissingInputError, Npz2mmapError, RaggedFieldWarning, UnknownKeyError
@@ -540,30 +541,62 @@ def warn_if_larger_than_memory(dataset: str, blob_nbytes: int) -> None:
 )
 @click.argument("dataset", type=click.Path(file_okay=False), metavar="OUT")
 @click.option("--sources", is_flag=True, help="Also compare every sample bit for bit with its source file.")
+@click.option("--json", "as_json", is_flag=True, help="The report as JSON on stdout, every problem listed.")
 @max_header_size_option
 @progress_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress; print only problems (--progress none).")
 @friendly_errors
 def verify(
-    dataset: str, sources: bool, max_header_size: HeaderLimit, progress_mode: str, quiet: bool
+    dataset: str, sources: bool, as_json: bool, max_header_size: HeaderLimit, progress_mode: str, quiet: bool
 ) -> None:
     """Check a dataset's checksums and tables; exit 0 only if all is well."""
     with showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress:
         report = verify_dataset(dataset, sources=sources, progress=progress, max_header_size=max_header_size)
-    for problem in report.problems:
-        click.echo(one_line(problem), err=True)
+    if as_json:
+        click.echo(render_json(_verify_json(report)))
+    else:
+        for problem in report.problems[:MAX_PROBLEMS_SHOWN]:
+            click.echo(one_line(problem), err=True)
+        if len(report.problems) > MAX_PROBLEMS_SHOWN:
+            more = len(report.problems) - MAX_PROBLEMS_SHOWN
+            click.echo(f"... and {plural(more, 'more problem')} (--json lists them all)", err=True)
     if not report.ok:
         raise click.ClickException(f"{dataset}: {plural(len(report.problems), 'problem')} found")
-    if not quiet:
-        compared = report.sources_checked and report.unsourced < report.num_samples
-        checked = "checksums, tables, padding" + (" and sources" if compared else "")
-        line = f"OK: {dataset}: {plural(report.num_samples, 'sample')} verified ({checked})"
-        if report.sources_checked and report.unsourced:
-            line += (
-                f"; {plural(report.unsourced, 'sample')} of {report.num_samples:,} name no source "
-                "(appended by npz2mmap.Writer without source=) and were not compared"
-            )
-        click.echo(one_line(line))
+    if not quiet and not as_json:
+        click.echo(one_line(_verified_line(dataset, report)))
+
+
+MAX_PROBLEMS_SHOWN = 10  # problems verify prints; a damaged dataset can have one per sample
+
+
+def _verified_line(dataset: str, report: VerifyReport) -> str:
+    not_compared = report.unsourced + report.labelled
+    compared = report.sources_checked and not_compared < report.num_samples
+    checked = "checksums, tables, padding" + (" and sources" if compared else "")
+    line = f"OK: {dataset}: {plural(report.num_samples, 'sample')} verified ({checked})"
+    if report.sources_checked and report.unsourced:
+        line += (
+            f"; {plural(report.unsourced, 'sample')} of {report.num_samples:,} name no source "
+            "(appended by npz2mmap.Writer without source=) and were not compared"
+        )
+    if report.sources_checked and report.labelled:
+        line += (
+            f"; {plural(report.labelled, 'sample')} of {report.num_samples:,} name a label as source, "
+            "no file (npz2mmap.Writer's source=), and were not compared"
+        )
+    return line
+
+
+def _verify_json(report: VerifyReport) -> dict[str, Any]:
+    return {
+        "path": report.path,
+        "ok": report.ok,
+        "num_samples": report.num_samples,
+        "problems": report.problems,
+        "sources_checked": report.sources_checked,
+        "samples_without_source": report.unsourced,
+        "samples_with_a_label_as_source": report.labelled,
+    }
 
 
 @cli.command(

@@ -1,0 +1,56 @@
+"""verify as a user reads it: repeated problems capped, labels not taken for missing files, --json."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from click.testing import CliRunner
+from conftest import write_npz
+
+import npz2mmap
+from npz2mmap.cli.commands import cli
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_labels_a_writer_was_given_as_source_are_not_compared_not_problems(tmp_path) -> None:
+    """The README's Writer example (source=f"generated/{i}") gave one "No such file" line per sample."""
+    out = tmp_path / "ds"
+    with npz2mmap.Writer(out) as writer:
+        for i in range(30):
+            writer.append({"x": np.arange(3)}, source=f"generated/{i}")
+        writer.append({"x": np.arange(3)})
+    result = run("verify", out, "--sources")
+    assert (result.exit_code, result.output) == (
+        0,
+        f"OK: {out}: 31 samples verified (checksums, tables, padding); 1 sample of 31 name no source "
+        "(appended by npz2mmap.Writer without source=) and were not compared; 30 samples of 31 name a label "
+        "as source, no file (npz2mmap.Writer's source=), and were not compared\n",
+    )
+    report = json.loads(run("verify", out, "--sources", "--json").output)
+    assert report == {
+        "path": str(out), "ok": True, "num_samples": 31, "problems": [], "sources_checked": True,
+        "samples_without_source": 1, "samples_with_a_label_as_source": 30,
+    }
+
+
+def test_many_problems_are_capped_with_a_count_and_listed_whole_in_json(tmp_path) -> None:
+    for i in range(15):
+        write_npz(tmp_path / "src" / f"{i:02d}.npz", x=np.arange(3) + i)
+    npz2mmap.convert([tmp_path / "src"], tmp_path / "ds", workers=1)
+    for i in range(15):  # every source changed since: one problem per sample
+        write_npz(tmp_path / "src" / f"{i:02d}.npz", x=np.arange(3) - i - 1)
+    result = run("verify", tmp_path / "ds", "--sources", "-q")
+    lines = result.output.splitlines()
+    assert result.exit_code == 1
+    assert len(lines) == 12 and all(line.startswith("sample ") for line in lines[:10])
+    assert lines[10:] == [
+        "... and 5 more problems (--json lists them all)",
+        f"Error: {tmp_path / 'ds'}: 15 problems found",
+    ]
+    result = run("verify", tmp_path / "ds", "--sources", "--json")
+    report = json.loads(result.output.split("\nError: ")[0])
+    assert result.exit_code == 1 and not report["ok"] and len(report["problems"]) == 15
