@@ -31,6 +31,7 @@ from ..ingest.npy_header import CLI_HEADER_OPTION, MAX_HEADER_SIZE_LIMIT, MAX_NP
 from ..progress import PROGRESS_MODES, showing_progress
 from ..read.memory import fits_in_memory, larger_than_memory, memory_limit
 from ..text import human_bytes, plural
+from ..write.conversion import ConvertResult
 from ..write.conversion import convert as convert_files
 from ..write.merge import merge as merge_parts
 from ..write.options import cast_dtype, resolve_part
@@ -354,6 +355,9 @@ def examples(*lines: str) -> str:
 @max_header_size_option
 @progress_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress and no summary (--progress none).")
+@click.option(
+    "--json", "as_json", is_flag=True, help="The summary as JSON on stdout (warnings stay on stderr)."
+)
 @friendly_errors
 def convert(
     inputs: tuple[str, ...],
@@ -371,6 +375,7 @@ def convert(
     max_header_size: HeaderLimit,
     progress_mode: str,
     quiet: bool,
+    as_json: bool,
 ) -> None:
     """Convert INPUT... into the dataset directory OUT.
 
@@ -426,7 +431,9 @@ def convert(
         )
     for item in result.nearly_fixed:
         echo_err(f"Warning: {as_given(_describe_nearly_fixed(item))}")
-    if not quiet:
+    if as_json:
+        click.echo(render_json(_convert_json(result)))
+    elif not quiet:
         index = result.index
         click.echo(
             one_line(
@@ -437,6 +444,24 @@ def convert(
         growth = _growth_note(result.data_nbytes, result.sources_nbytes)
         if growth:
             click.echo(growth)
+
+
+def _convert_json(result: ConvertResult) -> dict[str, Any]:
+    """What a script reads of a conversion: where, how much, what was left out."""
+    return {
+        "out_dir": result.out_dir,
+        "num_samples": result.index.num_samples,
+        "fields": list(result.index.field_names),
+        "data_nbytes": result.data_nbytes,
+        "sources_nbytes": result.sources_nbytes,
+        "seconds": round(result.seconds, 3),
+        "skipped": [{"path": path, "reason": reason} for path, reason in result.skipped],
+        "nearly_fixed": [
+            {"field": item.field, "shape": list(item.shape), "files_differing": item.num_odd,
+             "first": item.first_odd_source, "first_shape": list(item.first_odd_shape)}
+            for item in result.nearly_fixed
+        ],
+    }
 
 
 @contextlib.contextmanager

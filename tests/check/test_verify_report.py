@@ -54,3 +54,35 @@ def test_many_problems_are_capped_with_a_count_and_listed_whole_in_json(tmp_path
     result = run("verify", tmp_path / "ds", "--sources", "--json")
     report = json.loads(result.output.split("\nError: ")[0])
     assert result.exit_code == 1 and not report["ok"] and len(report["problems"]) == 15
+
+
+def test_convert_json_is_the_summary_a_script_reads(tmp_path) -> None:
+    for i in range(3):
+        write_npz(tmp_path / "src" / f"{i}.npz", x=np.arange(i + 1, dtype=np.int64))
+    (tmp_path / "src" / "bad.npz").write_bytes(b"")
+    result = CliRunner().invoke(  # click keeps stdout apart: the warning goes to stderr
+        cli, ["convert", str(tmp_path / "src"), "-o", str(tmp_path / "ds"), "--skip-bad", "--json"]
+    )
+    assert result.exit_code == 0
+    summary = json.loads(result.stdout)
+    assert summary["out_dir"] == str(tmp_path / "ds") and summary["num_samples"] == 3
+    assert summary["fields"] == ["x"] and summary["data_nbytes"] == 48
+    assert [item["path"] for item in summary["skipped"]] == [str(tmp_path / "src" / "bad.npz")]
+    assert summary["nearly_fixed"] == [] and set(summary) == {
+        "out_dir", "num_samples", "fields", "data_nbytes", "sources_nbytes", "seconds", "skipped", "nearly_fixed"
+    }
+
+
+def test_shell_completion_is_clicks_and_completes_the_commands(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "_NPZ2MMAP_COMPLETE": "bash_source"}
+    script = subprocess.run([sys.executable, "-m", "npz2mmap"], env=env, capture_output=True, text=True)
+    assert script.returncode == 0 and "_npz2mmap_completion" in script.stdout
+    env.update(_NPZ2MMAP_COMPLETE="bash_complete", COMP_WORDS="npz2mmap co", COMP_CWORD="1")
+    words = subprocess.run([sys.executable, "-m", "npz2mmap"], env=env, capture_output=True, text=True)
+    assert "plain,convert" in words.stdout.splitlines()
