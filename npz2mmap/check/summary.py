@@ -10,6 +10,7 @@ from numpy.typing import NDArray
 
 from ..format.index import BLOB_NAME, FORMAT_NAME, FORMAT_VERSION
 from ..format.manifest import is_manifest_dir
+from ..format.provenance import read_skipped, read_sources
 from ..progress import Progress, SilentProgress
 from ..read.parts import FieldInfo, Parts, PartsReader, describe_parts
 from ..read.reader import DatasetReader
@@ -36,7 +37,22 @@ def describe_dataset(path: str | os.PathLike[str]) -> dict[str, Any]:
         "align": min(index.align for index in parts.all_indexes),  # parts may differ; every region has this
         "parts": describe_parts(parts) if of_parts else [],
         "fields": [_describe_field(parts.field(name), readers) for name in parts.field_names],
+        "skipped": _skipped(parts),
     }
+
+
+MAX_SKIPPED_SHOWN = 20  # of the files --skip-bad left out, those inspect names (the count is whole)
+
+
+def _skipped(parts: Parts) -> dict[str, Any]:
+    """How many files --skip-bad left out, over every part, and the first of them with the reason."""
+    count = sum(index.num_skipped for index in parts.all_indexes)
+    first: list[dict[str, str]] = []
+    for path, index in zip(parts.all_paths, parts.all_indexes, strict=True):
+        if index.num_skipped and len(first) < MAX_SKIPPED_SHOWN:
+            listed = read_skipped(path, index)[: MAX_SKIPPED_SHOWN - len(first)]
+            first += [{"path": source, "reason": reason} for source, reason in listed]
+    return {"count": count, "first": first}
 
 
 def _describe_field(info: FieldInfo, readers: list[DatasetReader]) -> dict[str, Any]:
@@ -97,12 +113,27 @@ NUMERIC_KINDS = INTEGER_KINDS + FLOAT_KINDS
 
 def describe_sample(path: str | os.PathLike[str], i: int) -> dict[str, Any]:
     """Shape, dtype and min/max/mean of each field of sample ``i``. Raises IndexError, FormatError."""
-    reader = PartsReader(Parts(path))
+    parts = Parts(path)
+    reader = PartsReader(parts)
     i = reader.sample_index(i)
     return {
         "sample": i,
+        **_source_of(parts, i),
         "fields": [_describe_array(name, reader.view(name, i)) for name in reader.field_names],
     }
+
+
+def _source_of(parts: Parts, i: int) -> dict[str, Any]:
+    """The source sample ``i`` came from (sources.jsonl), and in rows mode its row in it."""
+    part = int(np.searchsorted(parts.starts, i, side="right")) - 1
+    index = parts.indexes[part]
+    files, starts = read_sources(parts.paths[part], index)
+    local = i - int(parts.starts[part])
+    k = int(np.searchsorted(starts, local, side="right")) - 1
+    found: dict[str, Any] = {"source": files[k] or None}  # a Writer's sample without source=: none
+    if index.mode == "rows":
+        found["row"] = local - int(starts[k])
+    return found
 
 
 def _describe_array(name: str, array: np.ndarray) -> dict[str, Any]:

@@ -22,6 +22,7 @@ def render_summary(summary: dict[str, Any]) -> str:
         f"format   {summary['format']} v{summary['version']} (written by npz2mmap {summary['tool_version']})",
         f"samples  {summary['num_samples']:,}",
         _blob_line(summary),
+        *_skipped_lines(summary.get("skipped")),
         "",
     ]
     if summary["parts"]:
@@ -110,7 +111,11 @@ def render_sample(info: dict[str, Any]) -> str:
     for f in info["fields"]:
         stats = [_figure(f[k]) if k in f else "-" for k in ("min", "max", "mean", "nan", "inf")]
         rows.append((printable(f["name"]), f["dtype"], str(tuple(f["shape"])), *stats))
-    return "\n".join([f"sample {info['sample']}", *_table(rows)])
+    source = info.get("source")
+    named = "" if source is None else f" (from {printable(source)}" + (
+        f", row {info['row']:,})" if "row" in info else ")"
+    )
+    return "\n".join([f"sample {info['sample']}{named}", *_table(rows)])
 
 
 def _figure(value: float) -> str:
@@ -179,3 +184,15 @@ class PathsAsGiven:
 # A path starts after a character no path holds before it, and ends at one no path holds after it.
 _BEFORE_PATH = r"(?<![\w./\\~-])"
 _AFTER_PATH = r"(?=[/\\\[:;,)'\"\s]|$)"
+
+
+def _skipped_lines(skipped: dict[str, Any] | None) -> list[str]:
+    """A line for the files --skip-bad left out, naming the first, when there are any."""
+    if not skipped or not skipped["count"]:
+        return []
+    first = skipped["first"][0]
+    count = skipped["count"]
+    files = f"{count:,} file{'s' if count != 1 else ''}"
+    return [
+        f"skipped  {files} left out by --skip-bad (skipped.jsonl); the first: {printable(first['reason'])}"
+    ]

@@ -86,3 +86,32 @@ def test_shell_completion_is_clicks_and_completes_the_commands(tmp_path) -> None
     env.update(_NPZ2MMAP_COMPLETE="bash_complete", COMP_WORDS="npz2mmap co", COMP_CWORD="1")
     words = subprocess.run([sys.executable, "-m", "npz2mmap"], env=env, capture_output=True, text=True)
     assert "plain,convert" in words.stdout.splitlines()
+
+
+def test_inspect_names_the_files_left_out_and_a_samples_source(tmp_path) -> None:
+    for i in range(3):
+        write_npz(tmp_path / "src" / f"{i}.npz", x=np.arange(i + 1))
+    (tmp_path / "src" / "bad.npz").write_bytes(b"")
+    npz2mmap.convert([tmp_path / "src"], tmp_path / "ds", workers=1, skip_bad=True)
+    shown = run("inspect", tmp_path / "ds").output.splitlines()
+    assert shown[4] == (
+        "skipped  1 file left out by --skip-bad (skipped.jsonl); the first: "
+        f"{tmp_path / 'src' / 'bad.npz'}: not a valid zip/npz file (File is not a zip file)"
+    )
+    summary = json.loads(run("inspect", tmp_path / "ds", "--json").output)
+    assert summary["skipped"] == {
+        "count": 1,
+        "first": [{"path": str(tmp_path / "src" / "bad.npz"),
+                   "reason": f"{tmp_path / 'src' / 'bad.npz'}: not a valid zip/npz file (File is not a zip file)"}],
+    }
+    assert run("inspect", tmp_path / "ds", "--sample", "2").output.splitlines()[0] == (
+        f"sample 2 (from {tmp_path / 'src' / '2.npz'})"
+    )
+    assert json.loads(run("inspect", tmp_path / "ds", "--sample", "-1", "--json").output)["source"] == str(
+        tmp_path / "src" / "2.npz"
+    )
+    np.save(tmp_path / "rows.npy", np.arange(12).reshape(4, 3))
+    npz2mmap.convert([tmp_path / "rows.npy"], tmp_path / "rows", workers=1, rows=True)
+    assert run("inspect", tmp_path / "rows", "--sample", "2").output.splitlines()[0] == (
+        f"sample 2 (from {tmp_path / 'rows.npy'}, row 2)"
+    )
