@@ -380,7 +380,8 @@ def convert(
     """Convert INPUT... into the dataset directory OUT.
 
     Each INPUT is an .npz or .npy file, a directory (searched recursively for
-    *.npz and *.npy, hidden names skipped, in sorted order) or @LIST, a text
+    *.npz and *.npy, hidden names skipped, in sorted order), a quoted glob
+    pattern ('data/**/*.npz', matches sorted) or @LIST, a text
     file naming one path per line (lines whose first character other than
     white space is # are comments). Each file becomes one sample, in that order
     (with --rows, each row of it); a .npy file holds the one field arr_0 (with

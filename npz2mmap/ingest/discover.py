@@ -6,6 +6,7 @@ that directly holds ``.npy`` files (one sample, one field per file).
 
 from __future__ import annotations
 
+import glob
 import heapq
 import os
 import posixpath
@@ -133,7 +134,28 @@ def _expand_path(path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPat
         return [(absolute, resolve(absolute))]
     if os.path.lexists(path):
         raise SourceError(f"{path}: {fsutil.describe_kind(path)}, not a regular file or directory")
+    if glob.has_magic(path):
+        return _expand_pattern(path, sample_dirs, skip_bad, resolve)
     raise MissingInputError(f"{path}: no such file or directory")
+
+
+def _expand_pattern(pattern: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> list[Found]:
+    """A glob pattern (quoted, so the shell left it): its matches in sorted order, ``**`` any
+    depth, hidden names left out as a walk leaves them; of files, those a walk would take
+    (.npz, and .npy unless ``sample_dirs``), and directories walked. MissingInputError if it
+    matches nothing."""
+    matches = sorted(glob.glob(pattern, recursive=True))
+    found: list[Found] = []
+    for match in matches:
+        if os.path.isdir(match) or _taken_by_a_walk(os.path.basename(match), sample_dirs):
+            found.extend(_expand_path(match, sample_dirs, skip_bad, resolve))
+    if not found:
+        raise MissingInputError(f"{pattern}: the pattern matches no .npz or .npy file, nor a directory")
+    return found
+
+
+def _taken_by_a_walk(name: str, sample_dirs: bool) -> bool:
+    return name.lower().endswith(NPZ_SUFFIX) or (is_npy_path(name) and not sample_dirs)
 
 
 def looks_like_sample_dirs(sources: Sequence[str]) -> bool:
@@ -198,7 +220,7 @@ def _walk(top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> l
                 heapq.heappush(pending, (inner.absolute, inner))
             elif is_sample:  # its other files, .npz ones too, are not sources: the directory is
                 continue
-            elif entry.name.lower().endswith(NPZ_SUFFIX) or (is_npy_path(entry.name) and not sample_dirs):
+            elif _taken_by_a_walk(entry.name, sample_dirs):
                 if not skip_bad and not _is(entry.is_file):
                     raise SourceError(f"{entry.path}: {fsutil.describe_kind(entry.path)}, not a regular file")
                 found.append(resolve.entry(directory, entry))

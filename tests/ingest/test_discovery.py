@@ -703,3 +703,27 @@ def test_dot_dot_after_a_directory_link_goes_up_from_its_target_as_the_system_do
     assert discover_sources(["link/../a.npz"]) == [opened]
     assert discover_sources(["@link/list.txt"]) == [opened]
     assert discover_sources(["link/.."]) == [opened, str(tmp_path / "deep" / "real" / "inner.npz")]
+
+
+def test_a_quoted_glob_pattern_converts_its_matches_in_sorted_order_and_one_matching_nothing_says_so(
+    tmp_path, monkeypatch
+) -> None:
+    """'images/**/*.npz' and an unmatched 'images/*.npzz' both said "no such file or directory"."""
+    monkeypatch.chdir(tmp_path)
+    for name in ["img/b.npz", "img/a.npz", "img/deep/er/c.npz", "img/.hidden.npz", "img/notes.txt"]:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith(".npz"):
+            write_npz(path, x=np.array([len(name)]))
+        else:
+            path.write_text("not a source")
+    code, output = convert_cli("img/**/*.npz", "-o", "out")
+    assert (code, output) == (0, "")
+    assert read_sources(tmp_path / "out") == [str(tmp_path / p) for p in ["img/a.npz", "img/b.npz", "img/deep/er/c.npz"]]
+    code, output = convert_cli("img/*", "-o", "out2")  # a directory matched is walked; other files left out
+    assert code == 0
+    assert read_sources(tmp_path / "out2") == [str(tmp_path / p) for p in ["img/a.npz", "img/b.npz", "img/deep/er/c.npz"]]
+    code, output = convert_cli("img/*.npzz", "-o", "out3")
+    assert code == 2 and output.splitlines()[-1] == (
+        "Error: img/*.npzz: the pattern matches no .npz or .npy file, nor a directory"
+    )
