@@ -241,11 +241,20 @@ def _cast_pieces(
         if len(lost):
             k = int(lost[0])
             index = _element_index(start + k, header)
+            wider = _wider(values[k], stored)
             raise MismatchError(
                 f"{reader.where}: {_describe_lost(values, converted, k, index)} "
-                f"({cast_option} keeps only values that {stored} represents exactly)"
+                f"({cast_option} keeps only values that {stored} represents exactly{wider})"
             )
         yield converted.view(np.uint8).data
+
+
+def _wider(value: np.generic, stored: np.dtype) -> str:
+    """For a string longer than the width declared, the width that holds it."""
+    if stored.kind not in "SU" or value.dtype.kind not in "SU":
+        return ""
+    length = len(value.item())
+    return f": declare a wider one, {stored.kind}{length} or more, for strings of {length} characters"
 
 
 def _element_index(k: int, header: MemberHeader) -> tuple[int, ...]:

@@ -228,3 +228,26 @@ def test_no_command_prints_the_help_on_its_lines(tmp_path) -> None:
     assert result.exit_code == 2
     lines = result.output.splitlines()
     assert lines[0] == "Usage: npz2mmap [OPTIONS] COMMAND [ARGS]..." and "Commands:" in lines
+
+
+def test_a_declared_string_width_stores_every_shorter_string_and_names_the_width_a_longer_one_needs(
+    tmp_path,
+) -> None:
+    """Rows from Hugging Face datasets: a width per value; the Writer refused the second row."""
+    with pytest.raises(MismatchError) as refused:
+        with npz2mmap.Writer(tmp_path / "w", casts={"text": "U8"}) as writer:
+            writer.append({"text": np.str_("abc")})
+            writer.append({"text": np.str_("abcdefgh")})
+            writer.append({"text": np.str_("abcdefghijk")})
+    assert str(refused.value) == (
+        "sample 2[text]: value 'abcdefghijk' does not survive the cast to <U8: it would be stored as "
+        "'abcdefgh' (casts= keeps only values that <U8 represents exactly: declare a wider one, U11 or more, "
+        "for strings of 11 characters)"
+    )
+    with npz2mmap.Writer(tmp_path / "ok", casts={"text": "U11"}) as writer:
+        for text in ["abc", "abcdefgh", "abcdefghijk"]:
+            writer.append({"text": np.str_(text)})
+    from npz2mmap.read.reader import DatasetReader
+
+    reader = DatasetReader(tmp_path / "ok")
+    assert [str(reader.view("text", i)) for i in range(3)] == ["abc", "abcdefgh", "abcdefghijk"]
