@@ -69,23 +69,30 @@ WRITER_HINTS = Hints(
 class Disagreement(MismatchError):
     """A source disagrees with the first: ``problem``, then ``way_out`` (what resolves it).
 
-    For a dtype that differs, ``key`` and ``dtypes`` (the stored one and the
-    source's) let Disagreements suggest one cast that holds every source's.
+    For dtypes that differ, ``dtypes`` maps each key to the stored dtype and the
+    source's, so that Disagreements can suggest one cast per key that holds every source's.
     """
 
     def __init__(
-        self, problem: str, way_out: str = "", key: str | None = None, dtypes: tuple[np.dtype, ...] = ()
+        self, problem: str, way_out: str = "", dtypes: Mapping[str, tuple[np.dtype, ...]] | None = None
     ) -> None:
-        self.problem, self.way_out, self.key, self.dtypes = problem, way_out, key, dtypes
+        self.problem, self.way_out, self.dtypes = problem, way_out, dict(dtypes or {})
         super().__init__(f"{problem}; {way_out}" if way_out else problem)
 
-    def __reduce__(self) -> tuple[type, tuple[str, str, str | None, tuple[np.dtype, ...]]]:
-        return type(self), (self.problem, self.way_out, self.key, self.dtypes)
+    def __reduce__(self) -> tuple[type, tuple[str, str, dict[str, tuple[np.dtype, ...]]]]:
+        return type(self), (self.problem, self.way_out, self.dtypes)
 
 
 def dtype_disagreement(problem: str, key: str, dtypes: tuple[np.dtype, ...], hints: Hints) -> Disagreement:
     """A Disagreement on ``key``'s dtypes, with the cast that stores them all (or what else to do)."""
-    return Disagreement(problem, cast_hint(key, dtypes, hints), key, dtypes)
+    return Disagreement(problem, cast_hint(key, dtypes, hints), {key: dtypes})
+
+
+def joined_disagreements(found: Sequence[Disagreement], hints: Hints) -> Disagreement:
+    """One source's disagreements on several keys' dtypes as one, each key's cast suggested."""
+    dtypes = {key: pair for exc in found for key, pair in exc.dtypes.items()}
+    ways = "; ".join(cast_hint(key, pair, hints) for key, pair in dtypes.items())
+    return Disagreement("; ".join(exc.problem for exc in found), ways, dtypes)
 
 
 def cast_hint(key: str, dtypes: Sequence[np.dtype], hints: Hints) -> str:
@@ -214,9 +221,9 @@ class Disagreements:
         problem, hint = str(exc), ""
         if isinstance(exc, Disagreement):
             problem, hint = exc.problem, exc.way_out
-            if exc.key is not None:  # a dtype: one cast for all is suggested at the end instead
-                known = self.dtypes.setdefault(exc.key, [])
-                known.extend(dtype for dtype in exc.dtypes if dtype not in known)
+            for key, pair in exc.dtypes.items():  # a dtype: one cast for all is suggested at the end instead
+                known = self.dtypes.setdefault(key, [])
+                known.extend(dtype for dtype in pair if dtype not in known)
                 hint = ""
         if len(self.problems) < self.SHOWN:
             self.problems.append(problem)
@@ -416,7 +423,18 @@ class PlanBuilder:
                 _describe_key_mismatch(source, sorted(members), sorted(collectors), self.first_source),
                 self.hints.keys.removeprefix("; "),
             )
-        checked = [collector.check(members[key], source) for key, collector in collectors.items()]
+        checked, dtype_problems = [], []
+        for key, collector in collectors.items():
+            try:
+                checked.append(collector.check(members[key], source))
+            except Disagreement as exc:
+                if not exc.dtypes:
+                    raise
+                dtype_problems.append(exc)  # every key whose dtype differs, named at once
+        if len(dtype_problems) == 1:
+            raise dtype_problems[0]
+        if dtype_problems:
+            raise joined_disagreements(dtype_problems, self.hints)
         dims = tuple(member_dims for member_dims, _ in checked)
         return PendingSource(source, collectors, dims, count, tuple(cast for _, cast in checked))
 

@@ -251,3 +251,19 @@ def test_a_declared_string_width_stores_every_shorter_string_and_names_the_width
 
     reader = DatasetReader(tmp_path / "ok")
     assert [str(reader.view("text", i)) for i in range(3)] == ["abc", "abcdefgh", "abcdefghijk"]
+
+
+def test_a_file_whose_dtypes_differ_in_two_keys_is_named_with_a_cast_for_each(tmp_path) -> None:
+    """Only the first key was named, with a cast for it alone; following it gave a second error."""
+    src = tmp_path / "src"
+    write_npz(src / "0.npz", a=np.zeros(2, np.float32), b=np.zeros(2, np.int32))
+    write_npz(src / "1.npz", a=np.zeros(2, np.float64), b=np.zeros(2, np.int64))
+    code, output = convert_cli(str(src), "-o", str(tmp_path / "out"))
+    first = src / "0.npz"
+    assert (code, output) == (
+        1,
+        f"Error: {src / '1.npz'}[a]: dtype float64 differs from float32 in {first}; {src / '1.npz'}[b]: dtype "
+        f"int64 differs from int32 in {first}; use --cast a=float64 to store one dtype; use --cast b=int64 "
+        "to store one dtype\n",
+    )
+    assert convert_cli(str(src), "-o", str(tmp_path / "out"), "--cast", "a=float64", "--cast", "b=int64")[0] == 0
