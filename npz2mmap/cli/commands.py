@@ -240,7 +240,21 @@ def _check_align(ctx: click.Context, param: click.Parameter, value: int) -> int:
     return value
 
 
-@click.group(cls=OneLineErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def examples(*lines: str) -> str:
+    """An Examples section for a command's --help, its lines kept as they are (click's \b)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+@click.group(
+    cls=OneLineErrorsGroup,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog=examples(
+        "npz2mmap convert data/ -o data.mmap",
+        "npz2mmap inspect data.mmap",
+        "npz2mmap verify data.mmap --sources",
+        "npz2mmap convert --help                 # each command's options and examples",
+    ),
+)
 @click.version_option(__version__, prog_name="npz2mmap")
 @debug_option
 def cli() -> None:
@@ -274,11 +288,6 @@ def output_option(help_text: str) -> Callable[[F], F]:
         metavar="OUT",
         help=help_text,
     )
-
-
-def examples(*lines: str) -> str:
-    """An Examples section for a command's --help, its lines kept as they are (click's \b)."""
-    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 @cli.command(

@@ -6,6 +6,7 @@ that directly holds ``.npy`` files (one sample, one field per file).
 
 from __future__ import annotations
 
+import errno
 import glob
 import heapq
 import os
@@ -97,6 +98,8 @@ def _expand_list_file(
         lines = text.split("\n")
     except OSError as exc:
         fsutil.reraise_if_from_a_handler(exc)
+        if exc.errno == errno.ENOENT:  # a usage mistake, as a missing input is
+            raise MissingInputError(f"{list_path}: no such list file") from None
         raise SourceError(f"{list_path}: cannot read list file ({exc.strerror})") from None
     except fsutil.NotRegularFile as exc:
         raise SourceError(f"{list_path}: list file is {exc}") from None

@@ -29,6 +29,8 @@ from ..ingest.npy_header import MemberHeader
 from ..text import brief, quoted
 from .layout import Plan, lay_out
 
+MAX_DTYPES_SEEN = 64  # the source dtypes of a field a cast refusal considers (a bound, not a limit)
+
 # Every sample has an int64 entry in a ragged field's offsets table, which lives in the payload.
 MAX_NUM_SAMPLES = MAX_PAYLOAD_NBYTES // OFFSET_DTYPE.itemsize - 1
 
@@ -146,6 +148,7 @@ class _FieldCollector:
         self.first_path = path
         self.dims: array[int] = array("q")
         self.accepted_dtype: np.dtype | None = None  # the last source dtype _check_dtype accepted
+        self.seen_dtypes: list[np.dtype] = []  # every source dtype met, for the cast a refusal suggests
         self.accepted_is_cast = False  # whether storing accepted_dtype casts its values
         self.cast_files: array[int] = array("q")  # the recorded sources whose values are cast, by number
         if self.ndim + 1 > MAX_NDIM:
@@ -175,6 +178,8 @@ class _FieldCollector:
 
     def _check_dtype(self, header: MemberHeader, path: str) -> None:
         where = f"{path}[{header.key}]"
+        if header.dtype not in self.seen_dtypes and len(self.seen_dtypes) < MAX_DTYPES_SEEN:
+            self.seen_dtypes.append(header.dtype)
         if self.cast is not None:
             if not can_cast(header.dtype, self.dtype):
                 records = header.dtype.names is not None or self.dtype.names is not None
@@ -182,7 +187,7 @@ class _FieldCollector:
                 raise dtype_disagreement(
                     f"{where}: dtype {header.dtype} cannot be cast to {self.dtype} {rule}",
                     header.key,
-                    (header.dtype,),  # the cast suggested must hold the sources' dtypes, not this one
+                    tuple(self.seen_dtypes),  # the cast suggested must hold the sources' dtypes, not this one
                     self.hints,
                 )
         elif storage_dtype(header.dtype) != self.dtype:
@@ -256,13 +261,16 @@ def check_field_name(name: str, where: str) -> None:
 def can_cast(source: np.dtype, target: np.dtype) -> bool:
     """What --cast allows: numpy's 'same_kind' rule (float64 -> float32, never float -> int),
     less what numpy allows there but changes the values' kind or place: numbers to text (7 to
-    '7'), and records other than member by member (numpy casts records by position, so another
-    order of names swaps values, and a member of another shape broadcasts them)."""
+    '7'), to times (7 to 7 seconds) or to raw bytes, and records other than member by member
+    (numpy casts records by position, so another order of names swaps values, and a member of
+    another shape broadcasts them)."""
     if source.fields is not None or target.fields is not None:
         return _can_cast_records(source, target)
     if source.subdtype is not None or target.subdtype is not None:
         return source.shape == target.shape and can_cast(source.base, target.base)
-    if source.kind in "biufc?" and target.kind in "SU":
+    if source.kind in "biufc?" and target.kind in "SUmMV":  # 7 as '7', 7 seconds or raw bytes
+        return False
+    if target.kind == "V" and source.kind != "V":
         return False
     return bool(np.can_cast(source, target, casting="same_kind"))
 

@@ -410,7 +410,7 @@ def test_debug_after_the_command_shows_the_traceback(tmp_path, sources) -> None:
 def test_main_help_shows_every_command_summary_whole() -> None:
     result = run("--help")
     assert result.exit_code == 0
-    commands = " ".join(result.output.split("Commands:\n", 1)[1].split())
+    commands = " ".join(result.output.split("Commands:\n", 1)[1].split("  Examples:")[0].split())
     assert commands == (
         "convert Convert INPUT... into the dataset directory OUT. "
         "inspect Show a dataset's format, samples, size and fields. "
@@ -662,3 +662,7 @@ def test_a_missing_input_is_a_usage_mistake_exit_2_and_each_command_shows_exampl
         examples = shown.split("  Examples:\n")[1].splitlines()
         assert examples and all(line.startswith(f"    npz2mmap {command} ") for line in examples), shown
         assert "DIRECTORY" not in shown and "DATASET" not in shown
+    assert "  Examples:\n    npz2mmap convert data/ -o data.mmap\n" in run("--help").output
+    missing_list = run("convert", f"@{tmp_path / 'nolist.txt'}", "-o", str(tmp_path / "out"))
+    assert missing_list.exit_code == 2
+    assert missing_list.output.splitlines()[-1] == f"Error: {tmp_path / 'nolist.txt'}: no such list file"

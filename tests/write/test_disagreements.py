@@ -183,6 +183,11 @@ def test_a_record_value_a_cast_would_change_is_shown_apart_from_what_it_would_be
     [
         (np.array([7, 12345], np.int64), "U8", "without changing kind"),  # 7 stored as '7'
         (np.array([1.5], np.float64), "S8", "without changing kind"),
+        (np.array([5, 7], np.int64), "m8[s]", "without changing kind"),  # 5 steps stored as 5 seconds
+        (np.array([True]), "m8[D]", "without changing kind"),
+        (np.array([True, False]), "V8", "without changing kind"),  # True stored as raw bytes
+        (np.array([(1, 2.0)], [("a", "<i8"), ("b", "<f8")]), [("a", "<m8[s]"), ("b", "<f8")],
+         "member by member (the same names, in order)"),
         (
             np.array([(1.0, 2.0)], [("b", "<f4"), ("a", "<f4")]),  # numpy casts by position: a and b swapped
             [("a", "<f8"), ("b", "<f8")],
@@ -194,7 +199,8 @@ def test_a_record_value_a_cast_would_change_is_shown_apart_from_what_it_would_be
             "member by member (the same names, in order)",
         ),
     ],
-    ids=["int-to-text", "float-to-bytes", "records-reordered", "member-broadcast"],
+    ids=["int-to-text", "float-to-bytes", "int-to-time", "bool-to-time", "bool-to-void", "member-to-time",
+         "records-reordered", "member-broadcast"],
 )
 def test_a_cast_numpy_allows_but_that_moves_or_retypes_values_is_refused(tmp_path, stored, cast, why) -> None:
     """Each converted, exit 0, into values that were not the files' (verify --sources passed)."""
