@@ -338,7 +338,7 @@ def test_list_files_may_start_with_a_bom_and_a_huge_one_is_refused(tmp_path, mon
 
 
 def test_errors_of_huge_lines_are_cut_to_one_readable_line() -> None:
-    from npz2mmap.cli.commands import MAX_LINE_CHARS, one_line
+    from npz2mmap.cli.click_support import MAX_LINE_CHARS, one_line
 
     line = one_line("x" * 10_000_000 + "\n")
     assert len(line) < MAX_LINE_CHARS + 10 and " ... " in line and line.endswith("\\n")
