@@ -21,10 +21,11 @@ from numpy.typing import NDArray
 from torch.utils.data import Dataset, get_worker_info
 
 from ..errors import LargerThanMemoryWarning
+from ..read.features import Feature, features_of
 from ..read.memory import fits_in_memory, larger_than_memory, memory_limit
 from ..read.parts import Parts, PartsReader
 from ..read.ragged import RaggedRows
-from ..read.reader import ADVICE, Feature, copy_bytes, features_of
+from ..read.reader import ADVICE, copy_bytes
 
 # Imported for its registrations: torch's default collate must know the marked sample types
 # wherever a dataset's batches are collated, in every worker process too.

@@ -12,8 +12,8 @@ import operator
 import os
 import weakref
 import zlib
-from collections.abc import Iterable, Sequence
-from typing import NamedTuple, Protocol, SupportsIndex
+from collections.abc import Sequence
+from typing import SupportsIndex
 
 import numpy as np
 from numpy.typing import NDArray
@@ -40,6 +40,7 @@ from ..format.index import (
 )
 from ..format.manifest import MANIFEST_NAME, is_manifest_dir
 from ..text import quoted
+from .features import Feature, features_of
 from .ragged import RaggedRows
 
 ADVICE = {
@@ -47,42 +48,6 @@ ADVICE = {
     for name in ("normal", "random", "sequential", "willneed")
     if hasattr(mmap, f"MADV_{name.upper()}")
 }
-
-
-class Feature(NamedTuple):
-    """What one field holds in each sample: its dtype and shape, or, for a ragged field (whose
-    samples differ in shape), None and the number of dimensions they share."""
-
-    dtype: np.dtype
-    shape: tuple[int, ...] | None
-    ndim: int
-
-    @property
-    def ragged(self) -> bool:
-        return self.shape is None
-
-    def __repr__(self) -> str:
-        if self.shape is None:
-            return f"Feature(dtype={self.dtype}, ragged, ndim={self.ndim})"
-        return f"Feature(dtype={self.dtype}, shape={self.shape})"
-
-
-class _Described(Protocol):
-    """A field as an index (Field) or a dataset of parts (FieldInfo) describes it."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def dtype(self) -> np.dtype: ...
-    @property
-    def ndim(self) -> int: ...
-    @property
-    def shape(self) -> tuple[int, ...] | None: ...
-
-
-def features_of(fields: Iterable[_Described]) -> dict[str, Feature]:
-    """Each field's Feature, by name, in the order given."""
-    return {f.name: Feature(f.dtype, f.shape, f.ndim) for f in fields}
 
 
 class DatasetReader:
