@@ -8,7 +8,8 @@ Importing this module registers them (``pytorch.dataset`` imports it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -67,10 +68,11 @@ def _collate_transformed_samples(batch: Sequence[MarkedSample], *, collate_fn_ma
             continue
         if name in ragged:
             _check_stackable(name, values)
-        else:
-            _refuse_a_field_of_new_shapes(name, values)
-        stacked = collate_numpy_torch_lacks(values)  # strings, records: numpy, as without a transform
-        out[name] = stacked if stacked is not None else torch_collate(values, collate_fn_map=collate_fn_map)
+        with _naming_unequal_shapes(name, values):
+            stacked = collate_numpy_torch_lacks(values)  # strings, records: numpy, as without a transform
+            if stacked is None:
+                stacked = torch_collate(values, collate_fn_map=collate_fn_map)
+            out[name] = stacked
     return out
 
 
@@ -224,22 +226,28 @@ def _collate_listing_ragged(samples: SampleList) -> Any:
         if name in samples.ragged:
             out[name] = [as_tensor_if_array(value) for value in values]
             continue
-        _refuse_a_field_of_new_shapes(name, values)
-        out[name] = _collate_values(values)
+        with _naming_unequal_shapes(name, values):
+            out[name] = _collate_values(values)
     return out
 
 
-def _refuse_a_field_of_new_shapes(name: str, values: Sequence[Any]) -> None:
-    """ValueError naming a key, not one of the dataset's ragged fields, whose values differ in
-    shape (a ragged field the transform renamed, or made): torch's own error names no key."""
-    shapes = sorted({tuple(v.shape) for v in values if isinstance(v, (np.ndarray, torch.Tensor))})
-    if len(shapes) > 1:
+@contextlib.contextmanager
+def _naming_unequal_shapes(name: str, values: Sequence[Any]) -> Iterator[None]:
+    """Stacking ``values`` under ``name``: where it fails (torch's error names no key), a
+    ValueError naming the key if its values differ in shape, as a ragged field a transform
+    renamed or made does. Looked at only on failure, never per batch."""
+    try:
+        yield
+    except (RuntimeError, ValueError):
+        shapes = sorted({tuple(v.shape) for v in values if isinstance(v, (np.ndarray, torch.Tensor))})
+        if len(shapes) < 2:
+            raise
         raise ValueError(
             f"{name!r} has samples of shapes {shapes[0]} and {shapes[-1]} in one batch, and is no ragged "
             f"field of the dataset (a transform renamed or reshaped one?): pass "
             f"collate_fn=npz2mmap.PaddedCollate(ragged=[{name!r}]) to pad it, or have the transform keep "
             "one shape, or a ragged field's own name"
-        )
+        ) from None
 
 
 def check_same_keys(samples: Sequence[Any]) -> None:
