@@ -180,9 +180,9 @@ def _compare_sources(
 ) -> None:
     """Compare each sample with its source: a file, or in rows mode a row of a file.
 
-    A sample whose source is not named (empty), or is a label that names no file (a
-    Writer's ``source=``: relative, where convert records absolute paths), is counted, not
-    compared.
+    A sample whose source is not named (empty), or is a label (a Writer's ``source=`` that
+    named no file when appended: relative, where every file source is recorded absolute), is
+    counted, not compared.
     """
     files, starts = sources
     rows_mode = reader.index.mode == "rows"
@@ -237,9 +237,10 @@ def _compare_file(
 
 
 def _is_a_label(path: str) -> bool:
-    """A source= a Writer recorded that names nothing: convert records only absolute paths,
-    and a relative one that no file answers to is a label, not a source gone missing."""
-    return not os.path.isabs(path) and not os.path.lexists(path)
+    """A source= a Writer recorded as a label: convert and the Writer record every source that
+    names a file as an absolute path, so a relative one is a label, whatever the working
+    directory holds (and an absolute one gone missing is a problem, never a label)."""
+    return not os.path.isabs(path)
 
 
 def _encodable(path: str) -> bool:

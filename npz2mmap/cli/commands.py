@@ -320,8 +320,14 @@ def _convert_json(result: ConvertResult) -> dict[str, Any]:
         "seconds": round(result.seconds, 3),
         "skipped": [{"path": path, "reason": reason} for path, reason in result.skipped],
         "nearly_fixed": [
-            {"field": item.field, "shape": list(item.shape), "files_differing": item.num_odd,
-             "first": item.first_odd_source, "first_shape": list(item.first_odd_shape)}
+            {
+                "field": item.field,
+                "shape": list(item.shape),
+                "files": item.num_sources,
+                "files_differing": item.num_odd,
+                "first": item.first_odd_source,
+                "first_shape": list(item.first_odd_shape),
+            }
             for item in result.nearly_fixed
         ],
     }

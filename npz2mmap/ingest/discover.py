@@ -109,7 +109,9 @@ def _expand_list_file(
     for number, line in enumerate(lines, start=1):
         if line.strip() and not line.lstrip().startswith("#"):
             try:
-                yield from _expand_path(os.path.join(base, line), sample_dirs, skip_bad, resolve)
+                yield from _expand_path(
+                    os.path.join(base, line), sample_dirs, skip_bad, resolve, patterns=False
+                )
             except SourceError as exc:
                 where = f"{list_path}, line {number:,}"
                 raise type(exc)(f"{where}: {exc}{_spaces_hint(base, line)}") from None
@@ -126,7 +128,9 @@ def _spaces_hint(base: str, line: str) -> str:
     return f" (the line has white space around {trimmed!r}, which exists: remove the white space to name it)"
 
 
-def _expand_path(path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> list[Found]:
+def _expand_path(
+    path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths, patterns: bool = True
+) -> list[Found]:
     if os.path.isdir(path):
         return _walk(path, sample_dirs, skip_bad, resolve)
     if sample_dirs and is_npy_named_with_sample_dirs(path):
@@ -137,7 +141,7 @@ def _expand_path(path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPat
         return [(absolute, resolve(absolute))]
     if os.path.lexists(path):
         raise SourceError(f"{path}: {fsutil.describe_kind(path)}, not a regular file or directory")
-    if glob.has_magic(path):
+    if patterns and glob.has_magic(path):  # a list's lines are paths exactly as written, never patterns
         return _expand_pattern(path, sample_dirs, skip_bad, resolve)
     raise MissingInputError(f"{path}: no such file or directory")
 
@@ -147,14 +151,19 @@ def _expand_pattern(pattern: str, sample_dirs: bool, skip_bad: bool, resolve: _R
     depth, hidden names left out as a walk leaves them; of files, those a walk would take
     (.npz, and .npy unless ``sample_dirs``), and directories walked. MissingInputError if it
     matches nothing."""
-    matches = sorted(glob.glob(pattern, recursive=True))
     found: list[Found] = []
-    for match in matches:
+    for match in glob.glob(pattern, recursive=True):
         if os.path.isdir(match) or _taken_by_a_walk(os.path.basename(match), sample_dirs):
             found.extend(_expand_path(match, sample_dirs, skip_bad, resolve))
     if not found:
         raise MissingInputError(f"{pattern}: the pattern matches no .npz or .npy file, nor a directory")
-    return found
+    # Sorted by path as a walk sorts, each file once (a directory matched and its files matched
+    # too, or a file reached through a link) under its sorted-first path, as a walk keeps it.
+    found.sort(key=_path_of)
+    once: dict[str, Found] = {}
+    for item in found:
+        once.setdefault(item[1], item)
+    return sorted(once.values(), key=_path_of)
 
 
 def _taken_by_a_walk(name: str, sample_dirs: bool) -> bool:

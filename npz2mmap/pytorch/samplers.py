@@ -127,7 +127,7 @@ class _Resumable:
                     "call sampler.set_epoch(epoch) before each epoch for a new one, as with "
                     "DistributedSampler",
                     SameEpochWarning,
-                    stacklevel=3,
+                    stacklevel=2,  # the line whose next() began the pass
                 )
         self._epoch_given = False
         self._yielded = count = skip = self._resume_at

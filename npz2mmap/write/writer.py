@@ -147,7 +147,8 @@ class Writer:
         return self._builder.num_samples if owed is None else owed.num_samples
 
     def append(self, sample: Mapping[str, Any], source: str | os.PathLike[str] | None = None) -> None:
-        """Add one sample; ``source`` names where it came from in sources.jsonl (empty when None).
+        """Add one sample; ``source`` names where it came from in sources.jsonl (empty when None;
+        made absolute where it names a file or directory, as convert records its sources).
 
         Raises SourceError naming the sample (and its source) when it differs
         from the first sample in keys, dtype or ndim, or in shape for a key of
@@ -168,7 +169,7 @@ class Writer:
             name = "" if source is None else os.fspath(source)
             if not isinstance(name, str):
                 raise TypeError(f"source must be a str or a path, not {type(source).__name__}")
-            line = self._names.line(name, f"sample {self.num_samples}")
+            line = self._names.line(_recorded(name), f"sample {self.num_samples}")
             # Stored as given (sources.jsonl is JSON), shown escaped: a message stays one line.
             label = _sample_label(self.num_samples, name)
             arrays = {
@@ -442,6 +443,15 @@ class _Cleanups:
 def _release_all(locks: list[publish.OutputLock]) -> None:
     for lock in locks:
         lock.release()
+
+
+def _recorded(source: str) -> str:
+    """What sources.jsonl holds for ``source=``: a path naming a file or directory made absolute,
+    as convert records its sources (so verify finds it from anywhere, and misses it once gone);
+    anything else as given, a label that verify never takes for a file."""
+    if source and not os.path.isabs(source) and os.path.lexists(source):
+        return fsutil.absolute_path(source)
+    return source
 
 
 def _discard_in_owner(stack: _Cleanups, owner_pid: int, out_dir: str) -> None:

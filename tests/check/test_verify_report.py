@@ -115,3 +115,25 @@ def test_inspect_names_the_files_left_out_and_a_samples_source(tmp_path) -> None
     assert run("inspect", tmp_path / "rows", "--sample", "2").output.splitlines()[0] == (
         f"sample 2 (from {tmp_path / 'rows.npy'}, row 2)"
     )
+
+
+def test_a_writers_source_naming_a_file_is_recorded_absolute_and_missed_once_gone(tmp_path, monkeypatch) -> None:
+    """A relative source= naming a real file passed as a "label" once that file was gone, and a label
+    naming something in the working directory made verify fail: the verdict hung on the cwd."""
+    monkeypatch.chdir(tmp_path)
+    write_npz(tmp_path / "s1.npz", x=np.arange(3))
+    with npz2mmap.Writer("ds") as writer:
+        writer.append({"x": np.arange(3)}, source="s1.npz")  # a file: recorded absolute
+        writer.append({"x": np.arange(3)}, source="clip.mp4")  # no file: a label
+    assert (tmp_path / "ds" / "sources.jsonl").read_text().splitlines() == [
+        json.dumps(str(tmp_path / "s1.npz")), '"clip.mp4"'
+    ]
+    (tmp_path / "clip.mp4").write_text("a file that happens to bear the label's name")
+    assert run("verify", "ds", "--sources", "-q").exit_code == 0
+    (tmp_path / "s1.npz").unlink()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    result = run("verify", tmp_path / "ds", "--sources", "--json")
+    report = json.loads(result.output.split("\nError: ")[0])
+    assert result.exit_code == 1 and not report["ok"] and report["samples_with_a_label_as_source"] == 1
+    assert len(report["problems"]) == 1 and str(tmp_path / "s1.npz") in report["problems"][0]

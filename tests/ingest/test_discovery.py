@@ -727,3 +727,24 @@ def test_a_quoted_glob_pattern_converts_its_matches_in_sorted_order_and_one_matc
     assert code == 2 and output.splitlines()[-1] == (
         "Error: img/*.npzz: the pattern matches no .npz or .npy file, nor a directory"
     )
+
+
+def test_a_pattern_sorts_its_files_as_a_walk_does_once_each_and_a_list_line_is_never_a_pattern(
+    tmp_path, monkeypatch
+) -> None:
+    """'d/*' put d/a/x.npz before d/a-1/x.npz where d sorts the other way; 'd/**' refused its own
+    matches as "given twice"; a link in the tree was "the same file as"; list lines were expanded."""
+    monkeypatch.chdir(tmp_path)
+    for name in ["d/a/x.npz", "d/a-1/x.npz", "d/b.npz"]:
+        write_npz(tmp_path / name, x=np.array([len(name)]))
+    os.symlink("a", tmp_path / "d" / "link")
+    assert convert_cli("d", "-o", "walked") == (0, "")
+    for pattern in ["d/*", "d/**", "d/**/*.npz"]:
+        out = f"out-{len(pattern)}"
+        assert convert_cli(pattern, "-o", out) == (0, ""), pattern
+        assert read_sources(tmp_path / out) == read_sources(tmp_path / "walked"), pattern
+    (tmp_path / "list.txt").write_text("d/*.npz\n")
+    code, output = convert_cli("@list.txt", "-o", "listed")
+    assert code == 2 and output.splitlines()[-1] == (
+        f"Error: list.txt, line 1: {tmp_path / 'd' / '*.npz'}: no such file or directory"
+    )
