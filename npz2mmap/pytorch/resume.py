@@ -133,12 +133,13 @@ class Position:
         loader.epoch = epoch
         loader.seed = seed  # a loader given no seed drew one: the state's is the order's
         for key, sampler in samplers_of(loader):
-            if key in state and hasattr(sampler, "load_state_dict"):
-                sampler.load_state_dict(state[key])  # its own epoch and position
-            elif hasattr(sampler, "set_epoch"):  # DistributedSampler: its order is the epoch's
-                saved = state.get(key)
-                sampler_epoch = saved.get("epoch") if isinstance(saved, dict) else None
+            saved = state.get(key)
+            sampler_epoch = saved.get("epoch") if isinstance(saved, dict) else None
+            if hasattr(sampler, "set_epoch"):  # DistributedSampler: its order is the epoch's
                 sampler.set_epoch(sampler_epoch if type(sampler_epoch) is int else epoch)
+            if key in state and hasattr(sampler, "load_state_dict"):
+                # its own epoch and position; set first, the state's epoch is the one set last
+                sampler.load_state_dict(saved)
         self.resume_at, self.loaded = batches_yielded, dict(state)
 
 

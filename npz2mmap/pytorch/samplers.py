@@ -42,6 +42,7 @@ class _Resumable:
         self._yielded = 0
         self._resume_at = 0
         self._epoch_given = True  # set_epoch or a loaded state since the last pass began
+        self._epoch_set: int | None = None  # the epoch set_epoch chose since the last pass began
         self._epoch_done = False  # a pass of self.epoch yielded its every item
         self._warned = False
 
@@ -50,12 +51,13 @@ class _Resumable:
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch, whose order the next pass yields (DistributedSampler's convention:
-        call it before each epoch); a different epoch drops a pending resume."""
+        call it before each epoch); a different epoch drops a pending resume, and a state of
+        another epoch loaded before the next pass begins resumes nothing (see load_state_dict)."""
         epoch = check_count("epoch", epoch, 0)
         if epoch != self.epoch:
             self._resume_at = self._yielded = 0
             self._epoch_done = False
-        self.epoch = epoch
+        self.epoch = self._epoch_set = epoch
         self._epoch_given = True
 
     def state_dict(self) -> dict[str, int]:
@@ -86,6 +88,13 @@ class _Resumable:
         or other settings, a count past the epoch's end. A setting a state of an
         earlier version lacks is the one it could only have had then
         (``_earlier_settings``), or else taken as this sampler's.
+
+        The epoch ``set_epoch`` chose since the last pass began wins over a
+        state of another epoch, whichever came first: torchdata's
+        ``StatefulDataLoader`` loads the state only as its next pass starts,
+        after the loop's ``set_epoch``, and a state saved at (or just before) an
+        epoch's end then resumes into the epoch the loop set, whole, as
+        ``DistributedSampler`` would give it.
         """
         if not isinstance(state, dict):
             raise ValueError(f"sampler state must be a dict, not {type(state).__name__}")
@@ -110,6 +119,8 @@ class _Resumable:
                 )
         if not 0 <= yielded <= len(self):
             raise ValueError(f"sampler state: yielded {yielded} is outside 0..{len(self)}")
+        if self._epoch_set is not None and self._epoch_set != epoch:
+            epoch, yielded = self._epoch_set, 0  # the loop's epoch, from its start
         self.epoch = epoch
         self._yielded = self._resume_at = yielded
         self._epoch_given, self._epoch_done = True, False
@@ -129,7 +140,7 @@ class _Resumable:
                     SameEpochWarning,
                     stacklevel=2,  # the line whose next() began the pass
                 )
-        self._epoch_given = False
+        self._epoch_given, self._epoch_set = False, None
         self._yielded = count = skip = self._resume_at
         self._resume_at = 0
         for position, item in enumerate(items_of(self.epoch, skip)):

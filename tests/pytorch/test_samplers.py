@@ -8,6 +8,7 @@ batches, in order.
 from __future__ import annotations
 
 import re
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from npz2mmap import BlockShuffleSampler, LengthGroupedSampler, ShuffleSampler
+from npz2mmap.errors import SameEpochWarning
 
 NUM_SAMPLES = 37
 LENGTHS = np.random.default_rng(7).integers(1, 500, size=NUM_SAMPLES)
@@ -409,3 +411,145 @@ def test_mmap_loader_over_a_batch_sampler_of_ours_resumes_a_later_pass_exactly(t
         resumed.load_state_dict(interrupted.state_dict())
         assert taken + indices(resumed) == passes[1]
         assert indices(resumed) == passes[2]
+
+
+@pytest.mark.parametrize("make_sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+def test_a_state_of_another_epoch_than_the_one_set_resumes_nothing_whichever_came_first(make_sampler) -> None:
+    """StatefulDataLoader loads a state as its next pass starts, after the loop's set_epoch: the
+    state saved at epoch 4's end won over set_epoch(5), and epoch 5 was an empty pass."""
+    reference = make_sampler()
+    reference.set_epoch(5)
+    epoch_5 = list(reference)
+    finished = make_sampler()
+    finished.set_epoch(4)
+    list(finished)
+    for set_first in (True, False):
+        restored = make_sampler()
+        if set_first:
+            restored.set_epoch(5)
+        restored.load_state_dict(finished.state_dict())
+        if not set_first:
+            restored.set_epoch(5)
+        assert list(restored) == epoch_5
+    mid_epoch = make_sampler()
+    mid_epoch.set_epoch(5)
+    it = iter(mid_epoch)
+    taken = [next(it) for _ in range(3)]
+    restored = make_sampler()
+    restored.set_epoch(5)  # the same epoch: the state resumes it
+    restored.load_state_dict(mid_epoch.state_dict())
+    assert taken + list(restored) == epoch_5
+
+
+def stateful_loop(make_sampler: Callable[[], Any], num_workers: int) -> tuple[Any, Any]:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    sampler = make_sampler()
+    batching = (
+        {"batch_sampler": sampler} if isinstance(sampler, LengthGroupedSampler) else {"batch_size": 4, "sampler": sampler}
+    )
+    loader = stateful.StatefulDataLoader(
+        list(range(NUM_SAMPLES)), **batching, collate_fn=list, num_workers=num_workers,
+        multiprocessing_context="fork" if num_workers else None,
+    )
+    return sampler, loader
+
+
+def run_until(make_sampler: Callable[[], Any], num_workers: int, cut: tuple[str, int, int]) -> tuple[list, dict]:
+    """The loop for epoch in range(3): sampler.set_epoch(epoch); for batch in loader, with a state
+    taken at the cut: ("start", e, 0) after set_epoch(e), ("in", e, k) after batch k, ("end", e, 0)."""
+    sampler, loader = stateful_loop(make_sampler, num_workers)
+    seen: list = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        if cut == ("start", epoch, 0):
+            return seen, loader.state_dict()
+        for step, batch in enumerate(loader):
+            seen.append(batch)
+            if cut == ("in", epoch, step):
+                return seen, loader.state_dict()
+        if cut == ("end", epoch, 0):
+            return seen, loader.state_dict()
+    raise AssertionError(f"no cut {cut}")
+
+
+def resume_from(make_sampler: Callable[[], Any], num_workers: int, state: dict, epoch: int) -> list:
+    sampler, loader = stateful_loop(make_sampler, num_workers)
+    loader.load_state_dict(state)
+    resumed = []
+    for e in range(epoch, 3):
+        sampler.set_epoch(e)
+        resumed += list(loader)
+    return resumed
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+@pytest.mark.parametrize("make_sampler", [block_sampler, length_sampler], ids=["block_shuffle", "length_grouped"])
+def test_stateful_dataloader_resumes_a_loop_that_sets_each_epoch_at_every_cut(make_sampler, num_workers) -> None:
+    """Against the uninterrupted loop: a cut resumed at its epoch gives the rest, resumed at a later
+    epoch gives that epoch whole. A state saved at an epoch's end (or last batch) resumed at the next
+    epoch gave an empty pass, or with workers the finished epoch again; saved at an epoch's start
+    (after set_epoch, before the pass), with workers, the epoch before it again. DistributedSampler
+    gives each of these whole, but for the last batch resumed later, which torchdata fast-forwards."""
+    sampler, loader = stateful_loop(make_sampler, 0)
+    epochs = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        epochs.append(list(loader))
+    last = len(epochs[0]) - 1
+    cuts = [("start", e, 0) for e in (0, 1, 2)] + [("end", e, 0) for e in (0, 1)]
+    cuts += [("in", e, k) for e in (0, 1) for k in (0, last // 2, last)]
+    for cut in cuts:
+        kind, cut_epoch, step = cut
+        seen, state = run_until(make_sampler, num_workers, cut)
+        finished = kind == "end" or (kind == "in" and step == last)
+        for epoch in {cut_epoch, cut_epoch + 1} - ({3} if kind == "start" else set()):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", SameEpochWarning)
+                resumed = resume_from(make_sampler, num_workers, state, epoch)
+            uninterrupted = [batch for e in epochs[epoch:] for batch in e]
+            if epoch == cut_epoch and finished:  # the rest is nothing, or torchdata's new pass, said
+                warned = any(issubclass(w.category, SameEpochWarning) for w in caught)
+                assert resumed == uninterrupted[len(epochs[epoch]) :] or (
+                    warned and resumed == uninterrupted
+                ), cut
+            elif epoch == cut_epoch and kind == "in":
+                assert seen[-step - 1 :] + resumed == uninterrupted, cut  # the epoch's first batches, then the rest
+            else:
+                assert resumed == uninterrupted, (cut, epoch)
+
+
+@pytest.mark.parametrize("own_shuffle", [True, False], ids=["shuffle=True", "sampler=ShuffleSampler"])
+def test_mmap_loader_takes_the_call_made_last_of_set_epoch_and_load_state_dict(tmp_path, own_shuffle) -> None:
+    """MmapLoader loads at once, so the later call wins, with its own shuffle as with a sampler of
+    ours (which under StatefulDataLoader prefers an epoch set before a load)."""
+    from npz2mmap import MmapDataset, MmapLoader, Writer
+
+    with Writer(tmp_path / "ds") as writer:
+        for i in range(20):
+            writer.append({"i": np.int64(i)})
+    ds = MmapDataset(tmp_path / "ds")
+
+    def loader() -> MmapLoader:
+        if own_shuffle:
+            return MmapLoader(ds, 4, shuffle=True, seed=3)
+        return MmapLoader(ds, 4, sampler=ShuffleSampler(20, seed=3))
+
+    reference = loader()
+    epochs = []
+    for epoch in range(6):
+        reference.set_epoch(epoch)
+        epochs.append([batch["i"].tolist() for batch in reference])
+    interrupted = loader()
+    interrupted.set_epoch(3)
+    batches = iter(interrupted)
+    assert [next(batches)["i"].tolist() for _ in range(2)] == epochs[3][:2]
+    state = interrupted.state_dict()
+    del batches
+    for set_first in (True, False):
+        resumed = loader()
+        if set_first:
+            resumed.set_epoch(5)
+        resumed.load_state_dict(state)
+        if not set_first:
+            resumed.set_epoch(5)
+        assert [batch["i"].tolist() for batch in resumed] == (epochs[3][2:] if set_first else epochs[5])
