@@ -186,11 +186,22 @@ def keeps_signal_mask(fn: Callable[P, R]) -> Callable[P, R]:
     return with_mask_restored
 
 
+# Signals whose default action ends a worker: a pool's terminate() sends SIGTERM.
+_ENDING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
 def _start_worker(forked: bool, close_in_workers: tuple[int, ...]) -> None:
-    """Leave Ctrl-C to the main process, drop its private descriptors, die with it."""
+    """Leave Ctrl-C to the main process, drop its private descriptors, die with it.
+
+    A forked worker also drops the parent's Python handlers of SIGTERM and SIGHUP
+    (the console script's, which clean up as Ctrl-C does): a worker ends by them."""
     become_worker()
-    if hasattr(signal, "pthread_sigmask"):  # what interrupts_blocked(handled_too=True) held at the fork
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, interrupting_signals())
+    held = interrupting_signals()  # what interrupts_blocked(handled_too=True) held at the fork
+    for number in _ENDING_SIGNALS:
+        if callable(signal.getsignal(number)):
+            signal.signal(number, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
     if forked:  # only a forked worker has the parent's descriptors, under the same numbers
         for fd in close_in_workers:
             with contextlib.suppress(OSError):

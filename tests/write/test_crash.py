@@ -115,16 +115,23 @@ def wait_for_staging(parent: Path, process: subprocess.Popen, seconds: float = 6
         time.sleep(0.01)
 
 
-def test_ctrl_c_cleans_up_and_exits_non_zero(tmp_path, sources, duration) -> None:
+ENDING_SIGNALS = ["SIGINT"] + [name for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
+
+
+@pytest.mark.parametrize("signal_name", ENDING_SIGNALS)
+def test_ctrl_c_cleans_up_and_exits_non_zero(tmp_path, sources, duration, signal_name) -> None:
+    """SIGTERM (a job's time limit) and SIGHUP (a closed terminal) left the staging directory and
+    its lock behind; they end a conversion as Ctrl-C does, then the process dies by the signal."""
     out = tmp_path / "out"
     process = start_convert(sources, out)
     wait_for_staging(tmp_path, process)
     time.sleep(0.2 * duration)
-    os.killpg(process.pid, signal.SIGINT)
+    number = getattr(signal, signal_name)
+    os.killpg(process.pid, number)
     _, stderr = process.communicate(timeout=60)
     if process.returncode == 0:
         pytest.skip("the conversion finished before the interrupt arrived")
-    assert process.returncode == 1
+    assert process.returncode == (1 if number == signal.SIGINT else -number)
     assert stderr.strip().splitlines()[-1] == "Aborted!"
     assert "Traceback" not in stderr
     # Interrupted after the atomic rename, the dataset is complete; before it, there is none.
@@ -339,6 +346,8 @@ def test_ctrl_c_at_any_point_of_the_entry_point_exits_0_or_1_never_by_the_signal
                 assert calls == [] and interrupt.count < 4, interrupt.where
             finally:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
+                for number in npz2mmap.cli.main.ENDING_SIGNALS:  # main made them end the command
+                    signal.signal(number, signal.SIG_DFL)
                 if mask is not None:
                     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             assert len(calls) <= 1, "the command ran twice"
