@@ -23,6 +23,8 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent  # what a subprocess puts on PYTHONPATH to import this checkout
 GOLDEN_DIR = TESTS_DIR / "data" / "golden"
 SKIP_BAD_HINT = "; --skip-bad leaves such files out"  # the end of a conversion's error for a bad file
+# What a file found bad only as its bytes are copied is told (a CRC, a file changed since the scan).
+COPY_PASS_HINT = "; convert again if it was being written, or --skip-bad leaves such files out"
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,11 @@ def convert(
             copy = _Copy(plan, locations, staging, imap, shown, skip_bad, workers or os.cpu_count() or 1)
             plan, index = copy.run(sources, skipped, part)
             publish.publish(staging, out, overwrite)
+        except SourceError as exc:
+            with_hint = found_bad_in_copy(exc)
+            if with_hint is exc:
+                raise
+            raise with_hint from exc
         except OSError as exc:
             if not fsutil.is_io_error(exc):
                 raise
@@ -409,6 +414,17 @@ class Scan:
             if not self.skip_bad:
                 raise
             return str(exc)
+
+
+def found_bad_in_copy(error: SourceError) -> SourceError:
+    """A file found bad only as its bytes were copied (a member's CRC, a file changed since the
+    scan), with the ways past it."""
+    if isinstance(error, (MismatchError, DatasetInputError)):
+        return error
+    return type(error)(f"{error}{COPY_PASS_HINT}")
+
+
+COPY_PASS_HINT = "; convert again if it was being written, or --skip-bad leaves such files out"
 
 
 def stopped_at(error: SourceError, disagreed: MismatchError | None) -> SourceError:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import SKIP_BAD_HINT, write_npz
+from conftest import COPY_PASS_HINT, SKIP_BAD_HINT, write_npz
 from corpus import little_endian_bytes, raw_array
 from hostile import npy_bytes, npy_with_header
 
@@ -283,7 +283,7 @@ def test_a_npy_replaced_after_the_scan_is_refused_not_waited_on(tmp_path, kind, 
             sample_dirs=sample_dirs,
             progress=_ReplaceBeforeCopy(target, kind),
         )
-    assert str(caught.value) == f"{target}: {NOT_REGULAR[kind]}"
+    assert str(caught.value) == f"{target}: {NOT_REGULAR[kind]}{COPY_PASS_HINT}"
     assert_nothing_written(tmp_path / "out")
 
 

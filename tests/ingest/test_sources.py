@@ -19,7 +19,7 @@ import hostile
 import numpy as np
 import pytest
 from click.testing import CliRunner, Result
-from conftest import no_hang, write_npz
+from conftest import COPY_PASS_HINT, no_hang, write_npz
 
 from npz2mmap import fsutil
 from npz2mmap.cli.commands import cli
@@ -297,7 +297,7 @@ def test_a_source_replaced_after_the_scan_by_a_pipe_or_device_is_refused(tmp_pat
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )  # fmt: skip
     assert result.returncode == 1, result.stderr
-    assert result.stderr.splitlines() == [f"Error: {victim}: {kind}, not a regular file"]
+    assert result.stderr.splitlines() == [f"Error: {victim}: {kind}, not a regular file{COPY_PASS_HINT}"]
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if publish.STAGING_MARK in p.name]
     assert os.path.islink(victim) or victim.is_fifo()
@@ -413,6 +413,7 @@ def test_a_source_rewritten_after_the_scan_at_the_same_size_is_named_as_perhaps_
     assert result.returncode == 1, result.stderr
     assert result.stderr.splitlines() == [
         f"Error: {victim}[x]: Bad CRC-32 for file 'x.npy' (corrupt, or changed since it was scanned)"
+        + COPY_PASS_HINT
     ]
     assert not out.exists()
 
