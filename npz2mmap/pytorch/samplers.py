@@ -43,6 +43,7 @@ class _Resumable:
         self._resume_at = 0
         self._epoch_given = True  # set_epoch or a loaded state since the last pass began
         self._epoch_set: int | None = None  # the epoch set_epoch chose since the last pass began
+        self._live_passes = 0  # passes begun and neither run to their end nor closed
         self._epoch_done = False  # a pass of self.epoch yielded its every item
         self._warned = False
 
@@ -54,6 +55,9 @@ class _Resumable:
         call it before each epoch); a different epoch drops a pending resume, and a state of
         another epoch loaded before the next pass begins resumes nothing (see load_state_dict)."""
         epoch = check_count("epoch", epoch, 0)
+        if epoch == self.epoch and self._live_passes:
+            self._epoch_set = epoch  # the running pass's own epoch (Lightning sets it after iter()):
+            return  # its count goes on, as the pass does
         if epoch != self.epoch:
             self._resume_at = self._yielded = 0
             self._epoch_done = False
@@ -143,12 +147,16 @@ class _Resumable:
         self._epoch_given, self._epoch_set = False, None
         self._yielded = count = skip = self._resume_at
         self._resume_at = 0
-        for position, item in enumerate(items_of(self.epoch, skip)):
-            if position >= skip:
-                count += 1
-                self._yielded = count  # of the pass that yielded last: a peek's iter() does not reset it
-                yield item
-        self._epoch_done = True
+        self._live_passes += 1
+        try:
+            for position, item in enumerate(items_of(self.epoch, skip)):
+                if position >= skip:
+                    count += 1
+                    self._yielded = count  # of the pass that yielded last: a peek's iter() does not reset it
+                    yield item
+            self._epoch_done = True
+        finally:
+            self._live_passes -= 1
 
 
 class BlockShuffleSampler(_Resumable, Sampler[int]):

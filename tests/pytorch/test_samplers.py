@@ -553,3 +553,41 @@ def test_mmap_loader_takes_the_call_made_last_of_set_epoch_and_load_state_dict(t
         if not set_first:
             resumed.set_epoch(5)
         assert [batch["i"].tolist() for batch in resumed] == (epochs[3][2:] if set_first else epochs[5])
+
+
+@pytest.mark.parametrize("make_sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+def test_set_epoch_of_the_running_pass_leaves_its_count_alone(make_sampler) -> None:
+    """set_epoch(e) during a pass of epoch e reset the state to 'yielded 0' while the pass went on:
+    a checkpoint later in it resumed from the epoch's start, and batches were trained twice."""
+    reference = make_sampler()
+    reference.set_epoch(0)
+    whole = list(reference)
+    sampler = make_sampler()
+    running = iter(sampler)
+    taken = [next(running) for _ in range(2)]
+    sampler.set_epoch(0)  # the epoch this pass yields: nothing changes
+    taken.append(next(running))
+    state = sampler.state_dict()
+    assert state["yielded"] == 3
+    restored = make_sampler()
+    restored.load_state_dict(state)
+    restored.set_epoch(0)
+    assert taken + list(restored) == whole
+    assert taken + list(running) == whole  # the running pass itself goes on as it was
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+def test_stateful_dataloader_with_set_epoch_after_iter_resumes_exactly(num_workers) -> None:
+    """Lightning's order at a fit's first epoch: iter(loader), then sampler.set_epoch(0)."""
+    sampler, loader = stateful_loop(block_sampler, num_workers)
+    sampler.set_epoch(0)
+    whole = list(loader)
+    for set_after in (0, 2):
+        sampler, loader = stateful_loop(block_sampler, num_workers)
+        batches = iter(loader)
+        taken = [next(batches) for _ in range(set_after)]
+        sampler.set_epoch(0)
+        taken += [next(batches) for _ in range(5 - set_after)]
+        state = loader.state_dict()
+        del batches, loader
+        assert resume_from(block_sampler, num_workers, state, 0)[: len(whole) - 5] == whole[5:]
