@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..fsutil import absolute_path
+from ..ingest.patterns import Pattern
 from ..text import human_bytes, printable
 
 
@@ -168,10 +170,10 @@ class PathsAsGiven:
 
     def __init__(self, inputs: Sequence[str]) -> None:
         given = sorted(
-            ((absolute_path(path), path.rstrip(os.sep) or path) for path in inputs if path[:1] != "@"),
+            (_typed_prefix(path) for path in inputs if path[:1] != "@"),
             key=lambda pair: -len(pair[0]),  # the longest first: data/train before data
         )
-        alternatives = [re.escape(absolute) + _AFTER_PATH for absolute, _ in given]
+        alternatives = [re.escape(absolute) + ("" if not typed else _AFTER_PATH) for absolute, typed in given]
         self._typed = [typed for _, typed in given]
         self._pattern = re.compile(_BEFORE_PATH + "(?:" + "|".join(f"({a})" for a in alternatives) + ")")
 
@@ -179,6 +181,18 @@ class PathsAsGiven:
         if not self._typed:
             return text
         return self._pattern.sub(lambda match: self._typed[(match.lastindex or 1) - 1], text)
+
+
+def _typed_prefix(path: str) -> tuple[str, str]:
+    """The absolute path an input's files start with, and how the user typed it: a pattern's
+    files start with the directory it starts from ('d' for 'd/**/*.npz'; none for '*.npz',
+    whose files are named from the working directory, the separator after it left out too)."""
+    if glob.has_magic(path) and not os.path.lexists(path):  # a path that exists is never a pattern
+        base = Pattern(path).base
+        if base == os.curdir:
+            return os.path.join(absolute_path(base), ""), ""
+        path = base
+    return absolute_path(path), path.rstrip(os.sep) or path
 
 
 # A path starts after a character no path holds before it, and ends at one no path holds after it.

@@ -29,6 +29,7 @@ from ..format.index import (
 )
 from ..format.manifest import MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_NBYTES
 from .npz import NPY_SUFFIX
+from .patterns import Pattern
 from .sources import holds_npy_files, is_hidden, is_npy_path
 
 NPZ_SUFFIX = ".npz"
@@ -146,24 +147,18 @@ def _expand_path(
     raise MissingInputError(f"{path}: no such file or directory")
 
 
-def _expand_pattern(pattern: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> list[Found]:
-    """A glob pattern (quoted, so the shell left it): its matches in sorted order, ``**`` any
-    depth, hidden names left out as a walk leaves them; of files, those a walk would take
-    (.npz, and .npy unless ``sample_dirs``), and directories walked. MissingInputError if it
-    matches nothing."""
-    found: list[Found] = []
-    for match in glob.glob(pattern, recursive=True):
-        if os.path.isdir(match) or _taken_by_a_walk(os.path.basename(match), sample_dirs):
-            found.extend(_expand_path(match, sample_dirs, skip_bad, resolve))
+def _expand_pattern(text: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> list[Found]:
+    """A glob pattern (quoted, so the shell left it): the walk of the directory it starts from,
+    by the walk's rules, taking what the pattern matches (``**`` any depth; directories matched
+    taken whole; of files, those a walk would take: .npz, and .npy unless ``sample_dirs``).
+    MissingInputError if it matches nothing."""
+    pattern = Pattern(text)
+    found = []
+    if os.path.isdir(pattern.base):
+        found = _walk(pattern.base, sample_dirs, skip_bad, resolve, pattern)
     if not found:
-        raise MissingInputError(f"{pattern}: the pattern matches no .npz or .npy file, nor a directory")
-    # Sorted by path as a walk sorts, each file once (a directory matched and its files matched
-    # too, or a file reached through a link) under its sorted-first path, as a walk keeps it.
-    found.sort(key=_path_of)
-    once: dict[str, Found] = {}
-    for item in found:
-        once.setdefault(item[1], item)
-    return sorted(once.values(), key=_path_of)
+        raise MissingInputError(f"{text}: the pattern matches no .npz or .npy file, nor a directory")
+    return found
 
 
 def _taken_by_a_walk(name: str, sample_dirs: bool) -> bool:
@@ -201,7 +196,9 @@ def npy_with_sample_dirs(path: str) -> str:
     )
 
 
-def _walk(top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> list[Found]:
+def _walk(
+    top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths, pattern: Pattern | None = None
+) -> list[Found]:
     """Every source below ``top``, following directory links but never a loop twice.
 
     Directories are walked in the order of their absolute paths (each path
@@ -210,29 +207,43 @@ def _walk(top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> l
     A source's absolute and real paths are its name joined to its directory's,
     found once per directory: no per-file path resolution. Messages name
     paths as reached from ``top``, as given. Hidden entries are skipped.
+    With ``pattern`` (whose walk starts at ``top``), only what it matches is
+    taken, directories it matches whole; directories where it can match
+    nothing are not listed.
     """
     found: list[Found] = []
     seen_dirs: set[tuple[int, int]] = set()
     absolute = fsutil.absolute_path(top)
-    pending = [(absolute, _Directory(top, absolute, resolve(absolute)))]
+    taken = pattern is None or pattern.matches((), is_directory=True)  # 'd/**' names d itself
+    pending = [(absolute, _Directory(top, absolute, resolve(absolute), (), taken))]
     while pending:
         directory = heapq.heappop(pending)[1]
         entries = _list_unseen(directory.path, seen_dirs)
         if entries is None:
             continue
-        _refuse_dataset(directory.path, entries)
+        if directory.taken:
+            _refuse_dataset(directory.path, entries)
         is_sample = sample_dirs and holds_npy_files(entries)
-        if is_sample:
+        if is_sample and directory.taken:
             found.append((directory.absolute, directory.real))
         for entry in entries:
-            if is_hidden(entry.name):
+            below = (*directory.below, entry.name)
+            if directory.taken and is_hidden(entry.name):
                 continue
             if _is(entry.is_dir):
-                inner = _Directory(entry.path, *resolve.entry(directory, entry))
-                heapq.heappush(pending, (inner.absolute, inner))
-            elif is_sample:  # its other files, .npz ones too, are not sources: the directory is
+                taken = directory.taken or pattern is None or pattern.matches(below, is_directory=True)
+                if taken or (pattern is not None and pattern.may_match_below(below)):
+                    inner = _Directory(entry.path, *resolve.entry(directory, entry), below, taken)
+                    heapq.heappush(pending, (inner.absolute, inner))
                 continue
-            elif _taken_by_a_walk(entry.name, sample_dirs):
+            named = directory.taken or (pattern is not None and pattern.matches(below, is_directory=False))
+            if is_sample:  # its other files, .npz ones too, are not sources: the directory is
+                if named and not directory.taken and is_npy_path(entry.name):
+                    raise SourceError(npy_with_sample_dirs(entry.path))
+                continue
+            if named and _taken_by_a_walk(entry.name, sample_dirs):
+                if not directory.taken:
+                    _refuse_dataset(directory.path, entries)
                 if not skip_bad and not _is(entry.is_file):
                     raise SourceError(f"{entry.path}: {fsutil.describe_kind(entry.path)}, not a regular file")
                 found.append(resolve.entry(directory, entry))
@@ -334,11 +345,14 @@ def _declares_npz2mmap(marker_path: str) -> bool:
 
 
 class _Directory(NamedTuple):
-    """A directory to walk: its path as reached from the input, absolute, and with links resolved."""
+    """A directory to walk: its path as reached from the input, absolute, and with links resolved;
+    its names below the walk's top, and whether it is taken whole (a pattern matched it)."""
 
     path: str
     absolute: str
     real: str
+    below: tuple[str, ...]
+    taken: bool
 
 
 def _path_of(item: Found) -> str:

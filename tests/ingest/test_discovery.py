@@ -748,3 +748,97 @@ def test_a_pattern_sorts_its_files_as_a_walk_does_once_each_and_a_list_line_is_n
     assert code == 2 and output.splitlines()[-1] == (
         f"Error: list.txt, line 1: {tmp_path / 'd' / '*.npz'}: no such file or directory"
     )
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink") or os.name == "nt", reason="symlinks")
+def test_a_pattern_takes_what_the_walk_of_its_directory_takes_through_links_and_loops(tmp_path, monkeypatch) -> None:
+    """glob's own walk followed links to the system's limit: two loops hung 'd/**' (no output, memory
+    growing), one loop named every file 40 links deep, 'd/*' took d/x.npz as d/s/up/x.npz in the
+    walk's other order, and a file and a link to it were silently one sample."""
+    monkeypatch.chdir(tmp_path)
+    write_npz(tmp_path / "d" / "x.npz", x=np.int64(0))
+    write_npz(tmp_path / "d" / "s" / "y.npz", x=np.int64(1))
+    os.symlink(".", tmp_path / "d" / "self")
+    os.symlink("..", tmp_path / "d" / "s" / "up")
+    walked = discover_sources(["d"])
+    assert walked == [str(tmp_path / "d" / "s" / "y.npz"), str(tmp_path / "d" / "x.npz")]
+    with no_hang(20):
+        for pattern in ["d/*", "d/**", "d/**/*.npz", "d/**/"]:
+            assert discover_sources([pattern]) == walked, pattern
+        # d/self/ is d again: a loop, not walked twice, so 'd/*/' takes the directories in d that are not d
+        assert discover_sources(["d/*/"]) == [str(tmp_path / "d" / "s" / "y.npz")]
+        assert discover_sources(["d/*.npz"]) == [str(tmp_path / "d" / "x.npz")]
+        assert discover_sources(["d/s/*.npz"]) == [str(tmp_path / "d" / "s" / "y.npz")]
+    os.symlink("x.npz", tmp_path / "d" / "l.npz")
+    for inputs in (["d"], ["d/*.npz"], ["d/**"]):
+        with pytest.raises(SourceError, match="d/x.npz: is the same file as .*d/l.npz; each sample file"):
+            discover_sources(inputs)
+
+
+def test_a_pattern_with_sample_dirs_refuses_the_npy_files_it_names_as_a_path_would(tmp_path) -> None:
+    """'d/**/*.npy' said it matched no .npy file; 'd/*' silently left out d/x.npy and d/y.npy, where
+    d itself holds .npy files: a .npy named with --sample-dirs is refused, by a pattern too."""
+    for sample in ["d", "d/s0", "d/s1"]:
+        save_npy(tmp_path / sample / "x.npy", np.arange(2))
+        save_npy(tmp_path / sample / "y.npy", np.arange(3))
+    d = tmp_path / "d"
+    for pattern in ["*", "**/*.npy", "**/x.npy"]:
+        with pytest.raises(SourceError) as caught:
+            discover_sources([f"{d}/{pattern}"], sample_dirs=True)
+        assert str(caught.value) == npy_with_sample_dirs(str(d / "x.npy")), pattern
+    assert discover_sources([f"{d}/*/"], sample_dirs=True) == [str(d / "s0"), str(d / "s1")]
+    assert discover_sources([f"{d}/**"], sample_dirs=True) == [str(d), str(d / "s0"), str(d / "s1")]  # d too
+    assert discover_sources([str(d)], sample_dirs=True) == [str(d), str(d / "s0"), str(d / "s1")]
+
+
+def test_files_of_a_pattern_are_named_in_messages_as_the_pattern_spells_them(tmp_path, monkeypatch) -> None:
+    """Typed 'd/*.npz', messages named /abs/.../d/b.npz where typed 'd' they name d/b.npz."""
+    write_npz(tmp_path / "d" / "a.npz", v=np.arange(3))
+    write_npz(tmp_path / "d" / "b.npz", v=np.arange(3.0))
+    expected = "Error: {0}b.npz[v]: dtype float64 differs from int64 in {0}a.npz; use --cast v=float64 to store one dtype"
+    monkeypatch.chdir(tmp_path)
+    for typed, prefix in [("d", "d/"), ("d/*.npz", "d/"), ("./d/**", "./d/")]:
+        code, output = convert_cli(typed, "-o", "out")
+        assert (code, output.splitlines()[-1]) == (1, expected.format(prefix)), typed
+    monkeypatch.chdir(tmp_path / "d")
+    code, output = convert_cli("*.npz", "-o", "out")
+    assert (code, output.splitlines()[-1]) == (1, expected.format("")), output
+
+
+TREE_NAMES = ["a", "b", ".h", "a.npz", "b.npz", ".c.npz", "x.txt", "d.NPZ"]
+PATTERN_PARTS = ["*", "**", "a*", "?.npz", "*.npz", ".*", "[ab]*", "a", "b", "*.[nN][pP][zZ]"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    tree=st.lists(st.lists(st.sampled_from(TREE_NAMES), min_size=1, max_size=3), min_size=1, max_size=8),
+    pattern=st.lists(st.sampled_from(PATTERN_PARTS), min_size=1, max_size=3),
+)
+def test_a_pattern_takes_what_glob_matches_in_a_tree_without_links(tree, pattern) -> None:
+    """The oracle is glob itself, in a tree of no links: its matching files a walk would take, and
+    the walks of its matching directories, sorted and each once."""
+    import glob
+
+    with tempfile.TemporaryDirectory() as top:
+        for names in tree:
+            path = Path(top, *names)
+            with contextlib.suppress(OSError):  # a name already a file, or a file already a directory
+                if path.suffix.lower() == ".npz":
+                    write_npz(path, x=np.int64(0))
+                else:
+                    path.mkdir(parents=True, exist_ok=True)
+        text = os.path.join(top, *pattern)
+        if not glob.has_magic(text) or os.path.lexists(text):
+            return  # a path, not a pattern
+        expected: set[str] = set()
+        for match in glob.glob(text, recursive=True):
+            if os.path.isdir(match):
+                with contextlib.suppress(SourceError):  # a directory of no sources
+                    expected.update(discover_sources([match]))
+            elif match.lower().endswith(".npz"):
+                expected.add(os.path.abspath(match))
+        if not expected:
+            with pytest.raises(SourceError, match="the pattern matches no .npz or .npy file, nor a directory"):
+                discover_sources([text])
+        else:
+            assert discover_sources([text]) == sorted(expected)
