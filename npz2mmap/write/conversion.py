@@ -157,14 +157,18 @@ def convert(
             raise MismatchError(f"{exc} (each directory one sample? use --sample-dirs)") from exc
         locations = found.table(len(plan.sources), len(plan.fields))
         earlier = earlier_held_shapes(sources_before_part(all_sources, part), scan)
-        plan, locations = hold_fixed(plan, locations, fixed_keys, skip_bad, skipped, part, earlier)
+        replan = None
+        if fixed_keys:
+            replan = _Replan(plan, locations, fixed_keys, skip_bad, skipped, part, earlier)
+            plan, locations = replan.without(())
         blob_writer.check_index_nbytes(out, plan, len(skipped) + len(plan.sources), part)
         needed = blob_writer.dataset_nbytes(plan, skipped, part)
         publish.check_free_space(out, needed, space)
         sources_nbytes = _total_file_nbytes(plan.sources) if sample_dirs else _scanned_file_nbytes(locations)
         staging = publish.make_staging_dir(out)
         try:
-            copy = _Copy(plan, locations, staging, imap, shown, skip_bad, workers or os.cpu_count() or 1)
+            num_workers = workers or os.cpu_count() or 1
+            copy = _Copy(plan, locations, staging, imap, shown, skip_bad, num_workers, replan)
             plan, index = copy.run(sources, skipped, part)
             publish.publish(staging, out, overwrite)
         except SourceError as exc:
@@ -460,13 +464,46 @@ def _add_one_by_one(
         found.add(scanned[1])  # only once the plan has taken the file
 
 
+class _Replan:
+    """The plan held to ``--fixed`` shapes, from the scan's plan without given files: a file
+    the copy finds bad may be the first, whose shape the others were held to."""
+
+    def __init__(
+        self,
+        scanned: Plan,
+        locations: np.ndarray,
+        fixed: Sequence[str],
+        skip_bad: bool,
+        skipped: list[tuple[str, str]],
+        part: tuple[int, int] | None,
+        earlier: dict[str, HeldShape],
+    ) -> None:
+        self.scanned, self.locations, self.fixed, self.skip_bad = scanned, locations, fixed, skip_bad
+        self.skipped, self.part, self.earlier = skipped, part, earlier
+        self.held_out: list[tuple[str, str]] = []
+
+    def without(self, bad: Collection[str]) -> tuple[Plan, np.ndarray]:
+        """The plan of the scanned files but ``bad``, held to --fixed (its own files left out
+        listed in ``skipped`` in place of those of the plan before)."""
+        dropped = set(self.held_out)
+        self.skipped[:] = [entry for entry in self.skipped if entry not in dropped]
+        kept = np.array([path not in bad for path in self.scanned.sources], dtype=bool)
+        plan = drop_files(self.scanned, np.flatnonzero(~kept).tolist(), allow_empty=self.part is not None)
+        self.held_out = []
+        held = hold_fixed(
+            plan, self.locations[kept], self.fixed, self.skip_bad, self.held_out, self.part, self.earlier
+        )
+        self.skipped.extend(self.held_out)
+        return held
+
+
 class _Copy:
     """Pass 2: copy every member into the blob, then write tables and index.
 
     Consecutive files travel to the workers in batches, each batch's samples
     of a field written together. A file found bad only now (a corrupt
-    member) is left out with ``skip_bad`` by planning again without it and
-    copying into a fresh blob.
+    member) is left out with ``skip_bad`` by planning again without it (held
+    to --fixed shapes anew, by ``replan``) and copying into a fresh blob.
     """
 
     def __init__(
@@ -478,6 +515,7 @@ class _Copy:
         progress: Progress,
         skip_bad: bool,
         workers: int,
+        replan: _Replan | None = None,
     ) -> None:
         self.plan = plan
         self.locations = locations
@@ -486,6 +524,8 @@ class _Copy:
         self.progress = progress
         self.skip_bad = skip_bad
         self.workers = workers
+        self.replan = replan
+        self.found_bad: set[str] = set()
 
     def run(
         self, sources: list[str], skipped: list[tuple[str, str]], part: tuple[int, int] | None
@@ -496,10 +536,14 @@ class _Copy:
                 sort_in_input_order(skipped, sources)  # as parts merge them
                 return self.plan, blob_writer.finish_dataset(self.staging, self.plan, crc32s, skipped, part)
             skipped.extend((self.plan.sources[k], reason) for k, reason in failed)
-            kept = np.ones(len(self.plan.sources), dtype=bool)
-            kept[[k for k, _ in failed]] = False
-            self.plan = drop_files(self.plan, [k for k, _ in failed], allow_empty=part is not None)
-            self.locations = self.locations[kept]
+            self.found_bad.update(self.plan.sources[k] for k, _ in failed)
+            if self.replan is not None:
+                self.plan, self.locations = self.replan.without(self.found_bad)
+            else:
+                kept = np.ones(len(self.plan.sources), dtype=bool)
+                kept[[k for k, _ in failed]] = False
+                self.plan = drop_files(self.plan, [k for k, _ in failed], allow_empty=part is not None)
+                self.locations = self.locations[kept]
             os.unlink(os.path.join(self.staging, BLOB_NAME))
 
     def _copy_samples(self) -> tuple[list[np.ndarray], list[tuple[int, str]]]:

@@ -263,6 +263,29 @@ def test_skip_bad_leaves_out_files_changed_after_the_scan_and_keeps_the_rest_exa
             assert reader.view(key, i).tobytes() == array.tobytes()
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_fixed_holds_the_shape_of_the_first_file_converted_when_the_first_scanned_is_found_bad_at_the_copy(
+    tmp_path, workers
+) -> None:
+    """--fixed x took its shape from f0, which the copy then found corrupt (a CRC) and left out:
+    f1..f4 were left out for differing from f0, and only the odd f5 was kept, with exit 0."""
+    samples = [{"x": np.arange(3.0)}] + [{"x": np.arange(4.0) + i} for i in range(1, 5)] + [{"x": np.arange(3.0)}]
+    paths = write_samples(tmp_path / "src", samples)
+    truncated = dict(enumerate(samples))
+    result = convert(
+        [tmp_path / "src"], tmp_path / "out", workers=workers, skip_bad=True, fixed=["x"],
+        progress=_EditBeforeCopy(lambda: flip_last_byte(paths[0])),
+    )  # fmt: skip
+    assert [path for path, _ in result.skipped] == [str(paths[0]), str(paths[5])]
+    assert "Bad CRC-32" in result.skipped[0][1]
+    assert result.skipped[1][1].startswith(f"{paths[5]}[x]: shape (3,) differs from (4,) in {paths[1]}")
+    reader = DatasetReader(tmp_path / "out")
+    assert [reader.view("x", i).tobytes() for i in range(len(reader))] == [
+        truncated[k]["x"].tobytes() for k in (1, 2, 3, 4)
+    ]
+    assert reader.index.field("x").shape == (4,)
+
+
 def test_a_member_whose_local_header_names_another_file_is_refused_as_zipfile_refuses_it(tmp_path) -> None:
     """The scan reads a stored member's .npy header without zipfile, but keeps zipfile's name check."""
     path = write_samples(tmp_path / "src", [{"x": np.arange(3.0)}])[0]
