@@ -66,7 +66,7 @@ def discover_sources(
     record like any bad file.
     """
     found: list[Found] = []
-    resolve = _RealPaths()
+    resolve = RealPaths()
     for item in inputs:
         text = os.fspath(item)
         if text == LIST_PREFIX:
@@ -83,7 +83,7 @@ def discover_sources(
 
 
 def _expand_list_file(
-    list_path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths
+    list_path: str, sample_dirs: bool, skip_bad: bool, resolve: RealPaths
 ) -> Iterable[Found]:
     """Each line is a path, exactly as written (spaces too), relative to the list file's
     directory; lines of white space are skipped, and so are comments, lines whose first
@@ -130,7 +130,7 @@ def _spaces_hint(base: str, line: str) -> str:
 
 
 def _expand_path(
-    path: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths, patterns: bool = True
+    path: str, sample_dirs: bool, skip_bad: bool, resolve: RealPaths, patterns: bool = True
 ) -> list[Found]:
     if os.path.isdir(path):
         return _walk(path, sample_dirs, skip_bad, resolve)
@@ -147,7 +147,7 @@ def _expand_path(
     raise MissingInputError(f"{path}: no such file or directory")
 
 
-def _expand_pattern(text: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths) -> list[Found]:
+def _expand_pattern(text: str, sample_dirs: bool, skip_bad: bool, resolve: RealPaths) -> list[Found]:
     """A glob pattern (quoted, so the shell left it): the walk of the directory it starts from,
     by the walk's rules, taking what the pattern matches (``**`` any depth; directories matched
     taken whole; of files, those a walk would take: .npz, and .npy unless ``sample_dirs``).
@@ -197,7 +197,7 @@ def npy_with_sample_dirs(path: str) -> str:
 
 
 def _walk(
-    top: str, sample_dirs: bool, skip_bad: bool, resolve: _RealPaths, pattern: Pattern | None = None
+    top: str, sample_dirs: bool, skip_bad: bool, resolve: RealPaths, pattern: Pattern | None = None
 ) -> list[Found]:
     """Every source below ``top``, following directory links but never a loop twice.
 
@@ -359,7 +359,7 @@ def _path_of(item: Found) -> str:
     return item[0]
 
 
-class _RealPaths:
+class RealPaths:
     """``os.path.realpath`` of absolute paths, resolving each directory once.
 
     The real path of a name that is not a symlink is its directory's real path

@@ -28,6 +28,7 @@ from ..format.manifest import (
     read_manifest,
     resolve_parts,
 )
+from ..ingest.discover import RealPaths
 from ..progress import Progress, SilentProgress
 from ..read.parts import Parts, PartsReader
 from . import blob_writer, publish
@@ -123,7 +124,8 @@ def _check_disjoint_sources(parts: Parts, where: str) -> None:
     source once, as a conversion does: a Writer's parts may give many samples one ``source=``
     (or none), which says nothing of overlap. Reads every part's sources.jsonl once.
     """
-    owner: dict[str, str] = {}
+    owner: dict[str, tuple[str, str]] = {}  # by real path (one file named by two paths): name, part
+    real_path = RealPaths()
     for path, index in zip(parts.paths, parts.indexes, strict=True):
         if index.part is None:
             continue
@@ -131,13 +133,25 @@ def _check_disjoint_sources(parts: Parts, where: str) -> None:
         if len(set(names)) < len(names):
             continue
         for name in names:
-            first = owner.setdefault(name, path)
+            first_name, first = owner.setdefault(_real_or_as_named(name, real_path), (name, path))
             if first != path:
+                also = "" if first_name == name else f" (in it as {first_name})"
                 raise FormatError(
-                    f"{where}: {name} is a source of both {first} and {path}: the inputs changed between "
-                    "their conversions (a part converted again alone), or two Writers were given one "
+                    f"{where}: {name} is a source of both {first}{also} and {path}: the inputs changed "
+                    "between their conversions (a part converted again alone), or two Writers were given one "
                     "source=; convert every part of the run again, or give each sample its own source"
                 )
+
+
+def _real_or_as_named(name: str, real_path: RealPaths) -> str:
+    """A source's real path (links resolved), or its name where it is no absolute path of
+    this system (a label, a source since removed)."""
+    if not os.path.isabs(name):
+        return name
+    try:
+        return real_path(os.path.normpath(name))
+    except (OSError, ValueError):
+        return name
 
 
 def _write_manifest(parts: list[str], out: str, overwrite: bool) -> None:

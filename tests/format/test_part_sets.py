@@ -271,6 +271,26 @@ def test_a_part_converted_again_after_the_inputs_changed_is_refused_by_the_sourc
     assert [int(v) for v in npz2mmap.DatasetReader(tmp_path / "merged").column("x")] == list(range(7))
 
 
+@pytest.mark.skipif(not hasattr(os, "symlink") or os.name == "nt", reason="symlinks")
+def test_parts_naming_one_file_by_two_paths_are_refused_as_parts_naming_it_alike(tmp_path) -> None:
+    """Rank 0 typed d, rank 1 a link to it: the names differed, so one file was merged in twice."""
+    src = tmp_path / "d"
+    for name in "abc":
+        write_npz(src / f"{name}.npz", x=np.array(ord(name)))
+    os.symlink(src, tmp_path / "link")
+    convert([src / "a.npz", src / "b.npz"], tmp_path / "out", part=(0, 2), workers=1)  # a
+    convert([src / "c.npz", tmp_path / "link" / "a.npz"], tmp_path / "out", part=(1, 2), workers=1)  # link/a
+    parts = [tmp_path / "out" / "part-00000", tmp_path / "out" / "part-00001"]
+    for copy in (False, True):
+        with pytest.raises(FormatError) as refused:
+            merge(parts, tmp_path / "merged", copy=copy)
+        assert str(refused.value).startswith(
+            f"parts {parts[0]} to {parts[1]}: {tmp_path / 'link' / 'a.npz'} is a source of both {parts[0]} "
+            f"(in it as {src / 'a.npz'}) and {parts[1]}: the inputs changed between their conversions"
+        )
+        assert not (tmp_path / "merged").exists()
+
+
 @pytest.mark.parametrize("labels", [["gen", "gen"], ["", ""], ["shared.npz", "shared.npz", "own"]])
 def test_writer_parts_giving_many_samples_one_source_merge(tmp_path, labels) -> None:
     """source= labels what a sample came from; several ranks' samples may share it (rows of one
