@@ -163,6 +163,7 @@ def _write_manifest(parts: list[str], out: str, overwrite: bool) -> None:
         if not overwrite:
             raise OutputError(f"{manifest}: already exists; pass --overwrite to replace it")
         _refuse_foreign_manifest(manifest, out)
+    publish.sweep_leftovers_of(out)
     try:
         os.makedirs(out, exist_ok=True)
         temporary = f"{manifest}.{os.getpid()}.tmp"

@@ -260,6 +260,7 @@ def take_output_lock(out_dir: str, held_in: list[OutputLock] | None = None) -> O
             held = locks.take_lock(lock_path, held_in=taken)
         if held is not None:
             _remove_leftovers(parent, name)
+            sweep_leftovers_of(parent)  # a part's OUT: what a killed writer of OUT itself left
             lock = OutputLock(out_dir, held, made_dirs)
             if held_in is not None:
                 held_in.append(lock)
@@ -275,6 +276,26 @@ def take_output_lock(out_dir: str, held_in: list[OutputLock] | None = None) -> O
         raise
     _remove_if_empty(made_dirs)
     raise OutputError(f"{out_dir}: another npz2mmap conversion or Writer is writing it")
+
+
+def sweep_leftovers_of(out_dir: str) -> None:
+    """Remove what a killed writer of ``out_dir`` left beside it, if no writer holds its lock:
+    for outputs inside it (parts, a manifest), which do not take that lock themselves."""
+    parent, name = os.path.split(fsutil.absolute_path(out_dir))
+    lock_path = os.path.join(parent, f".{name}{LOCK_SUFFIX}")
+    if not name or not os.path.lexists(lock_path):  # a killed writer leaves its lock file
+        return
+    try:
+        held = locks.take_lock(lock_path)
+    except OSError as exc:  # a directory not ours to write: nothing of ours to remove
+        fsutil.reraise_if_from_a_handler(exc)
+        return
+    if held is None:
+        return
+    try:
+        _remove_leftovers(parent, name)
+    finally:
+        held.release()
 
 
 def _missing_dirs(path: str) -> list[str]:

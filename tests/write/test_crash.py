@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,6 +137,45 @@ def test_ctrl_c_cleans_up_and_exits_non_zero(tmp_path, sources, duration, signal
     assert "Traceback" not in stderr
     # Interrupted after the atomic rename, the dataset is complete; before it, there is none.
     assert not out.exists() or verify(out, sources=True).ok
+    assert leftovers(tmp_path) == []
+
+
+def killed_writer_leftovers(parent: Path, name: str = "out") -> list[str]:
+    """What a writer of parent/name killed with -9 leaves beside it: its lock file and staging."""
+    (parent / f".{name}{publish.LOCK_SUFFIX}").write_text("dead")
+    (parent / f".{name}{publish.STAGING_MARK}dead1").mkdir()
+    (parent / f".{name}{publish.STAGING_MARK}dead1" / "data.npy").write_bytes(b"half")
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(f".{name}"))
+
+
+@pytest.mark.parametrize("writes", ["convert --part", "Writer(part=)", "merge (manifest)"])
+def test_leftovers_of_a_killed_writer_of_out_are_removed_by_a_part_or_manifest_written_in_it(
+    tmp_path, sources, writes
+) -> None:
+    """Only a plain conversion removed them: a part or a manifest at OUT left gigabytes behind."""
+    from npz2mmap import Writer
+    from npz2mmap.write.merge import merge
+
+    convert([sources], tmp_path / "whole", workers=1)
+    out = tmp_path / "out"
+
+    def write() -> None:
+        if writes == "convert --part":
+            convert([sources], out, part=(0, 2), workers=1)
+        elif writes == "Writer(part=)":
+            with Writer(out, part=(0, 2)) as writer:
+                writer.append({"x": np.arange(3)})
+        else:
+            merge([tmp_path / "whole"], out)
+
+    with publish.output_lock(str(out)):  # a live writer of OUT: its staging is kept
+        live = publish.make_staging_dir(str(out))
+        if writes != "merge (manifest)":
+            write()
+            shutil.rmtree(out)
+        assert len(leftovers(tmp_path)) == 2 and os.path.isdir(live)
+    assert len(killed_writer_leftovers(tmp_path)) == 2
+    write()
     assert leftovers(tmp_path) == []
 
 
