@@ -9,21 +9,23 @@ from __future__ import annotations
 import math
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from .. import fsutil
 from ..errors import FormatError, SourceError
 from ..format import provenance
 from ..format.dtypes import storage_dtype
 from ..format.index import BLOB_HEADER_NBYTES, IDENTITY_NBYTES, Field, Index, load_index
 from ..format.manifest import is_manifest_dir, resolve_parts
+from ..ingest.discover import NPZ_SUFFIX
 from ..ingest.elements import ByteReader, Piece, stored_pieces
 from ..ingest.npy_header import HeaderLimit, MemberHeader, header_limit
-from ..ingest.npz import CHUNK_NBYTES
-from ..ingest.sources import Source, open_source
+from ..ingest.npz import CHUNK_NBYTES, NPY_SUFFIX
+from ..ingest.sources import Source, holds_npy_files, open_source
 from ..progress import Progress, SilentProgress
 from ..read.parts import Parts
 from ..read.reader import DatasetReader, identity_problem
@@ -181,18 +183,19 @@ def _compare_sources(
     """Compare each sample with its source: a file, or in rows mode a row of a file.
 
     A sample whose source is not named (empty), or is a label (a Writer's ``source=`` that
-    named no file when appended: relative, where every file source is recorded absolute), is
-    counted, not compared.
+    names no sample source: see _is_a_label), or is shared with other samples (a Writer's
+    rows of one file, where a conversion names each file once), is counted, not compared.
     """
     files, starts = sources
     rows_mode = reader.index.mode == "rows"
+    shared = set() if rows_mode else _named_more_than_once(files)
     for k, path in enumerate(files):
         first, count = int(starts[k]), int(starts[k + 1] - starts[k])
         if not path:
             report.unsourced += count
             progress.advance(count, 0)
             continue
-        if _is_a_label(path):
+        if path in shared or _is_a_label(path):
             report.labelled += count
             progress.advance(count, 0)
             continue
@@ -237,10 +240,38 @@ def _compare_file(
 
 
 def _is_a_label(path: str) -> bool:
-    """A source= a Writer recorded as a label: convert and the Writer record every source that
-    names a file as an absolute path, so a relative one is a label, whatever the working
-    directory holds (and an absolute one gone missing is a problem, never a label)."""
-    return not os.path.isabs(path)
+    """A source= a Writer recorded that names no sample source. Convert and the Writer record
+    every source naming a file as an absolute path, so a relative one is a label, whatever the
+    working directory holds; so is an absolute one of a kind no sample comes from (a file or
+    a name whose suffix is not .npz or .npy, a directory holding no .npy file). An absolute
+    .npz, .npy or suffixless path gone missing is a problem (a source, or a sample directory,
+    removed), never a label."""
+    if not os.path.isabs(path):
+        return True
+    if os.path.isdir(path):
+        return not _holds_npy_files(path)
+    suffix = os.path.splitext(path)[1].lower()
+    return bool(suffix) and suffix not in (NPZ_SUFFIX, NPY_SUFFIX)
+
+
+def _holds_npy_files(path: str) -> bool:
+    try:
+        with os.scandir(path) as entries:
+            return holds_npy_files(entries)
+    except OSError as exc:
+        fsutil.reraise_if_from_a_handler(exc)
+        return True  # unreadable: compared, and the comparison says why it fails
+
+
+def _named_more_than_once(files: Sequence[str]) -> set[str]:
+    """Sources several samples name (a Writer's rows of one file): none is any one sample's."""
+    seen: set[str] = set()
+    repeated: set[str] = set()
+    for path in files:
+        if path in seen:
+            repeated.add(path)
+        seen.add(path)
+    return repeated
 
 
 def _encodable(path: str) -> bool:

@@ -475,8 +475,9 @@ def _verified_line(dataset: str, report: VerifyReport) -> str:
         )
     if report.sources_checked and report.labelled:
         line += (
-            f"; {plural(report.labelled, 'sample')} of {report.num_samples:,} name a label as source, "
-            "no file (npz2mmap.Writer's source=), and were not compared"
+            f"; {plural(report.labelled, 'sample')} of {report.num_samples:,} name as source a label, "
+            "a file of no sample or one other samples share (npz2mmap.Writer's source=), and were not "
+            "compared"
         )
     return line
 

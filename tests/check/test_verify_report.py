@@ -27,14 +27,37 @@ def test_labels_a_writer_was_given_as_source_are_not_compared_not_problems(tmp_p
     assert (result.exit_code, result.output) == (
         0,
         f"OK: {out}: 31 samples verified (checksums, tables, padding); 1 sample of 31 name no source "
-        "(appended by npz2mmap.Writer without source=) and were not compared; 30 samples of 31 name a label "
-        "as source, no file (npz2mmap.Writer's source=), and were not compared\n",
+        "(appended by npz2mmap.Writer without source=) and were not compared; 30 samples of 31 name as "
+        "source a label, a file of no sample or one other samples share (npz2mmap.Writer's source=), and "
+        "were not compared\n",
     )
     report = json.loads(run("verify", out, "--sources", "--json").output)
     assert report == {
         "path": str(out), "ok": True, "num_samples": 31, "problems": [], "sources_checked": True,
         "samples_without_source": 1, "samples_with_a_label_as_source": 30,
     }
+
+
+def test_a_writer_source_of_no_sample_of_its_own_is_not_compared_and_a_gone_npz_is_a_problem(
+    tmp_path, monkeypatch
+) -> None:
+    """Every row of a shard given source='shard.npz', a .jpg, '.' and an absolute label each
+    failed verify --sources once sources naming files were recorded absolute."""
+    monkeypatch.chdir(tmp_path)
+    np.savez("shard.npz", x=np.arange(12).reshape(4, 3))
+    (tmp_path / "img.jpg").write_bytes(b"\xff\xd8 not a sample")
+    with np.load("shard.npz") as shard:
+        rows = shard["x"]
+    with npz2mmap.Writer(tmp_path / "ds") as writer:
+        for row in rows:
+            writer.append({"x": row}, source="shard.npz")  # the rows of one file
+        writer.append({"x": rows[0]}, source="img.jpg")
+        writer.append({"x": rows[0]}, source=".")
+        writer.append({"x": rows[0]}, source="/data/raw/img_0001.jpg")  # named nothing here
+        writer.append({"x": rows[0]}, source=str(tmp_path / "gone.npz"))  # named nothing: compared
+    report = json.loads(run("verify", tmp_path / "ds", "--sources", "--json").output.split("\nError: ")[0])
+    assert report["samples_with_a_label_as_source"] == 7
+    assert report["problems"] == [f"sample 7 ({tmp_path / 'gone.npz'}): {tmp_path / 'gone.npz'}: No such file or directory"]
 
 
 def test_many_problems_are_capped_with_a_count_and_listed_whole_in_json(tmp_path) -> None:
