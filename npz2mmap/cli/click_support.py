@@ -168,3 +168,16 @@ def friendly_errors(func: F) -> F:
             raise click.ClickException(str(exc)) from None
 
     return debug_option(wrapper)  # type: ignore[return-value]
+
+
+class DirectoryPath(click.Path):
+    """A directory named on the command line; an empty one (``-o "$OUT"`` with OUT unset) is a
+    usage mistake (exit 2), not a directory that cannot be written."""
+
+    def __init__(self) -> None:
+        super().__init__(file_okay=False)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if value == "":
+            self.fail("an empty path (an unset shell variable?): name a directory", param, ctx)
+        return super().convert(value, param, ctx)

@@ -34,6 +34,7 @@ from ..write.merge import merge as merge_parts
 from ..write.options import cast_dtype, resolve_part
 from ..write.shapes import NearlyFixed, describe_nearly_fixed
 from .click_support import (
+    DirectoryPath,
     F,
     OneLineErrorsGroup,
     debug_option,
@@ -137,7 +138,7 @@ def output_option(help_text: str) -> Callable[[F], F]:
         "--output",
         "out_dir",
         required=True,
-        type=click.Path(file_okay=False),
+        type=DirectoryPath(),
         metavar="OUT",
         help=help_text,
     )
@@ -389,7 +390,7 @@ def _growth_note(data_nbytes: int, sources_nbytes: int) -> str | None:
         "npz2mmap inspect data.mmap --stats --json",
     )
 )
-@click.argument("dataset", type=click.Path(file_okay=False), metavar="OUT")
+@click.argument("dataset", type=DirectoryPath(), metavar="OUT")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
 @click.option("--sample", type=int, default=None, metavar="I", help="Show sample I's arrays instead.")
 @click.option(
@@ -433,7 +434,7 @@ def warn_if_larger_than_memory(dataset: str, blob_nbytes: int) -> None:
         "npz2mmap verify data.mmap --sources      # every sample against its file",
     )
 )
-@click.argument("dataset", type=click.Path(file_okay=False), metavar="OUT")
+@click.argument("dataset", type=DirectoryPath(), metavar="OUT")
 @click.option("--sources", is_flag=True, help="Also compare every sample bit for bit with its source file.")
 @click.option("--json", "as_json", is_flag=True, help="The report as JSON on stdout, every problem listed.")
 @max_header_size_option
@@ -501,7 +502,7 @@ def _verify_json(report: VerifyReport) -> dict[str, Any]:
         "npz2mmap merge a.mmap b.mmap -o all.mmap --copy",
     ),
 )
-@click.argument("parts", nargs=-1, required=True, metavar="PART...", type=click.Path(file_okay=False))
+@click.argument("parts", nargs=-1, required=True, metavar="PART...", type=DirectoryPath())
 @output_option("Directory to hold manifest.json, or with --copy the dataset to create.")
 @click.option("--copy", is_flag=True, help="Copy the parts into one single dataset instead of listing them.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing manifest or dataset at OUT.")
@@ -519,7 +520,7 @@ def merge(
     copied, and MmapDataset(OUT) reads them as one. With --copy, writes a
     single dataset at OUT.
     """
-    with showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress:
+    with showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress, _usage_errors():
         with warnings.catch_warnings():  # said below, as a line of output
             warnings.simplefilter("ignore", RaggedFieldWarning)
             result = merge_parts(list(parts), out_dir, copy=copy, overwrite=overwrite, progress=progress)
@@ -532,7 +533,7 @@ def merge(
 
 
 @cli.command(epilog=examples("npz2mmap warm data.mmap                  # before training, on each node"))
-@click.argument("dataset", type=click.Path(file_okay=False), metavar="OUT")
+@click.argument("dataset", type=DirectoryPath(), metavar="OUT")
 @progress_option
 @click.option("-q", "--quiet", is_flag=True, help="No progress (--progress none).")
 @friendly_errors

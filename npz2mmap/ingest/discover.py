@@ -69,6 +69,8 @@ def discover_sources(
     resolve = RealPaths()
     for item in inputs:
         text = os.fspath(item)
+        if not text:
+            raise MissingInputError("an empty INPUT (an unset shell variable?): name a file or directory")
         if text == LIST_PREFIX:
             raise SourceError(f"{LIST_PREFIX!r} names no list file: give {LIST_PREFIX}LIST, e.g. @train.txt")
         if text.startswith(LIST_PREFIX):

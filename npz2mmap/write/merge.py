@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import fsutil
-from ..errors import FormatError, OutputError, RaggedFieldWarning, SourceError
+from ..errors import FormatError, MissingInputError, OutputError, RaggedFieldWarning, SourceError
 from ..format import provenance
 from ..format.index import BLOB_HEADER_NBYTES, INDEX_NAME
 from ..format.manifest import (
@@ -63,6 +63,9 @@ def merge(
     run in order (see manifest.check_part_set); OutputError when ``out_dir``
     cannot be written. Nothing is written when it raises before writing.
     """
+    for part in parts:  # a part not there is a usage mistake, as a missing INPUT of convert is
+        if not os.path.lexists(part):
+            raise MissingInputError(f"{os.fspath(part)}: no such dataset")
     given = resolve_parts(list(parts))
     opened = Parts(given)  # without empty parts, which contribute nothing
     labels = [index.part for index in opened.all_indexes]  # empty parts' too

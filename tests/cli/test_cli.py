@@ -666,3 +666,31 @@ def test_a_missing_input_is_a_usage_mistake_exit_2_and_each_command_shows_exampl
     missing_list = run("convert", f"@{tmp_path / 'nolist.txt'}", "-o", str(tmp_path / "out"))
     assert missing_list.exit_code == 2
     assert missing_list.output.splitlines()[-1] == f"Error: {tmp_path / 'nolist.txt'}: no such list file"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["convert", "a.npz", "-o", ""], "Error: Invalid value for '-o' / '--output': an empty path"),
+        (["merge", "a", "-o", ""], "Error: Invalid value for '-o' / '--output': an empty path"),
+        (["verify", ""], "Error: Invalid value for 'OUT': an empty path"),
+        (["inspect", ""], "Error: Invalid value for 'OUT': an empty path"),
+        (["merge", "", "-o", "m"], "Error: Invalid value for 'PART...': an empty path"),
+        (["convert", "", "-o", "out"], "Error: an empty INPUT (an unset shell variable?)"),
+    ],
+)
+def test_an_empty_path_is_a_usage_mistake(tmp_path, monkeypatch, args, message) -> None:
+    """-o "$OUT" with OUT unset said "Error: : cannot write the dataset" and exited 1."""
+    monkeypatch.chdir(tmp_path)
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert result.output.splitlines()[-1].startswith(message)
+    assert "unset shell variable" in result.output.splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_merge_part_is_a_usage_mistake_as_a_missing_convert_input_is(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = run("merge", "nothere", "-o", "m")
+    assert (result.exit_code, result.output.splitlines()[-1]) == (2, "Error: nothere: no such dataset")
+    assert list(tmp_path.iterdir()) == []
