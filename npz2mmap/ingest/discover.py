@@ -74,7 +74,12 @@ def discover_sources(
         if text == LIST_PREFIX:
             raise SourceError(f"{LIST_PREFIX!r} names no list file: give {LIST_PREFIX}LIST, e.g. @train.txt")
         if text.startswith(LIST_PREFIX):
-            found.extend(_expand_list_file(text[len(LIST_PREFIX) :], sample_dirs, skip_bad, resolve))
+            try:
+                found.extend(_expand_list_file(text[len(LIST_PREFIX) :], sample_dirs, skip_bad, resolve))
+            except MissingInputError as exc:
+                if not os.path.lexists(text):
+                    raise
+                raise MissingInputError(f"{exc} (to convert the path {text}, type ./{text})") from None
         else:
             found.extend(_expand_path(text, sample_dirs, skip_bad, resolve))
     if not found:

@@ -694,3 +694,15 @@ def test_a_missing_merge_part_is_a_usage_mistake_as_a_missing_convert_input_is(t
     result = run("merge", "nothere", "-o", "m")
     assert (result.exit_code, result.output.splitlines()[-1]) == (2, "Error: nothere: no such dataset")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_input_that_names_a_path_starting_with_at_says_how_to_type_it(tmp_path, monkeypatch) -> None:
+    """'@x', a directory of that name, said only "x: no such list file"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "@x").mkdir()
+    np.savez(tmp_path / "@x" / "a.npz", v=np.arange(3))
+    result = run("convert", "@x", "-o", "out")
+    assert (result.exit_code, result.output.splitlines()[-1]) == (
+        2, "Error: x: no such list file (to convert the path @x, type ./@x)"
+    )
+    assert run("convert", "./@x", "-o", "out", "-q").exit_code == 0
