@@ -108,10 +108,11 @@ def ragged_across_parts(parts: Parts) -> tuple[str, ...]:
 
 
 def _refuse_all_left_out(parts: Parts) -> None:
-    """SourceError when the parts hold no sample because --skip-bad left out every file, as one
-    conversion of those files is refused: parts merge into what one conversion makes, or nothing."""
+    """SourceError when --skip-bad left out every file of the parts, as one conversion of those
+    files is refused: parts merge into what one conversion makes, or nothing. Files of no rows
+    are files read, so parts of them merge, as they convert, into a dataset of no samples."""
     num_skipped = sum(index.num_skipped for index in parts.all_indexes)
-    if parts.num_samples or not num_skipped:
+    if any(index.num_sources for index in parts.all_indexes) or not num_skipped:
         return
     pairs = zip(parts.all_paths, parts.all_indexes, strict=True)
     path, index = next((path, index) for path, index in pairs if index.num_skipped)

@@ -421,6 +421,22 @@ def test_parts_whose_files_skip_bad_left_out_all_merge_into_the_refusal_of_one_c
         assert not (tmp_path / "merged").exists()
 
 
+def test_parts_of_files_of_no_rows_beside_a_bad_one_merge_as_they_convert(tmp_path) -> None:
+    """One conversion gave a dataset of no samples; its parts were refused: "left out all 1"."""
+    (tmp_path / "src").mkdir()
+    for name in ("a", "b"):
+        np.savez(tmp_path / "src" / f"{name}.npz", x=np.zeros((0, 2), np.float32))
+    (tmp_path / "src" / "c.npz").write_bytes(b"PK\x03\x04junk")
+    options = ("--rows", "--skip-bad", "-q")
+    assert run("convert", tmp_path / "src", "-o", tmp_path / "one", *options).exit_code == 0
+    for i in range(3):
+        assert run("convert", tmp_path / "src", "-o", tmp_path / "p", "--part", f"{i}/3", *options).exit_code == 0
+    parts = sorted((tmp_path / "p").glob("part-*"))
+    assert run("merge", *parts, "-o", tmp_path / "merged", "--copy", "-q").exit_code == 0
+    for name in ("data.npy", "index.json", "sources.jsonl", "skipped.jsonl"):
+        assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
 def test_an_index_without_fields_is_refused_unless_it_has_no_samples(tmp_path) -> None:
     """Samples without fields would make every batch empty, and a loop over them endless."""
     convert([two_files(tmp_path)], tmp_path / "ds", workers=1)
