@@ -257,7 +257,7 @@ def _is_a_label(path: str) -> bool:
 def _holds_npy_files(path: str) -> bool:
     try:
         with os.scandir(path) as entries:
-            return holds_npy_files(entries)
+            return holds_npy_files(list(entries))
     except OSError as exc:
         fsutil.reraise_if_from_a_handler(exc)
         return True  # unreadable: compared, and the comparison says why it fails

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -13,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..fsutil import absolute_path
-from ..ingest.patterns import Pattern
+from ..ingest.patterns import Pattern, is_pattern
 from ..text import human_bytes, printable
 
 
@@ -187,7 +186,7 @@ def _typed_prefix(path: str) -> tuple[str, str]:
     """The absolute path an input's files start with, and how the user typed it: a pattern's
     files start with the directory it starts from ('d' for 'd/**/*.npz'; none for '*.npz',
     whose files are named from the working directory, the separator after it left out too)."""
-    if glob.has_magic(path) and not os.path.lexists(path):  # a path that exists is never a pattern
+    if is_pattern(path):
         base = Pattern(path).base
         if base == os.curdir:
             return os.path.join(absolute_path(base), ""), ""

@@ -24,6 +24,12 @@ _SEPARATORS = re.compile("[" + re.escape(os.sep + (os.altsep or "")) + "]")
 RECURSIVE = "**"
 
 
+def is_pattern(text: str) -> bool:
+    """Whether an INPUT is a glob pattern: it has wildcards and names no path (one that exists
+    is never a pattern)."""
+    return glob.has_magic(text) and not os.path.lexists(text)
+
+
 class Pattern:
     """A glob pattern: the directory its walk starts from, and the components it matches below."""
 

@@ -320,3 +320,21 @@ def test_an_existing_folder_that_is_no_dataset_is_refused_at_once_without_a_hint
             "manifest.json); choose another OUT (--overwrite replaces only a dataset or an empty directory)\n",
         )
     assert os.listdir(mine) == ["notes.txt"]
+
+
+def test_an_out_a_pattern_takes_is_refused_at_once_as_one_inside_an_input_directory(tmp_path, monkeypatch) -> None:
+    """convert '*' -o out --overwrite worked once, then every run said out was a dataset to merge."""
+    monkeypatch.chdir(tmp_path)
+    np.savez(tmp_path / "a.npz", x=np.arange(3))
+    for pattern in ["*", "**", "o*"]:
+        with pytest.raises(OutputError) as refused:
+            npz2mmap.convert([pattern], "out", workers=1)
+        assert str(refused.value) == (
+            f"out: the pattern {pattern} takes it (or a directory holding it); narrow the pattern "
+            "(such as '*.npz') or write the dataset elsewhere"
+        )
+        assert not (tmp_path / "out").exists()
+    for pattern in ["*.npz", "**/*.npz"]:
+        for _ in range(2):  # and again, over the dataset written
+            npz2mmap.convert([pattern], "out", workers=1, overwrite=True)
+        assert npz2mmap.DatasetReader("out").field_names == ("x",)
