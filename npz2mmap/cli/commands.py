@@ -294,7 +294,7 @@ def convert(
             err=True,
         )
     for item in result.nearly_fixed:
-        echo_err(f"Warning: {as_given(_describe_nearly_fixed(item))}")
+        echo_err(f"Warning: {as_given(_describe_nearly_fixed(item, chosen_part is not None))}")
     if as_json:
         click.echo(render_json(_convert_json(result)))
     elif not quiet:
@@ -354,8 +354,13 @@ def _usage_errors() -> Iterator[None]:
         raise click.UsageError(str(exc)) from None
 
 
-def _describe_nearly_fixed(item: NearlyFixed) -> str:
-    if item.held_fixed_keeps_an_odd_shape():
+def _describe_nearly_fixed(item: NearlyFixed, in_a_part: bool = False) -> str:
+    if in_a_part:  # counted over the part's files; --fixed holds them to the whole list's first
+        advice = (
+            f"counted over this part's files alone: --fixed {item.field} holds every part to the "
+            "first file of the whole input list, so look at the shapes of the whole list before using it"
+        )
+    elif item.held_fixed_keeps_an_odd_shape():
         advice = (
             f"--fixed {item.field} keeps the first file's shape, and that file is one that differs: "
             f"move it out of the inputs (or save it as {item.shape}), then convert with --fixed {item.field}"

@@ -101,6 +101,24 @@ def test_one_transposed_image_among_500_is_reported(tmp_path, images, workers) -
     )
 
 
+def test_a_part_says_its_count_is_over_its_files_and_how_fixed_holds_a_part(tmp_path) -> None:
+    """A part advised --fixed x over its own slice; followed, --fixed held it to the first file of
+    the whole list, and the part's three files were all left out."""
+    shapes = [3, 3, 3, 4, 4, 2, 5, 4, 4]
+    for k, n in enumerate(shapes):
+        write_npz(tmp_path / "in" / f"{k}.npz", x=np.arange(float(n)))
+    whole = run("convert", tmp_path / "in", "-o", tmp_path / "one", "-q", "--workers", 1)
+    assert (whole.exit_code, whole.stderr) == (0, "")
+    part = run("convert", tmp_path / "in", "-o", tmp_path / "p", "--part", "1/3", "-q", "--workers", 1)
+    assert (part.exit_code, part.stderr) == (
+        0,
+        f"Warning: field x is ragged only because 1 of 3 files differs from shape (4,): the first, "
+        f"{tmp_path / 'in' / '5.npz'}, has (2,); counted over this part's files alone: --fixed x holds "
+        "every part to the first file of the whole input list, so look at the shapes of the whole list "
+        "before using it\n",
+    )
+
+
 def test_the_result_names_the_nearly_fixed_field(tmp_path, images) -> None:
     src, odd = images
     result = convert([src], tmp_path / "out", workers=2)
