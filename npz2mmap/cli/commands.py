@@ -475,17 +475,23 @@ def _verified_line(dataset: str, report: VerifyReport) -> str:
     checked = "checksums, tables, padding" + (" and sources" if compared else "")
     line = f"OK: {dataset}: {plural(report.num_samples, 'sample')} verified ({checked})"
     if report.sources_checked and report.unsourced:
+        name, were = _verbs(report.unsourced)
         line += (
-            f"; {plural(report.unsourced, 'sample')} of {report.num_samples:,} name no source "
-            "(appended by npz2mmap.Writer without source=) and were not compared"
+            f"; {plural(report.unsourced, 'sample')} of {report.num_samples:,} {name} no source "
+            f"(appended by npz2mmap.Writer without source=) and {were} not compared"
         )
     if report.sources_checked and report.labelled:
+        name, were = _verbs(report.labelled)
         line += (
-            f"; {plural(report.labelled, 'sample')} of {report.num_samples:,} name as source a label, "
-            "a file of no sample or one other samples share (npz2mmap.Writer's source=), and were not "
+            f"; {plural(report.labelled, 'sample')} of {report.num_samples:,} {name} as source a label, "
+            f"a file of no sample or one other samples share (npz2mmap.Writer's source=), and {were} not "
             "compared"
         )
     return line
+
+
+def _verbs(count: int) -> tuple[str, str]:
+    return ("names", "was") if count == 1 else ("name", "were")
 
 
 def _verify_json(report: VerifyReport) -> dict[str, Any]:

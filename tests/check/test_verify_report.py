@@ -26,8 +26,8 @@ def test_labels_a_writer_was_given_as_source_are_not_compared_not_problems(tmp_p
     result = run("verify", out, "--sources")
     assert (result.exit_code, result.output) == (
         0,
-        f"OK: {out}: 31 samples verified (checksums, tables, padding); 1 sample of 31 name no source "
-        "(appended by npz2mmap.Writer without source=) and were not compared; 30 samples of 31 name as "
+        f"OK: {out}: 31 samples verified (checksums, tables, padding); 1 sample of 31 names no source "
+        "(appended by npz2mmap.Writer without source=) and was not compared; 30 samples of 31 name as "
         "source a label, a file of no sample or one other samples share (npz2mmap.Writer's source=), and "
         "were not compared\n",
     )

@@ -429,8 +429,9 @@ def test_verify_sources_counts_a_label_that_is_no_file_name_as_not_compared(tmp_
     result = CliRunner().invoke(cli, ["verify", str(tmp_path / "w"), "--sources"])
     assert result.exit_code == 0 and "Traceback" not in result.output
     assert result.output == (
-        f"OK: {tmp_path / 'w'}: 1 sample verified (checksums, tables, padding); 1 sample of 1 name a label "
-        "as source, no file (npz2mmap.Writer's source=), and were not compared\n"
+        f"OK: {tmp_path / 'w'}: 1 sample verified (checksums, tables, padding); 1 sample of 1 names as "
+        "source a label, a file of no sample or one other samples share (npz2mmap.Writer's source=), and "
+        "was not compared\n"
     )
 
 
