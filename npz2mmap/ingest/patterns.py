@@ -83,13 +83,16 @@ def _match(pattern: tuple[str, ...], path: tuple[str, ...], is_directory: bool, 
 
 @functools.lru_cache(maxsize=4096)
 def _match_within(pattern: tuple[str, ...], directory: tuple[str, ...]) -> bool:
+    """Whether some path inside ``directory`` can match: a ``**`` never enters a hidden one."""
     if not pattern:
         return False
-    head, rest = pattern[0], pattern[1:]
-    if head == RECURSIVE:
-        return True
     if not directory:
         return True
+    head, rest = pattern[0], pattern[1:]
+    if head == RECURSIVE:
+        return _match_within(rest, directory) or (
+            not is_hidden(directory[0]) and _match_within(pattern, directory[1:])
+        )
     return _name_matches(head, directory[0]) and _match_within(rest, directory[1:])
 
 

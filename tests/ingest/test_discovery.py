@@ -842,3 +842,23 @@ def test_a_pattern_takes_what_glob_matches_in_a_tree_without_links(tree, pattern
                 discover_sources([text])
         else:
             assert discover_sources([text]) == sorted(expected)
+
+
+def test_a_pattern_lists_no_directory_where_it_can_match_nothing(tmp_path, monkeypatch) -> None:
+    """'**/*.npz' from a project's top listed .git and .venv, every file of them, to match none."""
+    for name in ["data/a.npz", "data/deep/b.npz", ".venv/lib/c.npz", "other/d.npz"]:
+        write_npz(tmp_path / name, x=np.int64(0))
+    listed: list[str] = []
+    scandir = os.scandir
+
+    def recording_scandir(path: str) -> Iterator[os.DirEntry[str]]:
+        listed.append(os.path.relpath(path, tmp_path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", recording_scandir)
+    found = discover_sources([f"{tmp_path}/**/*.npz"])
+    assert found == [str(tmp_path / p) for p in ["data/a.npz", "data/deep/b.npz", "other/d.npz"]]
+    assert ".venv" not in listed and not any(p.startswith(".venv") for p in listed)
+    listed.clear()
+    assert discover_sources([f"{tmp_path}/data/*.npz"]) == [str(tmp_path / "data" / "a.npz")]
+    assert listed == ["data"]  # from where it starts; neither data/deep nor other
