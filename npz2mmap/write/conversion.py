@@ -128,9 +128,10 @@ def convert(
     chosen_keys = parse_keys(keys)
     limit = header_limit(max_header_size)
     publish.check_output(out, overwrite)
-    _refuse_output_inside_inputs(out, inputs)
+    _refuse_output_a_pattern_takes(out, inputs)  # before the walk, which would call OUT a dataset input
     all_sources = discover_sources(inputs, sample_dirs, skip_bad)
     sources = select_part(all_sources, part)
+    _refuse_output_inside_inputs(out, inputs)
     skipped: list[tuple[str, str]] = []
     with (
         display as shown,
@@ -217,14 +218,20 @@ def earlier_held_shapes(earlier_sources: Sequence[str], scan: Scan) -> dict[str,
 
 
 def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[str]]) -> None:
-    """OUT inside an input directory, or one a pattern takes, would be walked by the next
-    conversion of it."""
+    """OUT inside an input directory would be walked by the next conversion of it."""
     real_out = os.path.realpath(out)
     for item in inputs:
         path = os.fspath(item)
         real_input = os.path.realpath(path)
         if os.path.isdir(path) and os.path.commonpath([real_out, real_input]) == real_input:
             raise OutputError(f"{out}: is inside the input directory {path}; write the dataset elsewhere")
+
+
+def _refuse_output_a_pattern_takes(out: str, inputs: Sequence[str | os.PathLike[str]]) -> None:
+    """OUT that a pattern in the inputs takes whole would be converted by the next run of it."""
+    real_out = os.path.realpath(out)
+    for item in inputs:
+        path = os.fspath(item)
         if is_pattern(path) and _pattern_takes(Pattern(path), real_out):
             raise OutputError(
                 f"{out}: the pattern {path} takes it (or a directory holding it); narrow the pattern "
