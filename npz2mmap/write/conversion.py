@@ -28,7 +28,6 @@ from ..format.index import (
 from ..ingest.discover import discover_sources, looks_like_sample_dirs
 from ..ingest.npy_header import NP_LOAD_LIMIT, HeaderLimit, MemberHeader, header_limit
 from ..ingest.npz import MemberLocation
-from ..ingest.patterns import Pattern, is_pattern
 from ..ingest.sources import is_field_name, scan_source
 from ..parallel import Mapper, keeps_signal_mask, worker_map
 from ..progress import Progress, progress_display
@@ -128,10 +127,10 @@ def convert(
     chosen_keys = parse_keys(keys)
     limit = header_limit(max_header_size)
     publish.check_output(out, overwrite)
-    _refuse_output_a_pattern_takes(out, inputs)  # before the walk, which would call OUT a dataset input
+    publish.refuse_output_a_pattern_takes(out, inputs)  # before the walk would call OUT an input dataset
     all_sources = discover_sources(inputs, sample_dirs, skip_bad)
     sources = select_part(all_sources, part)
-    _refuse_output_inside_inputs(out, inputs)
+    publish.refuse_output_inside_inputs(out, inputs)
     skipped: list[tuple[str, str]] = []
     with (
         display as shown,
@@ -215,37 +214,6 @@ def earlier_held_shapes(earlier_sources: Sequence[str], scan: Scan) -> dict[str,
                 held[key] = HeldShape(shape[1:], path)
         wanted -= held.keys()
     return held
-
-
-def _refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[str]]) -> None:
-    """OUT inside an input directory would be walked by the next conversion of it."""
-    real_out = os.path.realpath(out)
-    for item in inputs:
-        path = os.fspath(item)
-        real_input = os.path.realpath(path)
-        if os.path.isdir(path) and os.path.commonpath([real_out, real_input]) == real_input:
-            raise OutputError(f"{out}: is inside the input directory {path}; write the dataset elsewhere")
-
-
-def _refuse_output_a_pattern_takes(out: str, inputs: Sequence[str | os.PathLike[str]]) -> None:
-    """OUT that a pattern in the inputs takes whole would be converted by the next run of it."""
-    real_out = os.path.realpath(out)
-    for item in inputs:
-        path = os.fspath(item)
-        if is_pattern(path) and _pattern_takes(Pattern(path), real_out):
-            raise OutputError(
-                f"{out}: the pattern {path} takes it (or a directory holding it); narrow the pattern "
-                "(such as '*.npz') or write the dataset elsewhere"
-            )
-
-
-def _pattern_takes(pattern: Pattern, real_out: str) -> bool:
-    """Whether the walk of ``pattern`` takes the directory ``real_out`` whole."""
-    real_base = os.path.realpath(pattern.base)
-    if os.path.commonpath([real_out, real_base]) != real_base or real_out == real_base:
-        return False
-    names = tuple(os.path.relpath(real_out, real_base).split(os.sep))
-    return any(pattern.matches(names[:k], is_directory=True) for k in range(len(names) + 1))
 
 
 def _sizes(exc: OSError, needed_nbytes: int, free_nbytes: int | None) -> str:

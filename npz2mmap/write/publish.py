@@ -13,7 +13,7 @@ import errno
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from .. import fsutil, locks
 from ..errors import FormatError, OutputError
@@ -27,6 +27,7 @@ from ..format.index import (
     load_index,
 )
 from ..format.manifest import MANIFEST_NAME, read_manifest
+from ..ingest.patterns import Pattern, is_pattern
 from ..parallel import interrupts_blocked
 from ..text import human_bytes
 
@@ -71,6 +72,37 @@ def refuse_inside_a_dataset(out_dir: str) -> None:
                 "only; choose an OUT outside it"
             )
         below, directory = directory, os.path.dirname(directory)
+
+
+def refuse_output_inside_inputs(out: str, inputs: Sequence[str | os.PathLike[str]]) -> None:
+    """OUT inside an input directory would be walked by the next conversion of it."""
+    real_out = os.path.realpath(out)
+    for item in inputs:
+        path = os.fspath(item)
+        real_input = os.path.realpath(path)
+        if os.path.isdir(path) and os.path.commonpath([real_out, real_input]) == real_input:
+            raise OutputError(f"{out}: is inside the input directory {path}; write the dataset elsewhere")
+
+
+def refuse_output_a_pattern_takes(out: str, inputs: Sequence[str | os.PathLike[str]]) -> None:
+    """OUT that a pattern in the inputs takes whole would be converted by the next run of it."""
+    real_out = os.path.realpath(out)
+    for item in inputs:
+        path = os.fspath(item)
+        if is_pattern(path) and _pattern_takes(Pattern(path), real_out):
+            raise OutputError(
+                f"{out}: the pattern {path} takes it (or a directory holding it); narrow the pattern "
+                "(such as '*.npz') or write the dataset elsewhere"
+            )
+
+
+def _pattern_takes(pattern: Pattern, real_out: str) -> bool:
+    """Whether the walk of ``pattern`` takes the directory ``real_out`` whole."""
+    real_base = os.path.realpath(pattern.base)
+    if os.path.commonpath([real_out, real_base]) != real_base or real_out == real_base:
+        return False
+    names = tuple(os.path.relpath(real_out, real_base).split(os.sep))
+    return any(pattern.matches(names[:k], is_directory=True) for k in range(len(names) + 1))
 
 
 def check_creatable_dir(out_dir: str) -> None:
