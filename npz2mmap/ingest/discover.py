@@ -164,7 +164,9 @@ def _expand_pattern(text: str, sample_dirs: bool, skip_bad: bool, resolve: RealP
     if os.path.isdir(pattern.base):
         found = _walk(pattern.base, sample_dirs, skip_bad, resolve, pattern)
     if not found:
-        raise MissingInputError(f"{text}: the pattern matches no .npz or .npy file, nor a directory")
+        raise MissingInputError(
+            f"{text}: the pattern matches no .npz or .npy file, nor a directory holding one"
+        )
     return found
 
 

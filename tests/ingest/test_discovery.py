@@ -723,9 +723,14 @@ def test_a_quoted_glob_pattern_converts_its_matches_in_sorted_order_and_one_matc
     code, output = convert_cli("img/*", "-o", "out2")  # a directory matched is walked; other files left out
     assert code == 0
     assert read_sources(tmp_path / "out2") == [str(tmp_path / p) for p in ["img/a.npz", "img/b.npz", "img/deep/er/c.npz"]]
+    (tmp_path / "img" / "empty").mkdir()
+    code, output = convert_cli("img/e*", "-o", "out4")  # an empty directory matched: still nothing
+    assert code == 2 and output.splitlines()[-1] == (
+        "Error: img/e*: the pattern matches no .npz or .npy file, nor a directory holding one"
+    )
     code, output = convert_cli("img/*.npzz", "-o", "out3")
     assert code == 2 and output.splitlines()[-1] == (
-        "Error: img/*.npzz: the pattern matches no .npz or .npy file, nor a directory"
+        "Error: img/*.npzz: the pattern matches no .npz or .npy file, nor a directory holding one"
     )
 
 
@@ -838,7 +843,7 @@ def test_a_pattern_takes_what_glob_matches_in_a_tree_without_links(tree, pattern
             elif match.lower().endswith(".npz"):
                 expected.add(os.path.abspath(match))
         if not expected:
-            with pytest.raises(SourceError, match="the pattern matches no .npz or .npy file, nor a directory"):
+            with pytest.raises(SourceError, match="the pattern matches no .npz or .npy file, nor a directory holding one"):
                 discover_sources([text])
         else:
             assert discover_sources([text]) == sorted(expected)
