@@ -44,6 +44,8 @@ class _Resumable:
         self._epoch_given = True  # set_epoch or a loaded state since the last pass began
         self._epoch_set: int | None = None  # the epoch set_epoch chose since the last pass began
         self._live_passes = 0  # passes begun and neither run to their end nor closed
+        self._live_epoch = 0  # the epoch of the pass begun last
+        self._loaded: tuple[int, int] | None = None  # epoch, yielded of a state loaded since a pass began
         self._epoch_done = False  # a pass of self.epoch yielded its every item
         self._warned = False
 
@@ -52,15 +54,23 @@ class _Resumable:
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch, whose order the next pass yields (DistributedSampler's convention:
-        call it before each epoch); a different epoch drops a pending resume, and a state of
-        another epoch loaded before the next pass begins resumes nothing (see load_state_dict)."""
+        call it before each epoch). The epoch chosen last before a pass begins decides: a state
+        loaded since the last pass began resumes if it is that state's epoch, and nothing
+        otherwise (see load_state_dict). The epoch a running pass yields changes nothing, even
+        after another: the pass and the state's count of it go on (Lightning sets it after iter())."""
         epoch = check_count("epoch", epoch, 0)
-        if epoch == self.epoch and self._live_passes:
-            self._epoch_set = epoch  # the running pass's own epoch (Lightning sets it after iter()):
-            return  # its count goes on, as the pass does
+        if self._live_passes and epoch == self._live_epoch and self._loaded is None:
+            self.epoch = self._epoch_set = epoch
+            self._epoch_given = False  # counting the running pass again, if another epoch was set
+            return
         if epoch != self.epoch:
-            self._resume_at = self._yielded = 0
             self._epoch_done = False
+        if self._loaded is not None and epoch == self._loaded[0]:
+            self._resume_at = self._loaded[1]  # the loaded state's own epoch: it resumes
+        elif epoch != self.epoch:
+            self._resume_at = 0
+        if not self._live_passes:
+            self._yielded = self._resume_at
         self.epoch = self._epoch_set = epoch
         self._epoch_given = True
 
@@ -123,6 +133,7 @@ class _Resumable:
                 )
         if not 0 <= yielded <= len(self):
             raise ValueError(f"sampler state: yielded {yielded} is outside 0..{len(self)}")
+        self._loaded = (epoch, yielded)  # resumed if its epoch is the one chosen last before the pass
         if self._epoch_set is not None and self._epoch_set != epoch:
             epoch, yielded = self._epoch_set, 0  # the loop's epoch, from its start
         self.epoch = epoch
@@ -144,10 +155,11 @@ class _Resumable:
                     SameEpochWarning,
                     stacklevel=2,  # the line whose next() began the pass
                 )
-        self._epoch_given, self._epoch_set = False, None
+        self._epoch_given, self._epoch_set, self._loaded = False, None, None
         self._yielded = count = skip = self._resume_at
         self._resume_at = 0
         self._live_passes += 1
+        self._live_epoch = self.epoch
         try:
             for position, item in enumerate(items_of(self.epoch, skip)):
                 if position >= skip:

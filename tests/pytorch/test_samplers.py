@@ -591,3 +591,40 @@ def test_stateful_dataloader_with_set_epoch_after_iter_resumes_exactly(num_worke
         state = loader.state_dict()
         del batches, loader
         assert resume_from(block_sampler, num_workers, state, 0)[: len(whole) - 5] == whole[5:]
+
+
+@pytest.mark.parametrize("make_sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+def test_the_epoch_chosen_last_decides_whatever_was_set_before(make_sampler) -> None:
+    """set_epoch(1) then set_epoch(0) inside an epoch-0 pass reset its count to 0; a state of epoch 1
+    loaded, then set_epoch(2) and set_epoch(1), resumed nothing though epoch 1 was chosen last."""
+    epochs = []
+    for epoch in (0, 1):
+        reference = make_sampler()
+        reference.set_epoch(epoch)
+        epochs.append(list(reference))
+    sampler = make_sampler()
+    running = iter(sampler)
+    taken = [next(running) for _ in range(2)]
+    sampler.set_epoch(1)
+    assert sampler.state_dict()["yielded"] == 0  # epoch 1's next pass, from its start
+    sampler.set_epoch(0)  # the epoch the pass yields: its count again
+    assert (sampler.state_dict()["epoch"], sampler.state_dict()["yielded"]) == (0, 2)
+    taken.append(next(running))
+    restored = make_sampler()
+    restored.load_state_dict(sampler.state_dict())
+    assert taken + list(restored) == epochs[0]
+    mid_epoch_1 = make_sampler()
+    mid_epoch_1.set_epoch(1)
+    batches = iter(mid_epoch_1)
+    first = [next(batches) for _ in range(2)]
+    state = mid_epoch_1.state_dict()
+    for detour in ([2, 1], [0, 1]):
+        for load_first in (True, False):
+            restored = make_sampler()
+            if load_first:
+                restored.load_state_dict(state)
+            for epoch in detour:
+                restored.set_epoch(epoch)
+            if not load_first:
+                restored.load_state_dict(state)
+            assert first + list(restored) == epochs[1], (detour, load_first)
