@@ -160,6 +160,11 @@ def _expand_pattern(text: str, sample_dirs: bool, skip_bad: bool, resolve: RealP
     taken whole; of files, those a walk would take: .npz, and .npy unless ``sample_dirs``).
     MissingInputError if it matches nothing."""
     pattern = Pattern(text)
+    if os.pardir in pattern.below:  # a walk goes down from the base only
+        raise MissingInputError(
+            f"{text}: '{os.pardir}' after a wildcard is not supported (the search goes down from "
+            f"{pattern.base}): put it before the first wildcard, or name the directories to search"
+        )
     found = []
     if os.path.isdir(pattern.base):
         found = _walk(pattern.base, sample_dirs, skip_bad, resolve, pattern)

@@ -867,3 +867,16 @@ def test_a_pattern_lists_no_directory_where_it_can_match_nothing(tmp_path, monke
     listed.clear()
     assert discover_sources([f"{tmp_path}/data/*.npz"]) == [str(tmp_path / "data" / "a.npz")]
     assert listed == ["data"]  # from where it starts; neither data/deep nor other
+
+
+def test_a_pattern_going_up_after_a_wildcard_is_refused_saying_so(tmp_path, monkeypatch) -> None:
+    """'d/**/../*.npz' said it matched no file, where glob matches several."""
+    monkeypatch.chdir(tmp_path)
+    write_npz(tmp_path / "d" / "e" / "a.npz", x=np.int64(0))
+    code, output = convert_cli("d/**/../*.npz", "-o", "out")
+    assert (code, output.splitlines()[-1]) == (
+        2,
+        "Error: d/**/../*.npz: '..' after a wildcard is not supported (the search goes down from d): "
+        "put it before the first wildcard, or name the directories to search",
+    )
+    assert discover_sources(["d/e/../e/*.npz"]) == [str(tmp_path / "d" / "e" / "a.npz")]
