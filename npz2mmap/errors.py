@@ -37,6 +37,11 @@ class MissingInputError(SourceError):
     """An input path names nothing; the CLI reports it as a usage error (exit 2)."""
 
 
+class NamedNpyError(SourceError):
+    """A .npy file named (or matched by a pattern) with --sample-dirs, where a sample is a
+    directory; the CLI reports it as a usage error (exit 2)."""
+
+
 class UnknownKeyError(SourceError):
     """An option names a key the sources do not hold; the CLI reports it as a usage error (exit 2)."""
 

@@ -21,7 +21,7 @@ from ..check.summary import describe_dataset, describe_sample, field_statistics
 from ..check.verify import VerifyReport
 from ..check.verify import verify as verify_dataset
 from ..check.warm import warm as warm_dataset
-from ..errors import MissingInputError, Npz2mmapError, RaggedFieldWarning, UnknownKeyError
+from ..errors import MissingInputError, NamedNpyError, Npz2mmapError, RaggedFieldWarning, UnknownKeyError
 from ..format.index import ALIGN_RULE, MIN_ALIGN, SKIPPED_NAME, is_valid_align
 from ..ingest.discover import is_npy_named_with_sample_dirs, npy_with_sample_dirs
 from ..ingest.npy_header import CLI_HEADER_OPTION, MAX_HEADER_SIZE_LIMIT, MAX_NPY_HEADER_CHARS, HeaderLimit
@@ -350,7 +350,7 @@ def _usage_errors() -> Iterator[None]:
     error (exit 2), found only once the inputs are looked at."""
     try:
         yield
-    except (UnknownKeyError, MissingInputError) as exc:
+    except (UnknownKeyError, MissingInputError, NamedNpyError) as exc:
         raise click.UsageError(str(exc)) from None
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from .. import fsutil
-from ..errors import FormatError, MissingInputError, SourceError
+from ..errors import FormatError, MissingInputError, NamedNpyError, SourceError
 from ..format.files import decode_json, read_regular_file
 from ..format.index import (
     BLOB_HEADER_NBYTES,
@@ -142,7 +142,7 @@ def _expand_path(
     if os.path.isdir(path):
         return _walk(path, sample_dirs, skip_bad, resolve)
     if sample_dirs and is_npy_named_with_sample_dirs(path):
-        raise SourceError(npy_with_sample_dirs(path))
+        raise NamedNpyError(npy_with_sample_dirs(path))
     if os.path.isfile(path) or (skip_bad and os.path.lexists(path)):
         _refuse_blob_of_dataset(path)
         absolute = fsutil.absolute_path(path)
@@ -253,7 +253,7 @@ def _walk(
             named = directory.taken or (pattern is not None and pattern.matches(below, is_directory=False))
             if is_sample:  # its other files, .npz ones too, are not sources: the directory is
                 if named and not directory.taken and is_npy_path(entry.name):
-                    raise SourceError(npy_with_sample_dirs(entry.path))
+                    raise NamedNpyError(npy_with_sample_dirs(entry.path))
                 continue
             if named and _taken_by_a_walk(entry.name, sample_dirs):
                 if not directory.taken:

@@ -133,7 +133,7 @@ def _check_disjoint_sources(parts: Parts, where: str) -> None:
     for path, index in zip(parts.paths, parts.indexes, strict=True):
         if index.part is None:
             continue
-        names = [name for name in provenance.read_sources(path, index)[0] if name]
+        names = [name for name in provenance.read_sources(path, index)[0] if os.path.isabs(name)]  # no label
         if len(set(names)) < len(names):
             continue
         for name in names:

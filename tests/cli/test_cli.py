@@ -706,3 +706,17 @@ def test_an_input_that_names_a_path_starting_with_at_says_how_to_type_it(tmp_pat
         2, "Error: x: no such list file (to convert the path @x, type ./@x)"
     )
     assert run("convert", "./@x", "-o", "out", "-q").exit_code == 0
+
+
+def test_a_npy_a_pattern_matches_with_sample_dirs_is_a_usage_mistake_as_one_typed(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for sample in ("s0", "s1"):
+        (tmp_path / "d" / sample).mkdir(parents=True)
+        np.save(tmp_path / "d" / sample / "x.npy", np.arange(3))
+    message = (
+        "Error: d/s0/x.npy: a .npy file named with --sample-dirs, where each sample is a directory "
+        "of .npy files; name its directory instead"
+    )
+    for typed in ("d/s0/x.npy", "d/*/x.npy"):
+        result = run("convert", typed, "-o", "out", "--sample-dirs")
+        assert (result.exit_code, result.output.splitlines()[-1]) == (2, message), typed

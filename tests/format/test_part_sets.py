@@ -305,15 +305,28 @@ def test_writer_parts_giving_many_samples_one_source_merge(tmp_path, labels) -> 
     assert [int(v) for v in npz2mmap.DatasetReader(tmp_path / "merged").column("x")] == expected
 
 
-def test_writer_parts_naming_one_source_each_once_are_refused(tmp_path) -> None:
-    """Each sample its own source, as a conversion's, yet one in both parts: a sample written twice."""
+def test_writer_parts_naming_one_source_file_each_once_are_refused(tmp_path) -> None:
+    """Each sample its own source file, as a conversion's, yet one in both parts: a sample written twice."""
+    for name in ("s0", "s1", "s9"):
+        write_npz(tmp_path / f"{name}.npz", x=np.array(0))
     for rank in range(2):
         with npz2mmap.Writer(tmp_path / "w", part=(rank, 2)) as w:
-            w.append({"x": np.array(rank)}, source=f"s{rank}")
-            w.append({"x": np.array(9)}, source="s9")
+            w.append({"x": np.array(rank)}, source=str(tmp_path / f"s{rank}.npz"))
+            w.append({"x": np.array(9)}, source=str(tmp_path / "s9.npz"))
     parts = sorted((tmp_path / "w").glob("part-*"))
-    with pytest.raises(FormatError, match=r"s9 is a source of both .*part-00000 and .*part-00001"):
+    with pytest.raises(FormatError, match=r"s9.npz is a source of both .*part-00000 and .*part-00001"):
         merge(parts, tmp_path / "merged")
+
+
+def test_writer_parts_giving_one_sample_each_one_label_merge(tmp_path) -> None:
+    """A label names no file, so it tells nothing of overlap: one sample per part under 'imagenet'
+    was refused as "a source of both", two in one part merged."""
+    for rank in range(2):
+        with npz2mmap.Writer(tmp_path / "w", part=(rank, 2)) as w:
+            w.append({"x": np.array(rank)}, source="imagenet")
+    parts = sorted((tmp_path / "w").glob("part-*"))
+    merge(parts, tmp_path / "merged", copy=True)
+    assert [int(v) for v in npz2mmap.DatasetReader(tmp_path / "merged").column("x")] == [0, 1]
 
 
 def test_a_list_of_parts_with_one_out_of_place_is_refused_as_its_manifest_is(tmp_path) -> None:
