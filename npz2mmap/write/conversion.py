@@ -11,6 +11,8 @@ import errno
 import functools
 import os
 import time
+import zipfile
+import zlib
 from array import array
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -194,7 +196,8 @@ def convert(
 def earlier_held_shapes(earlier_sources: Sequence[str], scan: Scan) -> dict[str, HeldShape]:
     """The shapes the files before a part hold its ``--fixed`` keys to: for each key, the
     first of them with samples of it. Files that cannot be read are passed over (the part
-    holding them reports them); reading stops once every key has its shape."""
+    holding them reports them), also one whose members' bytes fail their CRC, which only the
+    copy of its own part finds; reading stops once every key has its shape."""
     wanted = set(scan.fixed)
     held: dict[str, HeldShape] = {}
     for path in earlier_sources:
@@ -204,7 +207,7 @@ def earlier_held_shapes(earlier_sources: Sequence[str], scan: Scan) -> dict[str,
             scanned = scan.scan_one(path)
         except SourceError:
             continue
-        if isinstance(scanned, str):
+        if isinstance(scanned, str) or not (wanted & scanned[0].keys()) or not _reads_whole(path):
             continue
         for key in sorted(wanted & scanned[0].keys()):
             shape = scanned[0][key].shape
@@ -214,6 +217,20 @@ def earlier_held_shapes(earlier_sources: Sequence[str], scan: Scan) -> dict[str,
                 held[key] = HeldShape(shape[1:], path)
         wanted -= held.keys()
     return held
+
+
+def _reads_whole(path: str) -> bool:
+    """Whether every member of an NPZ file inflates and matches its CRC, as the copy checks
+    (a .npy file or a sample directory has no CRC: what the scan read is what the copy reads)."""
+    if not path.lower().endswith(".npz"):
+        return True
+    try:
+        with open(fsutil.open_regular(path), "rb") as fp, zipfile.ZipFile(fp) as archive:
+            return archive.testzip() is None
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error, fsutil.NotRegularFile, NotImplementedError,
+            RuntimeError, ValueError) as exc:  # fmt: skip
+        fsutil.reraise_if_from_a_handler(exc)
+        return False
 
 
 def _sizes(exc: OSError, needed_nbytes: int, free_nbytes: int | None) -> str:

@@ -286,6 +286,25 @@ def test_fixed_holds_the_shape_of_the_first_file_converted_when_the_first_scanne
     assert reader.index.field("x").shape == (4,)
 
 
+@pytest.mark.parametrize("num_parts", [2, 3, 4])
+def test_parts_held_to_fixed_shapes_pass_over_an_earlier_file_only_the_copy_finds_bad(tmp_path, num_parts) -> None:
+    """The parts after a first file whose CRC fails took its shape, which one conversion drops:
+    merged, they kept one odd file of six good ones, and blamed the good ones."""
+    from npz2mmap.write.merge import merge
+
+    shapes = [3, 5, 4, 4, 4, 4, 3, 4]
+    paths = write_samples(tmp_path / "src", [{"x": np.arange(float(n)) + k} for k, n in enumerate(shapes)])
+    for bad in paths[:2]:
+        flip_last_byte(bad)  # found only by the copy, which reads the members' bytes
+    convert([tmp_path / "src"], tmp_path / "one", workers=1, skip_bad=True, fixed=["x"])
+    for i in range(num_parts):
+        convert([tmp_path / "src"], tmp_path / "p", workers=1, skip_bad=True, fixed=["x"], part=(i, num_parts))
+    merge(sorted((tmp_path / "p").glob("part-*")), tmp_path / "merged", copy=True)
+    for name in ("data.npy", "index.json", "sources.jsonl", "skipped.jsonl"):
+        assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    assert len(DatasetReader(tmp_path / "one")) == 5
+
+
 def test_a_member_whose_local_header_names_another_file_is_refused_as_zipfile_refuses_it(tmp_path) -> None:
     """The scan reads a stored member's .npy header without zipfile, but keeps zipfile's name check."""
     path = write_samples(tmp_path / "src", [{"x": np.arange(3.0)}])[0]
