@@ -74,13 +74,20 @@ class _Resumable:
         self.epoch = self._epoch_set = epoch
         self._epoch_given = True
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """Where the current pass stands: its epoch, seed and items yielded so far, with the
-        settings that make its order (a state loaded into a sampler of others is refused)."""
+        sampler's kind and the settings that make its order (a state loaded into a sampler of
+        another kind or of other settings is refused)."""
         yielded = self._resume_at if self._epoch_given else self._yielded
-        return {"epoch": self.epoch, "seed": self.seed, "yielded": yielded, **self._order_settings()}
+        return {
+            "sampler": type(self).__name__,
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "yielded": yielded,
+            **self._order_settings(),
+        }
 
-    def next_pass_state(self) -> dict[str, int]:
+    def next_pass_state(self) -> dict[str, Any]:
         """The state the next pass will begin from, for a loader noting its samplers as a pass
         begins: a resume given, else this epoch from its start."""
         return {**self.state_dict(), "yielded": self._resume_at if self._epoch_given else 0}
@@ -112,11 +119,18 @@ class _Resumable:
         """
         if not isinstance(state, dict):
             raise ValueError(f"sampler state must be a dict, not {type(state).__name__}")
-        unknown = sorted(map(str, state.keys() - {"epoch", "seed", "yielded", *self._order_settings()}))
+        written = {"sampler", "epoch", "seed", "yielded", *self._order_settings()}
+        unknown = sorted(map(str, state.keys() - written))
         if unknown:
             raise ValueError(
                 f"sampler state has {', '.join(map(repr, unknown))}, which {type(self).__name__} does not "
                 "write (the state of another sampler?); resume with the sampler the state was saved from"
+            )
+        kind = state.get("sampler", type(self).__name__)  # a state without it: an earlier version's
+        if kind != type(self).__name__:
+            raise ValueError(
+                f"sampler state is a {kind}'s, this sampler is a {type(self).__name__}: resume with the "
+                "sampler the state was saved from"
             )
         epoch, seed, yielded = (state_int(state, key) for key in ("epoch", "seed", "yielded"))
         if epoch < 0:

@@ -445,7 +445,7 @@ def test_resume_skips_batches_without_loading_them_and_restores_sampler_state(da
         "shuffle": False,
         "drop_last": False,
         "sampler_settings": {"sampler": {"type": "BlockShuffleSampler"}},
-        "sampler": {"epoch": 1, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8, "interleave": 1, "num_replicas": 1, "rank": 0, "drop_last": 0},
+        "sampler": {"sampler": "BlockShuffleSampler", "epoch": 1, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8, "interleave": 1, "num_replicas": 1, "rank": 0, "drop_last": 0},
     }
     resumed = MmapLoader(ds, 4, sampler=sampler(), prefetch=0, batch_transform=counting)
     resumed.load_state_dict(state)
@@ -813,6 +813,7 @@ def test_state_dict_between_passes_carries_the_sampler_state(dataset_dir) -> Non
 
     first = loader_of(BlockShuffleSampler(len(ds), 8, seed=3))
     assert first.state_dict()["sampler"] == {
+        "sampler": "BlockShuffleSampler",
         "epoch": 0,
         "seed": 3,
         "yielded": 0,
@@ -836,7 +837,7 @@ def test_state_dict_between_passes_carries_the_sampler_state(dataset_dir) -> Non
         "drop_last": False,
         "sampler_settings": {"sampler": {"type": "BlockShuffleSampler"}},
         # no set_epoch since: the next pass is this epoch again, from its start, as DistributedSampler's
-        "sampler": {"epoch": 2, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8, "interleave": 1, "num_replicas": 1, "rank": 0, "drop_last": 0},
+        "sampler": {"sampler": "BlockShuffleSampler", "epoch": 2, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8, "interleave": 1, "num_replicas": 1, "rank": 0, "drop_last": 0},
     }
     with pytest.warns(npz2mmap.errors.SameEpochWarning):
         next_pass = [b.tolist() for b in first]
@@ -846,7 +847,7 @@ def test_state_dict_between_passes_carries_the_sampler_state(dataset_dir) -> Non
     assert [b.tolist() for b in resumed] == next_pass
     first.set_epoch(3)  # after a pass, before the next: that epoch, from its start
     state = first.state_dict()
-    assert state["sampler"] == {"epoch": 3, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8, "interleave": 1, "num_replicas": 1, "rank": 0, "drop_last": 0}
+    assert state["sampler"] == {"sampler": "BlockShuffleSampler", "epoch": 3, "seed": 3, "yielded": 0, "num_samples": 37, "block_size": 8, "interleave": 1, "num_replicas": 1, "rank": 0, "drop_last": 0}
     resumed = loader_of(BlockShuffleSampler(len(ds), 8, seed=3))
     resumed.load_state_dict(state)
     resumed.set_epoch(3)

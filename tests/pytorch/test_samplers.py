@@ -628,3 +628,20 @@ def test_the_epoch_chosen_last_decides_whatever_was_set_before(make_sampler) -> 
             if not load_first:
                 restored.load_state_dict(state)
             assert first + list(restored) == epochs[1], (detour, load_first)
+
+
+
+def test_a_state_of_another_kind_of_sampler_is_refused_even_one_whose_settings_fit() -> None:
+    """A ShuffleSampler's state, whose settings a BlockShuffleSampler also has, was taken for an earlier
+    version's: that epoch trained 5 samples twice and 5 never."""
+    shuffle = ShuffleSampler(NUM_SAMPLES, seed=3)
+    shuffle.set_epoch(1)
+    state = shuffle.state_dict()
+    assert state["sampler"] == "ShuffleSampler"
+    with pytest.raises(ValueError, match="sampler state is a ShuffleSampler's, this sampler is a BlockShuffleSampler"):
+        block_sampler().load_state_dict(state)
+    earlier = {key: value for key, value in state.items() if key != "sampler"}  # an earlier version's
+    restored = ShuffleSampler(NUM_SAMPLES, seed=3)
+    restored.load_state_dict(earlier)
+    restored.set_epoch(1)
+    assert list(restored) == list(shuffle)
