@@ -120,6 +120,7 @@ class Position:
                 f"loader state has {', '.join(map(repr, unknown))}, which this loader does not write "
                 "(a state of another loader, or of other samplers); resume with the loader it was saved from"
             )
+        _check_same_settings(loader, state)  # before the seed: another shuffle says more than its seed
         if seed != loader.seed and loader.seed_given and loader.shuffle:  # else it decides nothing
             raise ValueError(f"loader state has seed {seed}, this loader has seed {loader.seed}")
         if epoch < 0:
@@ -128,7 +129,6 @@ class Position:
             raise ValueError(f"loader state: batches_yielded {batches_yielded} is negative")
         if batches_yielded:
             _refuse_unrepeatable_samplers(loader)
-        _check_same_settings(loader, state)
         _check_within_the_pass(loader, batches_yielded)
         loader.epoch = epoch
         loader.seed = seed  # a loader given no seed drew one: the state's is the order's

@@ -645,3 +645,22 @@ def test_a_state_of_another_kind_of_sampler_is_refused_even_one_whose_settings_f
     restored.load_state_dict(earlier)
     restored.set_epoch(1)
     assert list(restored) == list(shuffle)
+
+
+def test_a_loader_state_of_another_shuffle_says_so_before_its_seed(tmp_path) -> None:
+    """A non-shuffling loader's state loaded into a shuffling one said "seed 0 vs seed 3"; the
+    seed given as told, it then said the shuffle differs."""
+    from npz2mmap import MmapDataset, MmapLoader, Writer
+
+    with Writer(tmp_path / "ds") as writer:
+        for i in range(12):
+            writer.append({"i": np.int64(i)})
+    ds = MmapDataset(tmp_path / "ds")
+    plain = MmapLoader(ds, 4)
+    state = plain.state_dict()
+    with pytest.raises(ValueError) as refused:
+        MmapLoader(ds, 4, shuffle=True, seed=3).load_state_dict(state)
+    assert str(refused.value) == (
+        "loader state has shuffle False, this loader has True: its batches would be other samples; "
+        "resume with the loader the state was saved from"
+    )
