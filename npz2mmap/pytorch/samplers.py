@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
+import os
+import sys
+import types
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
@@ -167,7 +172,7 @@ class _Resumable:
                     "call sampler.set_epoch(epoch) before each epoch for a new one, as with "
                     "DistributedSampler",
                     SameEpochWarning,
-                    stacklevel=2,  # the line whose next() began the pass
+                    stacklevel=_caller_outside_libraries(),  # the user's line that began the pass
                 )
         self._epoch_given, self._epoch_set, self._loaded = False, None, None
         self._yielded = count = skip = self._resume_at
@@ -183,6 +188,28 @@ class _Resumable:
             self._epoch_done = True
         finally:
             self._live_passes -= 1
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """The folders of the packages a pass is begun through (a loader's next()), not the user's."""
+    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__)]
+    spec = importlib.util.find_spec("torchdata")
+    if spec is not None and spec.origin:
+        dirs.append(os.path.dirname(spec.origin))
+    return tuple(os.path.join(d, "") for d in dirs)
+
+
+_LIBRARY_DIRS = _library_dirs()
+
+
+def _caller_outside_libraries() -> int:
+    """For warnings.warn in a pass: the stacklevel of the first frame, from the one whose next()
+    began the pass up, that is outside npz2mmap, torch and torchdata (a DataLoader's, else)."""
+    frame: types.FrameType | None = sys._getframe(2)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 class BlockShuffleSampler(_Resumable, Sampler[int]):

@@ -664,3 +664,19 @@ def test_a_loader_state_of_another_shuffle_says_so_before_its_seed(tmp_path) -> 
         "loader state has shuffle False, this loader has True: its batches would be other samples; "
         "resume with the loader the state was saved from"
     )
+
+
+@pytest.mark.parametrize("through", ["sampler", "DataLoader"])
+def test_same_epoch_warning_points_at_the_users_own_line(through) -> None:
+    """Through a DataLoader it named torch's sampler.py, so the default filter showed one warning for
+    two loaders repeating an epoch."""
+    from npz2mmap.errors import SameEpochWarning
+
+    sampler = ShuffleSampler(NUM_SAMPLES, seed=3)
+    passes: Any = sampler if through == "sampler" else loader_over(sampler)
+    list(passes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        list(passes)  # the second pass over epoch 0, without set_epoch
+    [warning] = [w for w in caught if issubclass(w.category, SameEpochWarning)]
+    assert warning.filename == __file__
