@@ -120,11 +120,21 @@ def _agreeing_fields(paths: list[str], indexes: list[Index]) -> dict[str, FieldI
             if f.dtype != seen.dtype or f.ndim != seen.ndim:
                 raise FormatError(
                     f"{path}: field {f.name!r} is {f.dtype} with ndim {f.ndim}, but {seen.dtype} with ndim "
-                    f"{seen.ndim} in {paths[0]}; parts must agree"
+                    f"{seen.ndim} in {paths[0]}; parts must agree{_cast_advice(f.name, f.ndim == seen.ndim)}"
                 )
             if f.shape != seen.shape:
                 fields[f.name] = FieldInfo(f.name, f.dtype, f.ndim, None)
     return _fixed_where_samples_agree(fields, indexes)
+
+
+def _cast_advice(name: str, same_ndim: bool) -> str:
+    """For parts that differ in a field's dtype alone, how to make them agree."""
+    if not same_ndim:
+        return ""
+    return (
+        f": convert every part again with one --cast {name}=DTYPE (a conversion of all their files "
+        "at once names one that holds them)"
+    )
 
 
 def _fixed_where_samples_agree(fields: dict[str, FieldInfo], indexes: list[Index]) -> dict[str, FieldInfo]:

@@ -142,7 +142,9 @@ def test_parts_that_disagree_are_refused(tmp_path, sources) -> None:
     convert([tmp_path / "other"], tmp_path / "b", workers=1)
     with pytest.raises(
         FormatError,
-        match="field 'x' is float64 with ndim 2, but float32 with ndim 2 in .*a; parts must agree",
+        match="field 'x' is float64 with ndim 2, but float32 with ndim 2 in .*a; parts must agree: convert "
+        r"every part again with one --cast x=DTYPE \(a conversion of all their files at once names one that "
+        r"holds them\)$",
     ):
         MmapDataset([tmp_path / "a", tmp_path / "b"])
     with pytest.raises(FormatError, match="given twice"):
