@@ -106,6 +106,11 @@ class _Resumable:
         (the subclass's: those it did not write had one value then)."""
         return {}
 
+    def _always_written(self) -> frozenset[str]:
+        """The settings every version of this sampler wrote: a state without one is another's
+        (the subclass's)."""
+        return frozenset()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next pass continue the saved epoch after its yielded items.
 
@@ -130,6 +135,13 @@ class _Resumable:
             raise ValueError(
                 f"sampler state has {', '.join(map(repr, unknown))}, which {type(self).__name__} does not "
                 "write (the state of another sampler?); resume with the sampler the state was saved from"
+            )
+        settings_given = state.keys() & self._order_settings().keys()  # a state some sampler wrote
+        lacking = sorted(self._always_written() - state.keys()) if settings_given else []
+        if "sampler" not in state and lacking:  # an earlier version's, but not of this kind
+            raise ValueError(
+                f"sampler state has no {lacking[0]}, which every {type(self).__name__} state holds (the "
+                "state of another sampler?); resume with the sampler the state was saved from"
             )
         kind = state.get("sampler", type(self).__name__)  # a state without it: an earlier version's
         if kind != type(self).__name__:
@@ -282,6 +294,9 @@ class BlockShuffleSampler(_Resumable, Sampler[int]):
     def _earlier_settings(self) -> dict[str, int]:
         # The first version's states wrote only num_samples and block_size: it had no other settings.
         return {"interleave": 1, "num_replicas": 1, "rank": 0, "drop_last": 0}
+
+    def _always_written(self) -> frozenset[str]:
+        return frozenset({"num_samples", "block_size"})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """As ``_Resumable.load_state_dict``; with ``interleave="auto"``, the state's own

@@ -641,6 +641,8 @@ def test_a_state_of_another_kind_of_sampler_is_refused_even_one_whose_settings_f
     with pytest.raises(ValueError, match="sampler state is a ShuffleSampler's, this sampler is a BlockShuffleSampler"):
         block_sampler().load_state_dict(state)
     earlier = {key: value for key, value in state.items() if key != "sampler"}  # an earlier version's
+    with pytest.raises(ValueError, match="sampler state has no block_size, which every BlockShuffleSampler state"):
+        block_sampler().load_state_dict(earlier)  # every BlockShuffleSampler state held block_size
     restored = ShuffleSampler(NUM_SAMPLES, seed=3)
     restored.load_state_dict(earlier)
     restored.set_epoch(1)
