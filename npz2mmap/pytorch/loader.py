@@ -164,9 +164,9 @@ class MmapLoader:
         return [(name, value) for name, value in given if value is not None]
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch (for the shuffle and the samplers'); another epoch drops a pending resume."""
-        if epoch != self.epoch:
-            self._position.resume_at, self._position.loaded = 0, None
+        """Choose the epoch (for the shuffle and the samplers'). Of the calls before a pass, the
+        epoch chosen last decides: a loaded state resumes if it is its epoch, and nothing otherwise."""
+        self._position.choose_epoch(self, epoch)
         self.epoch = epoch
         for _, sampler in samplers_of(self):  # a BatchSampler's own sampler too
             set_sampler_epoch = getattr(sampler, "set_epoch", None)

@@ -37,6 +37,7 @@ class Position:
         self.sampler_states: dict[str, Any] = {}
         self.resume_at = 0
         self.loaded: dict[str, Any] | None = None
+        self.set_aside: dict[str, Any] | None = None  # a loaded state another epoch set aside
         # Per sampler, after a finished pass: its state then, and as that pass began.
         self.ended_sampler_states: dict[str, tuple[Any, Any]] = {}
 
@@ -47,9 +48,20 @@ class Position:
         ``loader.set_epoch`` does) drops the resume: its pass is a whole new epoch.
         """
         skip = self.resume_at if self.loaded is None or not _samplers_moved(loader, self.loaded) else 0
-        self.resume_at, self.loaded = 0, None
+        self.resume_at, self.loaded, self.set_aside = 0, None, None
         self.pass_epoch, self.batches_yielded, self.sampler_states = loader.epoch, skip, {}
         return skip
+
+    def choose_epoch(self, loader: MmapLoader, epoch: int) -> None:
+        """``loader.set_epoch``: of the calls before a pass, the epoch chosen last decides, as
+        for the samplers: a loaded state resumes if it is its epoch, and nothing otherwise."""
+        state = self.loaded if self.loaded is not None else self.set_aside
+        if state is not None and epoch == state.get("epoch"):
+            self.loaded, self.set_aside = state, None
+            self.resume_at = int(state.get("batches_yielded", 0))
+        elif epoch != loader.epoch or state is not None:
+            self.set_aside = state
+            self.resume_at, self.loaded = 0, None
 
     def finish(self, loader: MmapLoader) -> None:
         """The pass is over: remember the samplers' states at its start and end (see ``state``)."""

@@ -553,6 +553,12 @@ def test_mmap_loader_takes_the_call_made_last_of_set_epoch_and_load_state_dict(t
         if not set_first:
             resumed.set_epoch(5)
         assert [batch["i"].tolist() for batch in resumed] == (epochs[3][2:] if set_first else epochs[5])
+    for detour in ([5, 3], [0, 3], [3, 3]):  # loaded, then the state's epoch chosen last: it resumes
+        resumed = loader()
+        resumed.load_state_dict(state)
+        for epoch in detour:
+            resumed.set_epoch(epoch)
+        assert [batch["i"].tolist() for batch in resumed] == epochs[3][2:], detour
 
 
 @pytest.mark.parametrize("make_sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
