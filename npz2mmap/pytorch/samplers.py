@@ -65,7 +65,7 @@ class _Resumable:
         after another: the pass and the state's count of it go on (Lightning sets it after iter())."""
         epoch = check_count("epoch", epoch, 0)
         if self._live_passes and epoch == self._live_epoch and self._loaded is None:
-            self.epoch = self._epoch_set = epoch
+            self.epoch, self._epoch_set = epoch, None  # no epoch chosen for the next pass: none to weigh
             self._epoch_given = False  # counting the running pass again, if another epoch was set
             return
         if epoch != self.epoch:

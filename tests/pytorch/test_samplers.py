@@ -688,3 +688,24 @@ def test_same_epoch_warning_points_at_the_users_own_line(through) -> None:
         list(passes)  # the second pass over epoch 0, without set_epoch
     [warning] = [w for w in caught if issubclass(w.category, SameEpochWarning)]
     assert warning.filename == __file__
+
+
+@pytest.mark.parametrize("make_sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+def test_set_epoch_of_a_running_pass_does_not_choose_the_next_passes_epoch(make_sampler) -> None:
+    """Lightning's first epoch calls set_epoch(0) inside the pass; a state of epoch 1 loaded after it
+    ended was then ignored, and epoch 0 ran again whole."""
+    reference = make_sampler()
+    reference.set_epoch(1)
+    epoch_1 = list(reference)
+    saved = make_sampler()
+    saved.set_epoch(1)
+    batches = iter(saved)
+    first = [next(batches) for _ in range(2)]
+    state = saved.state_dict()
+    sampler = make_sampler()
+    running = iter(sampler)
+    next(running)
+    sampler.set_epoch(0)  # the running pass's own epoch
+    list(running)
+    sampler.load_state_dict(state)
+    assert first + list(sampler) == epoch_1
