@@ -212,6 +212,9 @@ class MmapLoader:
             yield order[start : start + self.batch_size]
 
     def __iter__(self) -> Iterator[Any]:
+        return _PassIterator(self._running_pass())
+
+    def _running_pass(self) -> Iterator[Any]:
         if self._pass_running:  # one position (and with workers one ring), so one pass at a time
             raise RuntimeError("MmapLoader runs one pass at a time: finish or close the other iterator first")
         self._pass_running = True
@@ -406,3 +409,36 @@ def check_timeout(timeout: object) -> None:
         raise TypeError(f"timeout must be a number of seconds (0: no limit), not {timeout!r}")
     if not 0 <= float(timeout) <= MAX_TIMEOUT_S:
         raise ValueError(f"timeout must be from 0 to {MAX_TIMEOUT_S:,} seconds (0: no limit), got {timeout}")
+
+
+class _PassIterator:
+    """A pass's batches. After an error in one, the pass has ended: ``next`` says so, where a
+    generator would raise StopIteration and a loop that caught the error would end its epoch
+    early without a word (torch's DataLoader goes on with the next batch)."""
+
+    def __init__(self, batches: Iterator[Any]) -> None:
+        self._batches = batches
+        self._ended_at: str | None = None
+
+    def __iter__(self) -> _PassIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._ended_at is not None:
+            raise RuntimeError(
+                f"MmapLoader: this pass ended at an error ({self._ended_at}) and does not go on after "
+                "one: catch the error inside the transform or collate_fn, or begin a new pass"
+            )
+        try:
+            return next(self._batches)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            self._ended_at = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def close(self) -> None:
+        """End the pass now, as a generator's close does."""
+        close = getattr(self._batches, "close", None)
+        if close is not None:
+            close()

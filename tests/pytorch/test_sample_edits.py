@@ -482,3 +482,34 @@ def test_a_ragged_field_a_transform_renamed_is_named_with_the_way_out(ragged_dat
     )
     batch = next(iter(make(ds, 4, collate_fn=PaddedCollate(ragged=["ids"]))))  # the way out works
     assert batch["ids"].shape == (4, 6) and batch["ids_lengths"].tolist() == [2, 2, 5, 6]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+def test_a_pass_that_ended_at_a_transforms_error_says_so_when_asked_for_more(tmp_path, num_workers) -> None:
+    """A loop that caught the error to skip the batch got StopIteration from the next next(): its
+    epoch ended at batch 3 of 10 without a word, where torch's DataLoader goes on."""
+    from npz2mmap import MmapDataset, MmapLoader, Writer
+
+    with Writer(tmp_path / "ds") as writer:
+        for i in range(40):
+            writer.append({"i": np.int64(i)})
+
+    def fails_on_13(sample: dict[str, Any]) -> dict[str, Any]:
+        if int(sample["i"]) == 13:
+            raise ValueError("sample 13 is bad")
+        return sample
+
+    ds = MmapDataset(tmp_path / "ds", transform=fails_on_13)
+    with MmapLoader(ds, 4, num_workers=num_workers) as loader:
+        batches = iter(loader)
+        assert [next(batches)["i"].tolist() for _ in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        with pytest.raises(Exception, match="sample 13 is bad"):
+            next(batches)
+        with pytest.raises(RuntimeError) as ended:
+            next(batches)
+        assert str(ended.value).startswith("MmapLoader: this pass ended at an error (")
+        assert str(ended.value).endswith(
+            "and does not go on after one: catch the error inside the transform or collate_fn, or begin a new pass"
+        )
+        del batches
+        assert next(iter(loader))["i"].tolist() == [0, 1, 2, 3]  # a new pass begins as ever
