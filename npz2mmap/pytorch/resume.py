@@ -123,6 +123,7 @@ class Position:
     def load(self, loader: MmapLoader, state: dict[str, Any]) -> None:
         if not isinstance(state, dict):
             raise ValueError(f"loader state must be a dict, not {type(state).__name__}")
+        _refuse_another_kind_of_state(state)
         epoch, seed, batches_yielded = (
             state_int(state, key, "loader state") for key in ("epoch", "seed", "batches_yielded")
         )
@@ -153,6 +154,24 @@ class Position:
                 # its own epoch and position; set first, the state's epoch is the one set last
                 sampler.load_state_dict(saved)
         self.resume_at, self.loaded = batches_yielded, dict(state)
+
+
+def _refuse_another_kind_of_state(state: dict[str, Any]) -> None:
+    """ValueError naming what a state is, for a sampler's or a StatefulDataLoader's given to MmapLoader."""
+    if "batches_yielded" in state:
+        return
+    if "yielded" in state:
+        kind = state.get("sampler")
+        whose = f"a {kind}'s" if isinstance(kind, str) and kind else "a sampler's"
+        raise ValueError(
+            f"loader state is {whose} state, not a MmapLoader's: load it into that sampler, or save and "
+            "load loader.state_dict()"
+        )
+    if any(str(key).startswith("_") for key in state):
+        raise ValueError(
+            "loader state is another loader's (torchdata's StatefulDataLoader's?), not a MmapLoader's: "
+            "resume with the loader the state was saved from"
+        )
 
 
 def _check_within_the_pass(loader: MmapLoader, batches_yielded: int) -> None:

@@ -709,3 +709,22 @@ def test_set_epoch_of_a_running_pass_does_not_choose_the_next_passes_epoch(make_
     list(running)
     sampler.load_state_dict(state)
     assert first + list(sampler) == epoch_1
+
+
+def test_a_sampler_state_given_to_a_loader_is_named_as_one(tmp_path) -> None:
+    """It said "'batches_yielded' must be an integer, found None"."""
+    from npz2mmap import MmapDataset, MmapLoader, Writer
+
+    with Writer(tmp_path / "ds") as writer:
+        for i in range(12):
+            writer.append({"i": np.int64(i)})
+    sampler = ShuffleSampler(12, seed=3)
+    loader = MmapLoader(MmapDataset(tmp_path / "ds"), 4, sampler=sampler)
+    with pytest.raises(ValueError) as refused:
+        loader.load_state_dict(sampler.state_dict())
+    assert str(refused.value) == (
+        "loader state is a ShuffleSampler's state, not a MmapLoader's: load it into that sampler, or save "
+        "and load loader.state_dict()"
+    )
+    with pytest.raises(ValueError, match="another loader's .torchdata's StatefulDataLoader's"):
+        loader.load_state_dict({"_snapshot": {}, "_steps_since_snapshot": 0})
