@@ -305,6 +305,26 @@ def test_parts_held_to_fixed_shapes_pass_over_an_earlier_file_only_the_copy_find
     assert len(DatasetReader(tmp_path / "one")) == 5
 
 
+@pytest.mark.parametrize("num_parts", [2, 4])
+def test_parts_held_to_fixed_shapes_check_only_the_members_the_keys_take(tmp_path, num_parts) -> None:
+    """An earlier file was passed over for a CRC error in a member --keys leaves out, which one
+    conversion never reads: merged, the parts kept six samples where it kept two, x ragged."""
+    from npz2mmap.write.merge import merge
+
+    shapes = [3, 4, 4, 4, 4, 3, 4]
+    samples = [{"y": np.arange(50.0), "x": np.arange(float(n))} for n in shapes]
+    paths = write_samples(tmp_path / "src", samples)
+    flip_last_byte(paths[0])  # its y, the first member: never read with --keys x
+    options: dict[str, Any] = {"workers": 1, "skip_bad": True, "fixed": ["x"], "keys": ["x"]}
+    convert([tmp_path / "src"], tmp_path / "one", **options)
+    for i in range(num_parts):
+        convert([tmp_path / "src"], tmp_path / "p", part=(i, num_parts), **options)
+    merge(sorted((tmp_path / "p").glob("part-*")), tmp_path / "merged", copy=True)
+    for name in ("data.npy", "index.json", "sources.jsonl", "skipped.jsonl"):
+        assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    assert len(DatasetReader(tmp_path / "one")) == 2
+
+
 def test_a_member_whose_local_header_names_another_file_is_refused_as_zipfile_refuses_it(tmp_path) -> None:
     """The scan reads a stored member's .npy header without zipfile, but keeps zipfile's name check."""
     path = write_samples(tmp_path / "src", [{"x": np.arange(3.0)}])[0]
