@@ -43,7 +43,8 @@ class Pattern:
         while fixed < len(components) - 1 and not glob.has_magic(components[fixed]):
             fixed += 1
         self.base = _join_base(text, components[:fixed])
-        self.below = tuple(components[fixed:])
+        # 'd/*//x.npz' and 'd/*/./x.npz' name what 'd/*/x.npz' names, as for glob and the system
+        self.below = tuple(c for c in components[fixed:] if c not in ("", os.curdir))
 
     def matches(self, path: tuple[str, ...], is_directory: bool) -> bool:
         """Whether the path below ``base`` (its components) is one the pattern names."""

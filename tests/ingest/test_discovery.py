@@ -880,3 +880,5 @@ def test_a_pattern_going_up_after_a_wildcard_is_refused_saying_so(tmp_path, monk
         "put it before the first wildcard, or name the directories to search",
     )
     assert discover_sources(["d/e/../e/*.npz"]) == [str(tmp_path / "d" / "e" / "a.npz")]
+    for same in ("d/*//a.npz", "d/*/./a.npz", "d/**/./*.npz"):  # what 'd/*/a.npz' names, as glob takes it
+        assert discover_sources([same]) == [str(tmp_path / "d" / "e" / "a.npz")], same
