@@ -120,12 +120,12 @@ class _Resumable:
         earlier version lacks is the one it could only have had then
         (``_earlier_settings``), or else taken as this sampler's.
 
-        The epoch ``set_epoch`` chose since the last pass began wins over a
-        state of another epoch, whichever came first: torchdata's
-        ``StatefulDataLoader`` loads the state only as its next pass starts,
-        after the loop's ``set_epoch``, and a state saved at (or just before) an
-        epoch's end then resumes into the epoch the loop set, whole, as
-        ``DistributedSampler`` would give it.
+        Of the calls before a pass, the epoch ``set_epoch`` chose last decides,
+        before or after the load: the state resumes if it is that state's
+        epoch, and nothing otherwise. torchdata's ``StatefulDataLoader`` loads
+        the state only as its next pass starts, after the loop's ``set_epoch``,
+        and a state saved at (or just before) an epoch's end then resumes into
+        the epoch the loop set, whole, as ``DistributedSampler`` would give it.
         """
         if not isinstance(state, dict):
             raise ValueError(f"sampler state must be a dict, not {type(state).__name__}")
