@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from ..format.index import BLOB_NAME, FORMAT_NAME, FORMAT_VERSION
+from ..format.index import BLOB_NAME, FORMAT_NAME
 from ..format.manifest import is_manifest_dir
 from ..format.provenance import read_skipped, read_sources
 from ..progress import Progress, SilentProgress
@@ -24,19 +24,19 @@ def describe_dataset(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     parts = Parts(path)
     of_parts = is_manifest_dir(os.fspath(path)) or len(parts.all_paths) > 1
-    readers = [DatasetReader(p, index) for p, index in zip(parts.paths, parts.indexes, strict=True)]
+    reader = PartsReader(parts)
     first = parts.indexes[0]
     return {
         "path": os.fspath(path),
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": min(index.version for index in parts.all_indexes),
         "tool_version": first.tool_version,
         "num_samples": parts.num_samples,
         "blobs": [os.path.join(p, BLOB_NAME) for p in parts.all_paths],
         "blob_nbytes": sum(index.blob_nbytes for index in parts.all_indexes),
         "align": min(index.align for index in parts.all_indexes),  # parts may differ; every region has this
         "parts": describe_parts(parts) if of_parts else [],
-        "fields": [_describe_field(parts.field(name), readers) for name in parts.field_names],
+        "fields": [_describe_field(parts.field(name), reader) for name in parts.field_names],
         "skipped": _skipped(parts),
     }
 
@@ -55,15 +55,16 @@ def _skipped(parts: Parts) -> dict[str, Any]:
     return {"count": count, "first": first}
 
 
-def _describe_field(info: FieldInfo, readers: list[DatasetReader]) -> dict[str, Any]:
+def _describe_field(info: FieldInfo, reader: PartsReader) -> dict[str, Any]:
+    readers = reader.readers
     out: dict[str, Any] = {
         "name": info.name,
         "kind": "ragged" if info.shape is None else "fixed",
         "dtype": dtype_name(info.dtype),
         "nbytes": sum(r.index.field(info.name).data.nbytes for r in readers),
+        "shape": list(reader.sample_shape(info.name)),  # null where samples differ
     }
     if info.shape is not None:
-        out["shape"] = list(info.shape)
         return out
     shapes = [r.shapes(info.name) for r in readers if len(r)]  # tables checked whole
     out["min_shape"] = np.min([s.min(axis=0) for s in shapes], axis=0).tolist() if shapes else []

@@ -97,7 +97,7 @@ def _bin_label(first: int, last: int) -> str:
 
 
 def _shape_text(field: dict[str, Any]) -> str:
-    if "shape" in field:
+    if field["kind"] == "fixed":
         return str(tuple(field["shape"]))
     dims = [
         str(lo) if lo == hi else f"{lo}..{hi}"

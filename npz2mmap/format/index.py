@@ -1,4 +1,4 @@
-"""The on-disk format, version 2: constants, the index model and its validation.
+"""The on-disk format, version 3: constants, the index model and its validation.
 
 This module builds and validates ``index.json`` and the blob header;
 ``docs/FORMAT.md`` states the same rules in prose. The writer, the reader and
@@ -26,8 +26,10 @@ from .dtypes import dtype_from_json, dtype_to_json
 from .files import decode_json, read_regular_file
 
 FORMAT_NAME = "npz2mmap"
-FORMAT_VERSION = 2
-SUPPORTED_VERSIONS = frozenset({2})
+FORMAT_VERSION = 3
+# Version 2 differs only in having no "shape" for ragged fields (their sample shape is then
+# derived from the shapes table by readers that need it).
+SUPPORTED_VERSIONS = frozenset({2, 3})
 
 INDEX_NAME = "index.json"
 BLOB_NAME = "data.npy"
@@ -78,6 +80,9 @@ FIXED = "fixed"
 RAGGED = "ragged"
 MODES = frozenset({"files", "rows"})
 
+# A field's shape in every sample: each dimension's length, or None where samples differ.
+SampleShape = tuple["int | None", ...]
+
 
 @dataclass(frozen=True)
 class Region:
@@ -105,6 +110,14 @@ class Field:
     offsets: Region | None = None  # ragged only: int64 (N + 1,) byte offsets
     shapes: Region | None = None  # ragged only: int64 (N, ndim)
     cast: bool = False  # sources were cast to ``dtype`` on request (--cast)
+    # Ragged only: each dimension's length where every sample has it, None where samples differ;
+    # None for a version 2 index, which does not record it (see sample_shape_of_table).
+    ragged_shape: SampleShape | None = None
+
+    @property
+    def sample_shape(self) -> SampleShape | None:
+        """Every sample's shape, None in the dimensions where samples differ; None if unrecorded."""
+        return self.shape if self.shape is not None else self.ragged_shape
 
     @property
     def ragged(self) -> bool:
@@ -136,6 +149,7 @@ class Index:
     num_skipped: int = 0
     part: tuple[int, int] | None = None  # (i, n): made by ``convert --part i/n``
     digest: bytes = b""  # SHA-256 of index.json as read; empty for an index not yet written
+    version: int = FORMAT_VERSION  # as read; writers write FORMAT_VERSION only
 
     @property
     def blob_nbytes(self) -> int:
@@ -207,6 +221,16 @@ def representable_row_nbytes(shapes: NDArray[np.int64], itemsize: int) -> NDArra
     return nbytes
 
 
+def sample_shape_of_table(shapes: NDArray[np.int64]) -> SampleShape:
+    """The sample shape a shapes table (num_samples, ndim) gives: each dimension's length where
+    every row has the same, None where rows differ (everywhere when there is no row)."""
+    if not len(shapes):
+        return (None,) * shapes.shape[1]
+    same = (shapes == shapes[0]).all(axis=0)
+    first = shapes[0].tolist()
+    return tuple(int(d) if agree else None for d, agree in zip(first, same.tolist(), strict=True))
+
+
 def ragged_table_problem(f: Field, offsets: NDArray[np.int64], shapes: NDArray[np.int64]) -> str | None:
     """How a ragged field's offsets and shapes tables break the format's rules, or None.
 
@@ -223,7 +247,7 @@ def ragged_table_problem(f: Field, offsets: NDArray[np.int64], shapes: NDArray[n
     nbytes = representable_row_nbytes(shapes, f.dtype.itemsize)
     mismatched = np.flatnonzero(nbytes != sizes)
     if not len(mismatched):
-        return None
+        return _sample_shape_problem(f, shapes)
     i = int(mismatched[0])
     shape = tuple(int(d) for d in shapes[i])
     if nbytes[i] < 0:
@@ -232,6 +256,31 @@ def ragged_table_problem(f: Field, offsets: NDArray[np.int64], shapes: NDArray[n
         f"shape x itemsize differs from the byte count at sample {i} "
         f"(shape {shape} of {f.dtype.itemsize}-byte items, {int(sizes[i])} bytes)"
     )
+
+
+def _sample_shape_problem(f: Field, shapes: NDArray[np.int64]) -> str | None:
+    """How a ragged field's recorded shape disagrees with its shapes table, or None."""
+    if f.ragged_shape is None:  # a version 2 index records none
+        return None
+    found = sample_shape_of_table(shapes)
+    if found == f.ragged_shape:
+        return None
+    axis = next(d for d, (a, b) in enumerate(zip(found, f.ragged_shape, strict=True)) if a != b)
+    recorded = f.ragged_shape[axis]
+    if recorded is None:
+        return f"shape records that samples differ in dimension {axis}, but every one has {found[axis]}"
+    row = int(np.flatnonzero(shapes[:, axis] != recorded)[0])
+    return (
+        f"shape records {recorded} in dimension {axis} for every sample, but sample {row} has "
+        f"{int(shapes[row, axis])}"
+    )
+
+
+def shape_fits(ragged_shape: SampleShape | None, shape: Sequence[int]) -> bool:
+    """Whether a sample's ``shape`` has the lengths its field's shape records (any, unrecorded)."""
+    if ragged_shape is None:
+        return True
+    return all(want is None or want == dim for want, dim in zip(ragged_shape, shape, strict=True))
 
 
 # --- the blob header -------------------------------------------------------
@@ -250,7 +299,7 @@ def blob_header(payload_nbytes: int) -> bytes:
     return prefix + text.ljust(BLOB_HEADER_NBYTES - 11).encode("latin1") + b"\n"
 
 
-def blob_identity(index_digest: bytes) -> bytes:
+def blob_identity(index_digest: bytes, version: int = FORMAT_VERSION) -> bytes:
     """The identity region at payload offset 0: magic, version, and the index's SHA-256.
 
     A blob names the exact bytes of its index, so an edited index, or a
@@ -260,7 +309,7 @@ def blob_identity(index_digest: bytes) -> bytes:
     """
     if len(index_digest) != 32:
         raise ValueError("an index digest is 32 bytes of SHA-256")
-    head = IDENTITY_MAGIC + FORMAT_VERSION.to_bytes(4, "little")
+    head = IDENTITY_MAGIC + version.to_bytes(4, "little")
     return (head + index_digest).ljust(IDENTITY_NBYTES, b"\0")
 
 
@@ -294,11 +343,10 @@ def index_to_json(index: Index) -> str:
 
 def _field_to_json(f: Field) -> dict[str, Any]:
     out: dict[str, Any] = {"name": f.name, "dtype": dtype_to_json(f.dtype), "ndim": f.ndim, "cast": f.cast}
-    if f.shape is None:
-        out["kind"] = RAGGED
-    else:
-        out["kind"] = FIXED
-        out["shape"] = list(f.shape)
+    out["kind"] = RAGGED if f.shape is None else FIXED
+    if f.sample_shape is None:
+        raise ValueError(f"field {f.name!r}: a ragged field's shape must be known to write its index")
+    out["shape"] = list(f.sample_shape)
     out["data"] = _region_to_json(f.data)
     for name, region in f.tables().items():
         out[name] = _region_to_json(region)
@@ -368,7 +416,7 @@ def parse_index(document: Any, where: str) -> Index:
     if mode not in MODES:
         raise FormatError(f"{where}: provenance mode {brief(mode)} is not one of {sorted(MODES)}")
     fields = tuple(
-        _parse_field(item, num_samples, f"{where}: fields[{i}]")
+        _parse_field(item, num_samples, version, f"{where}: fields[{i}]")
         for i, item in enumerate(doc.get("fields", list))
     )
     if not fields and num_samples:
@@ -385,6 +433,7 @@ def parse_index(document: Any, where: str) -> Index:
         num_sources=provenance.get("num_sources", int, minimum=0),
         num_skipped=provenance.get("num_skipped", int, minimum=0),
         part=_parse_part(provenance.value["part"], f"{where}: provenance part"),
+        version=version,
     )
     check_layout(index, where)
     return index
@@ -401,7 +450,7 @@ def _parse_part(value: Any, where: str) -> tuple[int, int] | None:
     return i, n
 
 
-def _parse_field(document: Any, num_samples: int, where: str) -> Field:
+def _parse_field(document: Any, num_samples: int, version: int, where: str) -> Field:
     doc = _Obj(document, where)
     name = doc.get("name", str)
     if not _is_text(name):
@@ -422,13 +471,17 @@ def _parse_field(document: Any, num_samples: int, where: str) -> Field:
             raise FormatError(f"{where}: shape {brief(listed)} does not have ndim {ndim}")
         shape = tuple(_as_int(v, f"{where}: shape", minimum=0) for v in listed)
         offsets = shapes = None
+        ragged_shape: SampleShape | None = None
     elif kind == RAGGED:
-        doc.require_keys(
-            {"name", "kind", "dtype", "ndim", "cast", "data", "offsets", "shapes", "sample_crc32"}
-        )
+        keys = {"name", "kind", "dtype", "ndim", "cast", "data", "offsets", "shapes", "sample_crc32"}
+        doc.require_keys(keys if version == 2 else keys | {"shape"})
         if ndim == 0:
             raise FormatError(f"{where}: a ragged field needs ndim of at least 1")
         shape = None
+        if version == 2:  # records no shape: only a 1-d field's is known without the tables
+            ragged_shape = (None,) if ndim == 1 else None
+        else:
+            ragged_shape = _parse_ragged_shape(doc.get("shape", list), ndim, where)
         offsets = _parse_region(doc.get("offsets", dict), f"{where}: offsets", table=True)
         shapes = _parse_region(doc.get("shapes", dict), f"{where}: shapes", table=True)
     else:
@@ -443,9 +496,23 @@ def _parse_field(document: Any, num_samples: int, where: str) -> Field:
         offsets=offsets,
         shapes=shapes,
         cast=doc.get("cast", bool),
+        ragged_shape=ragged_shape,
     )
     _check_region_sizes(f, num_samples, where)
     return f
+
+
+def _parse_ragged_shape(listed: list[Any], ndim: int, where: str) -> SampleShape:
+    """A ragged field's shape: ndim entries, each a length or null (samples differ), one null at least."""
+    if len(listed) != ndim:
+        raise FormatError(f"{where}: shape {brief(listed)} does not have ndim {ndim}")
+    shape = tuple(None if v is None else _as_int(v, f"{where}: shape", minimum=0) for v in listed)
+    if None not in shape:
+        raise FormatError(
+            f"{where}: a ragged field's shape {brief(listed)} must be null in a dimension in which "
+            "samples differ"
+        )
+    return shape
 
 
 def _parse_region(document: Any, where: str, table: bool) -> Region:

@@ -11,8 +11,8 @@ destination that runs out of room (a full slot) leaves nothing half done.
 Three placements, each one copy from the page cache: a fixed field gathered
 into one (batch, *shape) array; a ragged field's samples packed one after
 another and handed out as a list; a ragged field padded to the batch's
-largest shape, beside its lengths (and mask) under the keys of
-``ragged.lengths_key`` and ``ragged.mask_key``.
+largest shape, beside its lengths, shapes (and mask) under the keys
+``ragged.padded_extras`` and ``ragged.mask_key`` name.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from ..read.ragged import RaggedRows, check_padded_size, lengths_key, mask_key
+from ..read.ragged import RaggedRows, check_padded_size, mask_key
 
 if TYPE_CHECKING:
     from ..read.parts import PartsReader
@@ -189,9 +189,9 @@ def place_padded(
         nbytes = int(np.prod(shape, dtype=object)) * rows.dtype.itemsize
         raise MemoryError(f"field {rows.name!r}: a batch padded to {shape} needs {nbytes:,} bytes") from None
     fills: list[Callable[[], object]] = [functools.partial(rows.fill_padded, padded, padding.pad_value)]
-    lengths = rows.lengths()
-    lengths_target, out[lengths_key(rows.name)] = destination.array(lengths.dtype, lengths.shape)
-    fills.append(functools.partial(np.copyto, lengths_target, lengths))
+    for key, extra in rows.extras().items():
+        target, out[key] = destination.array(extra.dtype, extra.shape)
+        fills.append(functools.partial(np.copyto, target, extra))
     if padding.mask:
         mask_target, out[mask_key(rows.name)] = destination.array(np.dtype(np.bool_), shape)
         fills.append(functools.partial(_fill_mask, rows, mask_target))

@@ -120,7 +120,7 @@ def padding_from_the_mapping(dataset: MmapDataset, collate_fn: Any) -> Padding |
     if (
         type(collate_fn) is not PaddedCollate
         or collate_fn.nested
-        or collate_fn.ragged not in (None, dataset.ragged_fields)
+        or (collate_fn.ragged is not None and set(collate_fn.ragged) != set(dataset.ragged_fields))
         or dataset.transform is not None
     ):
         return None

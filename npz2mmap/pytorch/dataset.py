@@ -21,10 +21,11 @@ from numpy.typing import NDArray
 from torch.utils.data import Dataset, get_worker_info
 
 from ..errors import LargerThanMemoryWarning
-from ..read.features import Feature, features_of
+from ..format.index import SampleShape
+from ..read.features import Feature
 from ..read.memory import fits_in_memory, larger_than_memory, memory_limit
 from ..read.parts import Parts, PartsReader
-from ..read.ragged import RaggedRows
+from ..read.ragged import RaggedRows, lengths_axis
 from ..read.reader import ADVICE, copy_bytes
 
 # Imported for its registrations: torch's default collate must know the marked sample types
@@ -108,8 +109,11 @@ class MmapDataset(Dataset[Any]):
         if repeated is not None:
             raise ValueError(f"fields names {repeated!r} twice; name each field once")
         self.fields: tuple[str, ...] = tuple(names)
-        # The selected fields whose shape differs between samples (in any part); batches carry it.
-        self.ragged_fields = frozenset(name for name in names if self.parts.field(name).shape is None)
+        # The selected fields whose shape differs between samples (in any part), each with its shape
+        # in every sample (None where samples differ); batches carry it.
+        self.ragged_fields: dict[str, SampleShape] = {
+            name: self._sample_shape(name) for name in names if self.parts.field(name).shape is None
+        }
         self.transform = transform
         self.tensors = tensors
         if advice is not None and advice not in ADVICE:
@@ -122,6 +126,11 @@ class MmapDataset(Dataset[Any]):
 
     def __len__(self) -> int:
         return self.parts.num_samples
+
+    def _sample_shape(self, name: str) -> SampleShape:
+        """From the index; a version 2 dataset's ragged field of 2 or more dimensions needs its tables."""
+        recorded = self.parts.field(name).sample_shape
+        return recorded if recorded is not None else PartsReader(self.parts).sample_shape(name)
 
     @property
     def reader(self) -> PartsReader:
@@ -212,27 +221,31 @@ class MmapDataset(Dataset[Any]):
 
     @property
     def features(self) -> dict[str, Feature]:
-        """Each selected field's dtype and shape (or, ragged, ndim), by name: the schema, as
-        Hugging Face's ``features``; read from the index, no sample data."""
-        return features_of(self.parts.field(name) for name in self.fields)
+        """Each selected field's dtype and shape in every sample, None in each dimension in which
+        samples differ (``(None, 4)`` for boxes), by name: the schema, as Hugging Face's
+        ``features``; read from the index, no sample data."""
+        return {
+            name: Feature(info.dtype, self.ragged_fields.get(name, info.shape or ()), info.ndim)
+            for name, info in ((name, self.parts.field(name)) for name in self.fields)
+        }
 
     def lengths(self, field: str) -> np.ndarray:
         """Every sample's length (int64, (N,)) along the one dimension in which a field's samples
-        differ: a sequence's length, the count of a (k, 4) field's boxes; its first dimension
-        when none differs. ValueError when several differ: ``shapes`` then has every shape.
+        differ: a sequence's length, the count of a (k, 4) field's boxes; a fixed field's first
+        dimension. ValueError when several differ: ``shapes`` then has every shape.
 
         Read from the index and its shape tables only, never from sample data,
         so building length-grouped batches costs no I/O of the data itself.
         """
-        shapes = self.shapes(field)
-        varying = np.flatnonzero((shapes != shapes[:1]).any(axis=0)) if len(shapes) else np.zeros(0, int)
-        if len(varying) > 1:
-            dims = ", ".join(map(str, varying.tolist()))
+        shape = self.ragged_fields.get(field) or self.parts.field(field).shape or ()
+        axis = lengths_axis(shape) if field in self.ragged_fields else 0
+        if axis is None:
+            dims = ", ".join(str(d) for d, length in enumerate(shape) if length is None)
             raise ValueError(
                 f"field {field!r} differs between samples in dimensions {dims}, so no one length "
                 f"describes a sample: ds.shapes({field!r}) gives each sample's shape"
             )
-        axis = int(varying[0]) if len(varying) else 0
+        shapes = self.shapes(field)
         return np.ascontiguousarray(shapes[:, axis]) if shapes.shape[1] else np.zeros(len(shapes), np.int64)
 
     def shapes(self, field: str) -> np.ndarray:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from ..read.ragged import RaggedRows
+from ..read.ragged import RaggedRows, RaggedShapes
 from .assemble import NewMemory, place_listed, torch_dtype
 from .samples import GatheredSample, NumpyOnlySample, RaggedSample
 from .tensors import as_tensors
@@ -45,7 +45,7 @@ class GatheredBatch(SequenceABC[Any]):
         arrays: Mapping[str, np.ndarray | list[np.ndarray] | RaggedRows],
         single: str | None,
         length: int,
-        ragged: frozenset[str] = frozenset(),
+        ragged: RaggedShapes | None = None,
         shared: Mapping[str, torch.Tensor] | None = None,
         regather: Callable[[str], np.ndarray | RaggedRows] | None = None,
         private: bool = False,
@@ -53,7 +53,7 @@ class GatheredBatch(SequenceABC[Any]):
         self._fields: dict[str, Any] = dict(arrays)  # or _HANDED_OUT, once a collate has
         self.single = single
         self.length = length
-        self.ragged = ragged
+        self.ragged: RaggedShapes = ragged or {}
         self._shared = dict(shared or {})  # fixed fields gathered into shared memory, by name
         self._regather = regather  # reads a field again from the mapping, once its memory is handed out
         self._private = private  # made by a collate for itself: its memory is nobody else's
@@ -217,7 +217,9 @@ class GatheredBatch(SequenceABC[Any]):
         value = self.field(name) if value is None else value
         array = value[j] if isinstance(value, list) else value[j, ...]
         if name in self.ragged:
-            return array.view(RaggedSample)
+            marked = array.view(RaggedSample)
+            marked.sample_shape = self.ragged[name]
+            return marked
         return array.view(NumpyOnlySample) if torch_dtype(array.dtype) is None else array
 
 

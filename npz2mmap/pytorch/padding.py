@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from ..format.index import SampleShape
 from ..read.ragged import (
     RaggedRows,
+    RaggedShapes,
     check_padded_keys,
     check_padded_size,
-    lengths_key,
     mask_key,
     pad_element,
+    padded_extras,
     raw_unit,
     valid_mask_of,
 )
@@ -30,9 +32,12 @@ class PaddedCollate:
     """Collate for MmapDataset batches whose fields may be ragged.
 
     A ragged field ``name`` becomes one tensor padded with ``pad_value`` to the
-    batch's largest shape, plus ``name_lengths`` (int64: (batch,) for 1-d
-    samples, (batch, ndim) otherwise) and, with ``mask``, ``name_mask`` (bool,
-    True on real elements). With ``nested``, a ragged field becomes one
+    batch's largest shape, plus ``name_lengths`` (int64 (batch,): each
+    sample's length in the one dimension in which the field's samples differ,
+    as a sequence's length or a (k, 4) field's count of boxes; absent where
+    they differ in several), for samples of two or more dimensions
+    ``name_shapes`` (int64 (batch, ndim), every sample's shape), and, with
+    ``mask``, ``name_mask`` (bool, True on real elements). With ``nested``, a ragged field becomes one
     jagged nested tensor instead (``torch.nested``, ragged along the first
     dimension of each sample), with no padding. Fixed fields become tensors as
     with ``collate``; dtypes torch lacks (records, strings, datetimes) stay
@@ -42,12 +47,16 @@ class PaddedCollate:
     from the mapping, each sample copied once, with no per-sample arrays.
     A batch whose padded array numpy cannot make raises ValueError.
 
-    Which fields are ragged is a property of the dataset, never of one batch:
-    a ragged field gets its lengths (and mask) even when every sample of a
-    batch has the same shape, as length-grouped batches often do. Batches from
-    ``MmapDataset`` say which fields are ragged; for samples from elsewhere,
-    name them with ``ragged``. A field not known to be ragged whose shapes
-    differ within a batch raises ValueError. Picklable.
+    Which fields are ragged, and in which dimensions, is a property of the
+    dataset, never of one batch: a ragged field gets the same keys even when
+    every sample of a batch has the same shape, as length-grouped batches
+    often do. Batches from ``MmapDataset`` say which fields are ragged and
+    where; for samples from elsewhere, name them with ``ragged``: a list of
+    names (a field then counts as differing in every dimension), or a dict of
+    each one's shape in every sample with None where samples differ
+    (``{"boxes": (None, 4)}``, as ``ds.features`` gives it). A field not
+    known to be ragged whose shapes differ within a batch raises ValueError.
+    Picklable.
 
     A generated key that is also a field's name (a field ``name_mask`` beside
     a ragged ``name``, with ``mask``) raises ValueError naming both: here for
@@ -59,29 +68,30 @@ class PaddedCollate:
         pad_value: float = 0,
         mask: bool = False,
         nested: bool = False,
-        ragged: Iterable[str] | None = None,
+        ragged: Iterable[str] | Mapping[str, Sequence[int | None]] | None = None,
     ) -> None:
         self.pad_value = pad_value
         self.mask = mask
         self.nested = nested
-        self.ragged = None if ragged is None else frozenset(ragged)
+        self.ragged = None if ragged is None else _named_ragged(ragged)
         if self.ragged is not None:
             self.check_keys(sorted(self.ragged), self.ragged)
 
-    def check_keys(self, field_names: Iterable[str], ragged: Collection[str]) -> None:
+    def check_keys(self, field_names: Iterable[str], ragged: RaggedShapes) -> None:
         """Raise ValueError if batches of these fields would hold two things under one key.
 
         With ``nested``, no keys are added, so none can collide.
         """
-        check_padded_keys(field_names, () if self.nested else ragged, self.mask)
+        check_padded_keys(field_names, {} if self.nested else ragged, self.mask)
 
     def __call__(self, batch: Any) -> dict[str, Any]:
-        marked = frozenset() if isinstance(batch, GatheredBatch) else marked_ragged(batch)
-        ragged = frozenset(self.ragged or ()) | getattr(batch, "ragged", frozenset()) | marked
+        marked = {} if isinstance(batch, GatheredBatch) else marked_ragged(batch)
+        ragged = _known_shapes(self.ragged or {}, {**getattr(batch, "ragged", {}), **marked})
         if isinstance(batch, GatheredBatch) and batch.samples_edited:  # by the samples as edited
             batch = GatheredBatch(_by_field(list(batch)), None, len(batch), private=True)
         elif not isinstance(batch, GatheredBatch):
             batch = GatheredBatch(_by_field(batch), None, len(batch), private=True)
+        ragged = {name: _every_dimension_differs(batch, name, shape) for name, shape in ragged.items()}
         self.check_keys(batch.field_names, ragged)
         out: dict[str, Any] = {}
         for name in batch.field_names:
@@ -91,7 +101,7 @@ class PaddedCollate:
                 continue
             value = batch.field(name)
             if name in ragged:
-                out.update(self._collate_ragged(name, [np.asarray(v) for v in value]))
+                out.update(self._collate_ragged(name, [np.asarray(v) for v in value], ragged[name]))
             elif isinstance(value, list):
                 out[name] = as_tensors(_stack(name, value))
             else:
@@ -108,7 +118,9 @@ class PaddedCollate:
             fill()
         return out
 
-    def _collate_ragged(self, name: str, arrays: list[np.ndarray]) -> dict[str, Any]:
+    def _collate_ragged(
+        self, name: str, arrays: list[np.ndarray], shape: SampleShape | None
+    ) -> dict[str, Any]:
         if self.nested:
             if len({a.shape[1:] for a in arrays}) > 1:
                 raise ValueError(
@@ -123,11 +135,59 @@ class PaddedCollate:
                 )
             tensors = [torch.from_numpy(viewable_by_torch(np.asarray(a, dtype=dtype))) for a in arrays]
             return {name: torch.nested.nested_tensor(tensors, layout=torch.jagged)}
-        padded, lengths = pad(arrays, self.pad_value, name)
-        out = {name: as_tensors(padded), lengths_key(name): torch.from_numpy(lengths)}
+        padded, shapes = pad(arrays, self.pad_value, name)
+        out = {name: as_tensors(padded)}
+        extras = padded_extras(name, shapes, shape)
+        out.update((key, torch.from_numpy(array)) for key, array in extras.items())
         if self.mask:
             out[mask_key(name)] = torch.from_numpy(valid_mask(arrays, padded.shape[1:]))
         return out
+
+
+def _named_ragged(
+    ragged: Iterable[str] | Mapping[str, Sequence[int | None]],
+) -> dict[str, SampleShape | None]:
+    """``ragged`` as PaddedCollate takes it, as names with their shapes (None for a name alone).
+
+    TypeError for a bare string (a list of names is meant), ValueError for a
+    shape that says no dimension differs or has a length that is no integer.
+    """
+    if isinstance(ragged, (str, bytes)):
+        raise TypeError(f"ragged names fields by a list of str (or a dict of their shapes), not {ragged!r}")
+    if not isinstance(ragged, Mapping):
+        return dict.fromkeys(ragged)
+    named: dict[str, SampleShape | None] = {}
+    for name, shape in ragged.items():
+        lengths = tuple(shape)
+        if None not in lengths or not all(
+            length is None or (isinstance(length, int) and not isinstance(length, bool) and length >= 0)
+            for length in lengths
+        ):
+            raise ValueError(
+                f"ragged[{name!r}] is {shape!r}: give the field's shape in every sample, None in each "
+                "dimension in which samples differ, as (None, 4)"
+            )
+        named[name] = lengths
+    return named
+
+
+def _every_dimension_differs(
+    batch: GatheredBatch, name: str, shape: SampleShape | None
+) -> SampleShape | None:
+    """A ragged field known by name only, as differing in every dimension its samples have."""
+    if shape is not None or name not in batch.field_names:
+        return shape
+    value = batch.field(name)
+    ndim = (np.ndim(value[0]) if len(value) else 1) if isinstance(value, list) else max(np.ndim(value) - 1, 0)
+    return (None,) * ndim
+
+
+def _known_shapes(named: RaggedShapes, said: RaggedShapes) -> dict[str, SampleShape | None]:
+    """The ragged fields a user named and those a batch's samples say are ragged, each with the
+    shape the samples say where they say one."""
+    out = dict(named)
+    out.update((name, shape) for name, shape in said.items() if shape is not None or name not in out)
+    return out
 
 
 def _common_dtype(arrays: list[np.ndarray], name: str) -> np.dtype:
@@ -198,7 +258,7 @@ def _stack(name: str, arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def pad(arrays: list[np.ndarray], pad_value: float = 0, name: str = "data") -> tuple[np.ndarray, np.ndarray]:
-    """Stack arrays of one ndim into (len, *largest shape); return it and their shapes.
+    """Stack arrays of one ndim into (len, *largest shape); return it and their shapes (len, ndim).
 
     Arrays of other dtypes (a user's own samples) are stacked in numpy's
     promotion of them, as np.stack would (strings of other widths, datetimes
@@ -226,8 +286,7 @@ def pad(arrays: list[np.ndarray], pad_value: float = 0, name: str = "data") -> t
             raw[where] = array.view(unit)
         else:
             out[where] = array
-    lengths = shapes[:, 0] if shapes.shape[1] == 1 else shapes
-    return out, np.ascontiguousarray(lengths)
+    return out, shapes
 
 
 def valid_mask(arrays: list[np.ndarray], padded_shape: tuple[int, ...]) -> np.ndarray:

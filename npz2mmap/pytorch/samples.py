@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from ..format.index import SampleShape
+from ..read.ragged import RaggedShapes
 from .assemble import torch_dtype
 
 
@@ -17,8 +19,11 @@ class RaggedSample(np.ndarray):
 
     Samples of one ragged field differ in shape, so stacking them fails inside
     torch; the default collate gives them as a list of tensors instead, as
-    ``collate`` does (``PaddedCollate`` pads them into one tensor).
+    ``collate`` does (``PaddedCollate`` pads them into one tensor). Knows the
+    field's shape in every sample (None where samples differ).
     """
+
+    sample_shape: SampleShape | None = None
 
 
 class NumpyOnlySample(np.ndarray):
@@ -38,7 +43,7 @@ class MarkedSample(dict[str, Any]):
     dataset's ragged fields (``listed``: samples as read, whose ragged fields torch's default
     collate lists)."""
 
-    ragged: frozenset[str] = frozenset()
+    ragged: RaggedShapes = {}
     listed = False
 
 
@@ -46,10 +51,11 @@ class TransformedRaggedArray(np.ndarray):
     """A transform's bare array sample of a ragged field (``fields`` a single name), in a batch."""
 
     field_name = ""
+    sample_shape: SampleShape | None = None
     listed = False
 
 
-def mark_transformed(sample: Any, ragged: frozenset[str], single: str | None, listed: bool = False) -> Any:
+def mark_transformed(sample: Any, ragged: RaggedShapes, single: str | None, listed: bool = False) -> Any:
     """A transformed sample as torch's default collate should see it: knowing its ragged fields.
 
     Only dicts and bare numpy arrays are marked; other samples are the transform's to collate.
@@ -60,9 +66,10 @@ def mark_transformed(sample: Any, ragged: frozenset[str], single: str | None, li
         marked.ragged = ragged
         marked.listed = listed
         return marked
-    if single in ragged and isinstance(sample, np.ndarray):
+    if single is not None and single in ragged and isinstance(sample, np.ndarray):
         array = sample.view(TransformedRaggedArray)
         array.field_name = single
+        array.sample_shape = ragged[single]
         array.listed = listed
         return array
     if type(sample) is np.ndarray and torch_dtype(sample.dtype) is None:
@@ -76,24 +83,26 @@ class SampleList(list[Any]):
     ``single`` names the field when each sample is a bare array.
     """
 
-    def __init__(self, samples: list[Any], ragged: frozenset[str], single: str | None = None) -> None:
+    def __init__(self, samples: list[Any], ragged: RaggedShapes, single: str | None = None) -> None:
         super().__init__(samples)
         self.ragged = ragged
         self.single = single
 
 
-def marked_ragged(samples: Any) -> frozenset[str]:
-    """The ragged fields that a dataset's samples say they belong to, in a list a collate_fn made
-    of them (sorted, sliced, copied; ``list(batch)``): fields are ragged by the dataset, never by
-    one batch. Empty for samples from elsewhere, which say nothing."""
+def marked_ragged(samples: Any) -> RaggedShapes:
+    """The ragged fields, with their sample shapes, that a dataset's samples say they belong to,
+    in a list a collate_fn made of them (sorted, sliced, copied; ``list(batch)``): fields are
+    ragged by the dataset, never by one batch. Empty for samples from elsewhere, which say nothing."""
     if not isinstance(samples, Sequence):
-        return frozenset()
-    names: set[str] = set()
+        return {}
+    found: dict[str, SampleShape | None] = {}
     for sample in samples:
         if isinstance(sample, MarkedSample):
-            names |= sample.ragged
+            found.update(sample.ragged)
         elif isinstance(sample, Mapping):
-            names |= {key for key, value in sample.items() if isinstance(value, RaggedSample)}
+            found.update(
+                (key, value.sample_shape) for key, value in sample.items() if isinstance(value, RaggedSample)
+            )
         elif isinstance(sample, TransformedRaggedArray):
-            names.add(sample.field_name)
-    return frozenset(names)
+            found[sample.field_name] = sample.sample_shape
+    return found

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -23,6 +23,7 @@ from ..format.index import (
     SKIPPED_NAME,
     SOURCES_NAME,
     Index,
+    SampleShape,
     load_index,
 )
 from ..format.manifest import PathLike, check_part_set, naming_parts, resolve_listed
@@ -45,6 +46,8 @@ class FieldInfo:
     dtype: np.dtype
     ndim: int
     shape: tuple[int, ...] | None
+    # Every sample's shape, None where samples differ; None if a version 2 part records none.
+    sample_shape: SampleShape | None
 
 
 def _check_provenance_files(dataset_dir: str) -> None:
@@ -108,7 +111,6 @@ def _contributing(paths: list[str], indexes: list[Index]) -> tuple[list[str], li
 
 def _agreeing_fields(paths: list[str], indexes: list[Index]) -> dict[str, FieldInfo]:
     first = indexes[0]
-    fields = {f.name: FieldInfo(f.name, f.dtype, f.ndim, f.shape) for f in first.fields}
     for path, index in zip(paths[1:], indexes[1:], strict=True):
         if index.field_names != first.field_names:
             raise FormatError(
@@ -116,15 +118,32 @@ def _agreeing_fields(paths: list[str], indexes: list[Index]) -> dict[str, FieldI
                 f"{quoted(first.field_names)}; parts must agree"
             )
         for f in index.fields:
-            seen = fields[f.name]
+            seen = first.field(f.name)
             if f.dtype != seen.dtype or f.ndim != seen.ndim:
                 raise FormatError(
                     f"{path}: field {f.name!r} is {f.dtype} with ndim {f.ndim}, but {seen.dtype} with ndim "
                     f"{seen.ndim} in {paths[0]}; parts must agree{_cast_advice(f.name, f.ndim == seen.ndim)}"
                 )
-            if f.shape != seen.shape:
-                fields[f.name] = FieldInfo(f.name, f.dtype, f.ndim, None)
-    return _fixed_where_samples_agree(fields, indexes)
+    # A part of no samples (an empty shard of --rows) has no shape to give: it does not make a
+    # field ragged, as it does not in one conversion of all the sources.
+    holding = [index for index in indexes if index.num_samples] or indexes
+    return {f.name: _field_info(f.name, holding) for f in first.fields}
+
+
+def _field_info(name: str, indexes: list[Index]) -> FieldInfo:
+    """Field ``name`` across parts: each dimension's length where every part gives the same."""
+    f = indexes[0].field(name)
+    shape = combined_sample_shape([index.field(name).sample_shape for index in indexes])
+    fixed = shape if shape is not None and None not in shape else None
+    return FieldInfo(name, f.dtype, f.ndim, cast("tuple[int, ...] | None", fixed), shape)
+
+
+def combined_sample_shape(shapes: list[SampleShape | None]) -> SampleShape | None:
+    """Parts' sample shapes as one: a dimension's length where all give the same, else None;
+    None if any part's is not recorded."""
+    if any(shape is None for shape in shapes):
+        return None
+    return tuple(lengths[0] if len(set(lengths)) == 1 else None for lengths in zip(*shapes, strict=True))
 
 
 def _cast_advice(name: str, same_ndim: bool) -> str:
@@ -135,18 +154,6 @@ def _cast_advice(name: str, same_ndim: bool) -> str:
         f": convert every part again with one --cast {name}=DTYPE (a conversion of all their files "
         "at once names one that holds them)"
     )
-
-
-def _fixed_where_samples_agree(fields: dict[str, FieldInfo], indexes: list[Index]) -> dict[str, FieldInfo]:
-    """Fields whose parts with samples all store one shape are fixed: a part of no samples (an
-    empty shard of ``--rows``, which has no shape to give) does not make them ragged, as it does
-    not in one conversion of all the sources."""
-    holding = [index for index in indexes if index.num_samples]
-    for name, info in fields.items():
-        shapes = {index.field(name).shape for index in holding}
-        if info.shape is None and len(shapes) == 1 and None not in shapes:
-            fields[name] = FieldInfo(name, info.dtype, info.ndim, shapes.pop())
-    return fields
 
 
 # A part, which of a batch's samples lie in it (None: all), and their indices within it.
@@ -202,6 +209,15 @@ class PartsReader:
         """Normalise many indices at once; IndexError naming the first out of range."""
         return normalise_indices(indices, self.parts.num_samples)
 
+    def sample_shape(self, name: str) -> SampleShape:
+        """Field ``name``'s shape in every sample, None in each dimension in which samples differ:
+        from the indexes, or where a version 2 part records none, from every part's shapes table."""
+        info = self.field(name)
+        if info.sample_shape is not None:
+            return info.sample_shape
+        holding = [reader for reader in self.readers if len(reader)] or self.readers
+        return combined_sample_shape([reader.sample_shape(name) for reader in holding]) or ()
+
     def shapes(self, name: str) -> NDArray[np.int64]:
         """Every sample's shape of a field, (num_samples, ndim), from the tables only.
 
@@ -232,7 +248,7 @@ class PartsReader:
             part_of[where] = part
             starts[where], shapes[where] = self.readers[part].locate(name, local)
         sources = [reader.data(name) for reader in self.readers]
-        return RaggedRows(name, info.dtype, sources, part_of, starts, shapes)
+        return RaggedRows(name, info.dtype, sources, part_of, starts, shapes, self.sample_shape(name))
 
     def gather(
         self, name: str, indices: Sequence[int] | NDArray[np.integer], out: np.ndarray | None = None

@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from ..format.index import representable_nbytes
+from ..format.index import SampleShape, representable_nbytes
 
 # Mean elements per sample from which one memcpy per sample beats building
 # an element index for the whole batch (measured: a memcpy through memoryviews
 # costs about as much as indexing 30 elements).
 LOOP_MIN_ELEMENTS = 32
 
+# The ragged fields of a batch, by name, each with its shape in every sample (None in each
+# dimension in which samples differ), or None where only its name is known (named by a user).
+RaggedShapes = Mapping[str, "SampleShape | None"]
+
 # The keys a padded batch adds beside each ragged field (PaddedCollate and the
-# workers' slots both name them through these two functions, and only them).
+# workers' slots both name them through these functions, and only them).
 LENGTHS_SUFFIX = "_lengths"
+SHAPES_SUFFIX = "_shapes"
 MASK_SUFFIX = "_mask"
 
 
@@ -33,20 +38,33 @@ def lengths_key(name: str) -> str:
     return name + LENGTHS_SUFFIX
 
 
+def shapes_key(name: str) -> str:
+    """The key of ragged field ``name``'s shapes in a padded batch."""
+    return name + SHAPES_SUFFIX
+
+
 def mask_key(name: str) -> str:
     """The key of ragged field ``name``'s mask in a padded batch."""
     return name + MASK_SUFFIX
 
 
-def check_padded_keys(field_names: Iterable[str], ragged: Collection[str], mask: bool) -> None:
+def lengths_axis(shape: SampleShape) -> int | None:
+    """The dimension a ragged field's lengths measure: the one in which its samples differ;
+    None when they may differ in several (no one length describes a sample)."""
+    varying = [axis for axis, length in enumerate(shape) if length is None]
+    return varying[0] if len(varying) == 1 else None
+
+
+def check_padded_keys(field_names: Iterable[str], ragged: RaggedShapes, mask: bool) -> None:
     """Raise ValueError if a padded batch would put two things under one key.
 
-    A ragged field's lengths (and mask) key may be another field's name, or
-    another generated key: one would silently replace the other in the batch.
+    A ragged field's lengths, shapes (and mask) key may be another field's
+    name, or another generated key: one would silently replace the other in
+    the batch. A field known by name only is checked for the keys it surely takes.
     """
     held: dict[str, str] = {}
     for name in field_names:
-        for key, what in _padded_keys(name, name in ragged, mask):
+        for key, what in _padded_keys(name, name in ragged, ragged.get(name), mask):
             if key in held:
                 raise ValueError(
                     f"PaddedCollate: key {key!r} would hold both {held[key]} and {what}; "
@@ -55,13 +73,35 @@ def check_padded_keys(field_names: Iterable[str], ragged: Collection[str], mask:
             held[key] = what
 
 
-def _padded_keys(name: str, is_ragged: bool, mask: bool) -> Iterator[tuple[str, str]]:
-    """The keys field ``name`` takes in a padded batch, each with what it holds (for messages)."""
+def _padded_keys(
+    name: str, is_ragged: bool, shape: SampleShape | None, mask: bool
+) -> Iterator[tuple[str, str]]:
+    """The keys field ``name`` takes in a padded batch, each with what it holds (for messages);
+    of a ragged field whose ``shape`` is not known, those it takes whatever its shape."""
     yield name, f"field {name!r}"
-    if is_ragged:
+    if not is_ragged:
+        return
+    if shape is not None and lengths_axis(shape) is not None:
         yield lengths_key(name), f"the lengths of ragged field {name!r}"
-        if mask:
-            yield mask_key(name), f"the mask of ragged field {name!r}"
+    if shape is not None and len(shape) > 1:
+        yield shapes_key(name), f"the shapes of ragged field {name!r}"
+    if mask:
+        yield mask_key(name), f"the mask of ragged field {name!r}"
+
+
+def padded_extras(name: str, shapes: NDArray[np.int64], shape: SampleShape | None) -> dict[str, np.ndarray]:
+    """The arrays a padded batch holds beside ragged field ``name`` of these sample ``shapes`` (n, ndim),
+    but its mask: ``name_lengths`` (int64 (n,), along the one dimension in which samples differ)
+    and, for samples of two or more dimensions, ``name_shapes`` (int64 (n, ndim)).
+    ``shape`` is the field's in every sample; None, known by name only, counts every dimension as varying."""
+    shape = (None,) * shapes.shape[1] if shape is None else shape
+    out = {}
+    axis = lengths_axis(shape)
+    if axis is not None:
+        out[lengths_key(name)] = np.ascontiguousarray(shapes[:, axis], dtype=np.int64)
+    if shapes.shape[1] > 1:
+        out[shapes_key(name)] = np.ascontiguousarray(shapes, dtype=np.int64)
+    return out
 
 
 class RaggedRows:
@@ -69,8 +109,9 @@ class RaggedRows:
 
     ``sources`` are byte arrays (one per part, each a field's data region);
     row ``j`` is ``shapes[j]`` elements of ``dtype`` at byte ``starts[j]`` of
-    ``sources[part[j]]``. Holds views of a mapping, so it is not picklable:
-    pickle its ``copies()`` instead.
+    ``sources[part[j]]``; ``sample_shape`` is the field's shape in every sample
+    (None where samples differ). Holds views of a mapping, so it is not
+    picklable: pickle its ``copies()`` instead.
     """
 
     def __init__(
@@ -81,8 +122,10 @@ class RaggedRows:
         part: NDArray[np.intp],
         starts: NDArray[np.int64],
         shapes: NDArray[np.int64],
+        sample_shape: SampleShape | None = None,
     ) -> None:
         self.name = name
+        self.sample_shape = sample_shape
         self.dtype = dtype
         self.sources = list(sources)
         self.part = part
@@ -96,9 +139,9 @@ class RaggedRows:
     def __getstate__(self) -> Any:
         raise TypeError("RaggedRows holds views of a mapping; pickle its copies() instead")
 
-    def lengths(self) -> NDArray[np.int64]:
-        """Every sample's shape: int64 (n,) for 1-d samples, (n, ndim) otherwise (as ``pad`` gives)."""
-        return np.ascontiguousarray(self.shapes[:, 0] if self.shapes.shape[1] == 1 else self.shapes)
+    def extras(self) -> dict[str, np.ndarray]:
+        """The lengths (and shapes) a padded batch holds beside this field (see padded_extras)."""
+        return padded_extras(self.name, self.shapes, self.sample_shape)
 
     def padded_shape(self) -> tuple[int, ...]:
         """(n, *largest shape of the batch)."""

@@ -31,16 +31,19 @@ from ..format.index import (
     Field,
     Index,
     Region,
+    SampleShape,
     blob_header,
     blob_identity,
     load_index,
     ragged_table_problem,
     representable_nbytes,
     representable_row_nbytes,
+    sample_shape_of_table,
+    shape_fits,
 )
 from ..format.manifest import MANIFEST_NAME, is_manifest_dir
 from ..text import quoted
-from .features import Feature, features_of
+from .features import Feature
 from .ragged import RaggedRows
 
 ADVICE = {
@@ -77,6 +80,7 @@ class DatasetReader:
             self._mmap, dtype=np.uint8, count=self.index.payload_nbytes, offset=BLOB_HEADER_NBYTES
         )
         self._fields = {f.name: _FieldView(f, self.payload, len(self)) for f in self.index.fields}
+        self._derived: dict[str, SampleShape] = {}  # sample shapes a version 2 index does not record
 
     def __len__(self) -> int:
         return self.index.num_samples
@@ -93,8 +97,22 @@ class DatasetReader:
 
     @property
     def features(self) -> dict[str, Feature]:
-        """Each field's dtype and shape (or, ragged, ndim), by name: the dataset's schema."""
-        return features_of(self.index.fields)
+        """Each field's dtype and shape in every sample (None where samples differ), by name:
+        the dataset's schema."""
+        return {f.name: Feature(f.dtype, self.sample_shape(f.name), f.ndim) for f in self.index.fields}
+
+    def sample_shape(self, name: str) -> SampleShape:
+        """Field ``name``'s shape in every sample, None in each dimension in which samples differ.
+
+        From the index; for a version 2 index, which does not record it for a
+        ragged field, from the shapes table (checked whole first, as ``shapes``).
+        """
+        f = self.index.field(name)
+        if f.sample_shape is not None:
+            return f.sample_shape
+        if name not in self._derived:  # once per reader, not per batch
+            self._derived[name] = sample_shape_of_table(self.shapes(name))
+        return self._derived[name]
 
     def sample_index(self, i: int) -> int:
         """Normalise ``i`` (see normalise_index)."""
@@ -162,7 +180,7 @@ class DatasetReader:
 
     def has_identity(self) -> bool:
         """Whether the blob names exactly the index read (an edited index does not)."""
-        return bytes(self.payload[:IDENTITY_NBYTES]) == blob_identity(self.index.digest)
+        return bytes(self.payload[:IDENTITY_NBYTES]) == blob_identity(self.index.digest, self.index.version)
 
     def advise(self, advice: str) -> None:
         """Tell the kernel how the blob will be read: one of ADVICE ('random', 'sequential', ...)."""
@@ -244,7 +262,7 @@ class DatasetReader:
         starts, shapes = self.locate(name, idx)
         f = self.index.field(name)
         part = np.zeros(len(idx), dtype=np.intp)
-        return RaggedRows(name, f.dtype, [self.data(name)], part, starts, shapes)
+        return RaggedRows(name, f.dtype, [self.data(name)], part, starts, shapes, self.sample_shape(name))
 
     def locate(self, name: str, indices: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
         """Byte offsets in ``data(name)`` and shapes of samples ``indices`` (normalised), checked."""
@@ -325,13 +343,17 @@ class _FieldView:
             self.offsets = _region(payload, field.offsets).view(OFFSET_DTYPE)
             self.shapes = _region(payload, field.shapes).view(SHAPE_DTYPE).reshape(-1, field.ndim)
             self.tables.update(offsets=self.offsets, shapes=self.shapes)
+            # The dimensions the index says every sample shares, checked with each access.
+            recorded = field.ragged_shape or (None,) * field.ndim
+            self.held_axes = [axis for axis, length in enumerate(recorded) if length is not None]
+            self.held_lengths = np.array([recorded[axis] for axis in self.held_axes], dtype=np.int64)
 
     def sample(self, i: int) -> np.ndarray:
         if self.column is not None:
             return self.column[i, ...]
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         shape = tuple(int(d) for d in self.shapes[i])
-        if not self._extent_is_valid(start, end, shape):
+        if not self._extent_is_valid(start, end, shape) or not shape_fits(self.field.ragged_shape, shape):
             raise self._corrupt(i)
         return self.data[start:end].view(self.field.dtype).reshape(shape)
 
@@ -349,12 +371,17 @@ class _FieldView:
         starts = self.offsets[idx].astype(np.int64, copy=False)
         ends = self.offsets[idx + 1].astype(np.int64, copy=False)
         shapes = self.shapes[idx].astype(np.int64, copy=False).reshape(len(idx), self.field.ndim)
-        if len(idx) and not self._all_valid(starts, ends, shapes):
+        if len(idx) and not (self._all_valid(starts, ends, shapes) and self._all_fit(shapes)):
             in_bounds = (starts >= 0) & (starts <= ends) & (ends <= len(self.data))
             # Where a difference wraps, the extent is out of bounds anyway.
             valid = in_bounds & (ends - starts == self._row_nbytes(shapes))
+            valid &= (shapes[:, self.held_axes] == self.held_lengths).all(axis=1)
             raise self._corrupt(int(idx[np.argmin(valid)]))
         return starts, shapes
+
+    def _all_fit(self, shapes: NDArray[np.int64]) -> bool:
+        """Whether every shape has the lengths the index records for every sample."""
+        return not self.held_axes or bool((shapes[:, self.held_axes] == self.held_lengths).all())
 
     def _all_valid(
         self, starts: NDArray[np.int64], ends: NDArray[np.int64], shapes: NDArray[np.int64]
@@ -406,6 +433,7 @@ class _FieldView:
             row_nbytes is None
             or not self._extent_is_valid(start, end, (count, *shape))
             or (shapes != shapes[:1]).any()
+            or (count and not shape_fits(self.field.ragged_shape, shape))
             or (np.diff(offsets) != row_nbytes).any()
         ):
             raise FormatError(
@@ -551,7 +579,7 @@ def _check_blob(fd: int, blob_path: str, index: Index, check_identity: bool = Tr
     size = os.fstat(fd).st_size
     identity_nbytes = BLOB_HEADER_NBYTES + IDENTITY_NBYTES
     names_index = size >= identity_nbytes and (
-        fsutil.read_at(fd, IDENTITY_NBYTES, BLOB_HEADER_NBYTES) == blob_identity(index.digest)
+        fsutil.read_at(fd, IDENTITY_NBYTES, BLOB_HEADER_NBYTES) == blob_identity(index.digest, index.version)
     )
     if size != index.blob_nbytes:
         belongs = names_index or size < identity_nbytes

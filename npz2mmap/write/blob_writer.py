@@ -30,6 +30,7 @@ from ..format.index import (
     CRC_DTYPE,
     INDEX_NAME,
     MAX_INDEX_NBYTES,
+    MAX_NBYTES,
     OFFSET_DTYPE,
     SHAPE_DTYPE,
     SKIPPED_NAME,
@@ -41,6 +42,7 @@ from ..format.index import (
     blob_identity,
     index_digest,
     index_to_json,
+    sample_shape_of_table,
 )
 from ..ingest.elements import ByteReader, Piece, stored_pieces
 from ..ingest.npy_header import SCANNED_LIMIT, MemberHeader, parse_npy_header
@@ -451,6 +453,7 @@ def _table_field(f: FieldPlan, crcs: np.ndarray, put: Callable[[Region, np.ndarr
         offsets=offsets,
         shapes=shapes,
         cast=f.cast,
+        ragged_shape=None if f.fixed_shape is not None else sample_shape_of_table(f.shapes),
     )
 
 
@@ -477,8 +480,11 @@ def index_nbytes_bound(plan: Plan, max_skipped: int, part: tuple[int, int] | Non
     def widest(region: Region, table: np.ndarray) -> Region:
         return dataclasses.replace(region, crc32=0xFFFFFFFF)
 
+    def widest_shape(f: Field) -> Field:  # a file left out can turn a null into a number
+        return f if f.ragged_shape is None else dataclasses.replace(f, ragged_shape=(MAX_NBYTES,) * f.ndim)
+
     no_crcs = np.zeros(0, dtype=CRC_DTYPE)
-    fields = tuple(_table_field(f, no_crcs, widest) for f in plan.fields)
+    fields = tuple(widest_shape(_table_field(f, no_crcs, widest)) for f in plan.fields)
     return len(index_to_json(_plan_index(plan, fields, max_skipped, part)).encode("utf-8"))
 
 

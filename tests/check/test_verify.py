@@ -15,7 +15,7 @@ from npz2mmap.errors import FormatError
 from npz2mmap.format.index import BLOB_HEADER_NBYTES
 from npz2mmap.read.reader import DatasetReader
 
-GOLDEN = GOLDEN_DIR / "v2"
+GOLDEN = GOLDEN_DIR / "v3"
 
 
 def flip_byte(path: Path, file_offset: int) -> None:

@@ -30,7 +30,7 @@ from npz2mmap.read.parts import Parts, PartsReader
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write.merge import merge
 
-GOLDEN = GOLDEN_DIR / "v2"
+GOLDEN = GOLDEN_DIR / "v3"
 VALID = json.loads((GOLDEN / "index.json").read_text())
 
 # Numbers at and past every limit: int32, int64, numpy's byte and dimension limits.

@@ -35,13 +35,13 @@ def without_digest(blob: bytes) -> bytes:
 def test_converting_the_golden_sources_reproduces_the_golden_bytes(tmp_path) -> None:
     convert([GOLDEN / "src"], tmp_path / "out", workers=2)
     blob = (tmp_path / "out" / "data.npy").read_bytes()
-    assert without_digest(blob) == without_digest((GOLDEN / "v2" / "data.npy").read_bytes())
+    assert without_digest(blob) == without_digest((GOLDEN / "v3" / "data.npy").read_bytes())
     index_text = (tmp_path / "out" / "index.json").read_bytes()
     assert without_tool_version(index_text.decode()) == without_tool_version(
-        (GOLDEN / "v2" / "index.json").read_text()
+        (GOLDEN / "v3" / "index.json").read_text()
     )
     identity = blob[index.BLOB_HEADER_NBYTES : index.BLOB_HEADER_NBYTES + index.IDENTITY_NBYTES]
-    assert identity == b"npz2mmap-blob\0\0\0" + (2).to_bytes(4, "little") + hashlib.sha256(
+    assert identity == b"npz2mmap-blob\0\0\0" + (3).to_bytes(4, "little") + hashlib.sha256(
         index_text
     ).digest() + bytes(12)
 
@@ -50,13 +50,14 @@ def test_a_version_1_dataset_is_refused_with_what_to_do(tmp_path) -> None:
     with pytest.raises(
         FormatError,
         match=r"format version 1 is not supported by this reader "
-        r"\(supports 2\); convert the sources again",
+        r"\(supports 2, 3\); convert the sources again",
     ):
         DatasetReader(GOLDEN / "v1")
 
 
-def test_the_golden_dataset_reads_as_written() -> None:
-    reader = DatasetReader(GOLDEN / "v2")
+@pytest.mark.parametrize("version", ["v3", "v2"])
+def test_the_golden_dataset_reads_as_written(version) -> None:
+    reader = DatasetReader(GOLDEN / version)
     assert len(reader) == 3 and reader.field_names == ("image", "label", "points")
     assert reader.column("image").tolist() == [
         [[0, 1, 2], [3, 4, 5]],
@@ -68,6 +69,15 @@ def test_the_golden_dataset_reads_as_written() -> None:
     assert reader.view("points", 1).tolist() == [[1.5, -2.0]]
     assert reader.view("points", 2).tolist() == [[0.25, 0.5], [3.0, 4.0]]
     assert reader.view("points", 2).dtype == np.dtype("<f4")
+    # Version 3 records that points are (k, 2); a version 2 reader's tables say the same.
+    assert reader.sample_shape("points") == (None, 2) and reader.sample_shape("image") == (2, 3)
+    assert reader.index.version == int(version[1:])
+
+
+def test_a_ragged_fields_shape_is_recorded_null_where_samples_differ() -> None:
+    document = json.loads((GOLDEN / "v3" / "index.json").read_text())
+    assert field(document, "points")["shape"] == [None, 2]
+    assert "shape" not in field(json.loads((GOLDEN / "v2" / "index.json").read_text()), "points")
 
 
 def test_numpy_alone_opens_the_blob() -> None:
@@ -94,7 +104,7 @@ def test_blob_header_is_128_bytes_and_what_numpy_reads(tmp_path, payload_nbytes)
 
 def golden_copy(tmp_path: Path) -> Path:
     target = tmp_path / "ds"
-    shutil.copytree(GOLDEN / "v2", target)
+    shutil.copytree(GOLDEN / "v3", target)
     return target
 
 
@@ -111,9 +121,16 @@ def field(document: dict, name: str) -> dict:
 INDEX_EDITS = [
     (lambda d: d.update(format="other"), "format is 'other', expected 'npz2mmap'"),
     (
-        lambda d: d.update(version=3),
-        "format version 3 is not supported by this reader \\(supports 2\\); upgrade",
+        lambda d: d.update(version=4),
+        "format version 4 is not supported by this reader \\(supports 2, 3\\); upgrade",
     ),
+    (lambda d: field(d, "points").pop("shape"), "\\(.points.\\): missing key\\(s\\) 'shape'"),
+    (lambda d: d.update(version=2), "unexpected key\\(s\\) 'shape'"),
+    (lambda d: field(d, "points").update(shape=[None]), "shape \\[None\\] does not have ndim 2"),
+    (lambda d: field(d, "points").update(shape=[3, 2]), "must be null in a dimension in which samples differ"),
+    (lambda d: field(d, "points").update(shape=[None, -1]), "shape must be at least 0, found -1"),
+    (lambda d: field(d, "points").update(shape=[None, 2.0]), "shape must be an integer, found float"),
+    (lambda d: field(d, "points").update(shape=None), "shape must be list, found NoneType"),
     (lambda d: d.update(version="1"), "version must be an integer, found str"),
     (lambda d: d.pop("num_samples"), "missing key\\(s\\) 'num_samples'"),
     (lambda d: d.update(extra=1), "unexpected key\\(s\\) 'extra'"),

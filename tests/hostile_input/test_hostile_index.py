@@ -31,7 +31,7 @@ from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write.conversion import convert
 
 GOLDEN = GOLDEN_DIR
-GOLDEN_TEXT = (GOLDEN / "v2" / "index.json").read_text()
+GOLDEN_TEXT = (GOLDEN / "v3" / "index.json").read_text()
 POINTS_OFFSETS_OFFSET = 448  # the golden 'points' offsets table: 0, 0, 8, 24 as <i8
 POINTS_SHAPES_OFFSET = 512  # the golden 'points' shapes table: rows (0, 2), (1, 2), (2, 2) of <i8
 
@@ -42,7 +42,7 @@ def run(*args: object):
 
 def golden_copy(tmp_path: Path) -> Path:
     dataset = tmp_path / "ds"
-    shutil.copytree(GOLDEN / "v2", dataset)
+    shutil.copytree(GOLDEN / "v3", dataset)
     return dataset
 
 
@@ -340,3 +340,28 @@ def test_a_manifest_with_a_huge_number_or_deep_nesting_is_a_format_error(tmp_pat
         MmapDataset(tmp_path)
     result = run("inspect", tmp_path)
     assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+
+
+def test_a_sample_shape_the_index_does_not_record_is_named_by_readers_and_verify(tmp_path) -> None:
+    """points is recorded [null, 2]: a row (4, 1) has the bytes of (2, 2), and only the recorded
+    shape tells it is wrong; a padded batch would otherwise take it as 4 points of 1 coordinate."""
+    dataset = golden_copy(tmp_path)
+    forge_points_shapes(dataset, [[0, 2], [1, 2], [4, 1]])
+    reader = DatasetReader(dataset)
+    with pytest.raises(FormatError, match=re.escape("field 'points' sample 2: tables are corrupt (bytes 8..24")):
+        reader.view("points", 2)
+    with pytest.raises(FormatError, match="field 'points' sample 2: tables are corrupt"):
+        reader.ragged_rows("points", [1, 2])
+    assert reader.view("points", 1).tolist() == [[1.5, -2.0]]
+    assert verify(dataset).problems == [
+        "field 'points': shape records 2 in dimension 1 for every sample, but sample 2 has 1"
+    ]
+
+
+def test_a_recorded_null_where_every_sample_agrees_is_named_by_verify(tmp_path) -> None:
+    dataset = golden_copy(tmp_path)
+    rewrite_index(dataset, lambda d: field(d, "points").update(shape=[None, None]))
+    assert DatasetReader(dataset).sample_shape("points") == (None, None)
+    assert verify(dataset).problems == [
+        "field 'points': shape records that samples differ in dimension 1, but every one has 2"
+    ]

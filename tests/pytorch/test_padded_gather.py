@@ -112,7 +112,16 @@ def test_padded_batches_from_the_mapping_are_the_sources_padded_by_numpy(
     assert tuple(batch["x"].shape) == expected.shape[:-1]
     assert raw_bytes(batch["x"]) == expected.tobytes()
     shapes = np.array([arrays[i].shape for i in indices])
-    assert batch["x_lengths"].tolist() == (shapes[:, 0] if shapes.shape[1] == 1 else shapes).tolist()
+    # The sources' own shapes tell: lengths along the one dimension in which they differ, if one does.
+    varying = [axis for axis in range(arrays[0].ndim) if len({a.shape[axis] for a in arrays}) > 1]
+    if len(varying) == 1:
+        assert batch["x_lengths"].tolist() == shapes[:, varying[0]].tolist()
+    else:
+        assert "x_lengths" not in batch
+    if arrays[0].ndim > 1:
+        assert batch["x_shapes"].tolist() == shapes.tolist()
+    else:
+        assert "x_shapes" not in batch
     mask = np.zeros(expected.shape[:-1], dtype=bool)
     for row, shape in zip(mask, shapes, strict=True):
         row[tuple(slice(0, d) for d in shape)] = True

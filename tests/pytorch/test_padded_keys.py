@@ -1,4 +1,5 @@
-"""PaddedCollate's generated keys (``name_lengths``, ``name_mask``) never silently replace a field.
+"""PaddedCollate's generated keys (``name_lengths``, ``name_shapes``, ``name_mask``) never silently
+replace a field.
 
 The oracle is plain numpy over the arrays the test wrote: the expected keys
 are built here from the field names, the expected values from the sources.
@@ -31,14 +32,20 @@ COLLISION = re.compile(
 )
 
 
-def source_array(name: str, ragged: bool, i: int) -> np.ndarray:
-    """Sample ``i`` of a field: ragged float32 of length 1..3, or a fixed uint8 (3,) of 7s plus i."""
+# A field's kind: fixed (False), ragged of 1-d samples (True), or ragged of (k, 2) samples (POINTS).
+POINTS = 2
+
+
+def source_array(name: str, ragged: bool | int, i: int) -> np.ndarray:
+    """Sample ``i`` of a field: ragged float32 of length 1..3 (POINTS: (1..3, 2)), or a fixed uint8
+    (3,) of 7s plus i."""
     if ragged:
-        return np.arange(i % 3 + 1, dtype=np.float32) + 10 * i + len(name)
+        seq = np.arange(i % 3 + 1, dtype=np.float32) + 10 * i + len(name)
+        return np.stack([seq, -seq], axis=1) if ragged == POINTS else seq
     return np.full(3, 7 + i, dtype=np.uint8)
 
 
-def write_dataset(path: Path, fields: dict[str, bool]) -> dict[str, list[np.ndarray]]:
+def write_dataset(path: Path, fields: dict[str, bool | int]) -> dict[str, list[np.ndarray]]:
     """A dataset of ``fields`` (name -> ragged?); returns every field's source arrays."""
     sources = {name: [source_array(name, ragged, i) for i in range(NUM_SAMPLES)] for name, ragged in fields.items()}
     with npz2mmap.Writer(path) as writer:
@@ -47,20 +54,26 @@ def write_dataset(path: Path, fields: dict[str, bool]) -> dict[str, list[np.ndar
     return sources
 
 
-def expected_keys(fields: dict[str, bool], mask: bool, nested: bool) -> list[str]:
+def expected_keys(fields: dict[str, bool | int], mask: bool, nested: bool) -> list[str]:
     """Every key a padded batch makes, in field order, duplicates kept (built here, not by npz2mmap)."""
     keys = []
     for name, ragged in fields.items():
         keys.append(name)
         if ragged and not nested:
-            keys.append(name + "_lengths")
+            keys.append(name + "_lengths")  # both kinds differ in their first dimension only
+            if ragged == POINTS:
+                keys.append(name + "_shapes")
             if mask:
                 keys.append(name + "_mask")
     return keys
 
 
 def check_batch(
-    batch: dict[str, Any], sources: dict[str, list[np.ndarray]], fields: dict[str, bool], mask: bool, nested: bool
+    batch: dict[str, Any],
+    sources: dict[str, list[np.ndarray]],
+    fields: dict[str, bool | int],
+    mask: bool,
+    nested: bool,
 ) -> None:
     """The batch holds exactly the expected keys, each value made from its own source by numpy."""
     assert sorted(batch) == sorted(expected_keys(fields, mask, nested))
@@ -76,25 +89,30 @@ def check_batch(
             continue
         lengths = np.array([a.shape[0] for a in arrays], dtype=np.int64)
         width = int(lengths.max())
-        padded = np.zeros((len(arrays), width), dtype=np.float32)
+        padded = np.zeros((len(arrays), width, *arrays[0].shape[1:]), dtype=np.float32)
         for row, array in zip(padded, arrays, strict=True):
             row[: len(array)] = array
         np.testing.assert_array_equal(batch[name].numpy(), padded)
         assert batch[name + "_lengths"].dtype == torch.int64
         np.testing.assert_array_equal(batch[name + "_lengths"].numpy(), lengths)
+        if ragged == POINTS:
+            assert batch[name + "_shapes"].dtype == torch.int64
+            np.testing.assert_array_equal(batch[name + "_shapes"].numpy(), [a.shape for a in arrays])
         if mask:
             assert batch[name + "_mask"].dtype == torch.bool
-            np.testing.assert_array_equal(batch[name + "_mask"].numpy(), np.arange(width) < lengths[:, None])
+            inside = np.arange(width) < lengths[:, None]
+            want = inside[:, :, None].repeat(2, axis=2) if ragged == POINTS else inside
+            np.testing.assert_array_equal(batch[name + "_mask"].numpy(), want)
 
 
-def check_refusal(message: str, fields: dict[str, bool], mask: bool, nested: bool) -> None:
+def check_refusal(message: str, fields: dict[str, bool | int], mask: bool, nested: bool) -> None:
     """The one-line error names a key made twice and both things that would have it."""
     counts = Counter(expected_keys(fields, mask, nested))
     found = COLLISION.fullmatch(message)
     assert found is not None, message
     assert counts[found["key"]] > 1
     for what in (found["first"], found["second"]):
-        assert re.fullmatch(r"field '[^']+'|the (lengths|mask) of ragged field '[^']+'", what), what
+        assert re.fullmatch(r"field '[^']+'|the (lengths|shapes|mask) of ragged field '[^']+'", what), what
     assert found["first"] != found["second"]
 
 
@@ -144,13 +162,15 @@ IN_WORKERS = {
 }
 
 @st.composite
-def field_sets(draw: st.DrawFn) -> dict[str, bool]:
-    """1..4 fields (name -> ragged?), each name a base or an earlier name plus a suffix, so collisions abound."""
+def field_sets(draw: st.DrawFn) -> dict[str, bool | int]:
+    """1..4 fields (name -> kind), each name a base or an earlier name plus a suffix, so collisions abound."""
     names = [draw(st.sampled_from(["x", "pts"]))]
+    suffixes = ["_lengths", "_shapes", "_mask"]
     for _ in range(draw(st.integers(0, 3))):
         parent = draw(st.sampled_from(names))
-        names.append(draw(st.sampled_from([parent + "_lengths", parent + "_mask", "pts", "x"])))
-    return {name: draw(st.booleans()) for name in sorted(set(names))}  # a dataset's fields are sorted
+        names.append(draw(st.sampled_from([parent + suffix for suffix in suffixes] + ["pts", "x"])))
+    kinds = st.sampled_from([False, True, POINTS])
+    return {name: draw(kinds) for name in sorted(set(names))}  # a dataset's fields are sorted
 
 
 FIELDS = field_sets()
@@ -159,7 +179,7 @@ FIELDS = field_sets()
 def check_path(
     path: Callable[[MmapDataset, Callable[[], PaddedCollate]], Any],
     tmp_path: Path,
-    fields: dict[str, bool],
+    fields: dict[str, bool | int],
     mask: bool,
     nested: bool,
 ) -> None:

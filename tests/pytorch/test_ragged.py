@@ -69,10 +69,36 @@ def test_padded_collate_pads_reports_lengths_and_masks(ragged) -> None:
     ]
     assert batch["tokens_lengths"].tolist() == [9, 1, 0]
     assert batch["tokens_mask"].sum(dim=1).tolist() == [9, 1, 0]
-    assert batch["points"].shape == (3, 9, 3) and batch["points_lengths"].tolist() == [[9, 3], [1, 3], [0, 3]]
+    assert batch["points"].shape == (3, 9, 3) and batch["points_lengths"].tolist() == [9, 1, 0]
+    assert batch["points_shapes"].tolist() == [[9, 3], [1, 3], [0, 3]] and "tokens_shapes" not in batch
     assert batch["label"].tolist() == [2, 1, 4] and "label_lengths" not in batch
     per_item = PaddedCollate(ragged=["tokens", "points"])([ds[2], ds[1]])
     assert per_item["tokens"].shape == (2, 9) and per_item["tokens_lengths"].tolist() == [9, 1]
+    assert per_item["points_lengths"].tolist() == [9, 1] and per_item["points_shapes"].shape == (2, 2)
+
+
+def test_padded_lengths_measure_the_one_dimension_in_which_samples_differ(tmp_path) -> None:
+    """A (2, n) field's lengths are its n, not its 2; one differing in two dimensions has shapes
+    alone; samples from elsewhere say nothing, so a list of names counts every dimension as
+    differing and a dict of shapes (as ds.features gives them) says which do."""
+    samples = [{"audio": np.zeros((2, n), np.float32), "image": np.zeros((n, n + 1), np.uint8)} for n in (3, 1, 2)]
+    write_samples(tmp_path / "src", samples)
+    convert([tmp_path / "src"], tmp_path / "ds", workers=1)
+    ds = MmapDataset(tmp_path / "ds")
+    assert ds.features["audio"].shape == (2, None) and ds.features["image"].shape == (None, None)
+    for batch in (ds.__getitems__([0, 1, 2]), [ds[0], ds[1], ds[2]]):
+        out = PaddedCollate()(batch)
+        assert sorted(out) == ["audio", "audio_lengths", "audio_shapes", "image", "image_shapes"]
+        assert out["audio_lengths"].tolist() == [3, 1, 2]
+        assert out["image_shapes"].tolist() == [[3, 4], [1, 2], [2, 3]]
+    plain = [{"audio": s["audio"]} for s in samples]
+    assert sorted(PaddedCollate(ragged=["audio"])(plain)) == ["audio", "audio_shapes"]
+    shaped = PaddedCollate(ragged={"audio": ds.features["audio"].shape})(plain)
+    assert shaped["audio_lengths"].tolist() == [3, 1, 2]
+    with pytest.raises(ValueError, match=r"ragged\['audio'\] is \(2, 3\): give the field's shape in every"):
+        PaddedCollate(ragged={"audio": (2, 3)})
+    with pytest.raises(TypeError, match="ragged names fields by a list of str"):
+        PaddedCollate(ragged="audio")
 
 
 @pytest.mark.parametrize("transform", [None, lambda sample: sample])
@@ -88,6 +114,7 @@ def test_padded_collate_output_depends_on_the_field_never_on_the_batch(ragged, t
             "points",
             "points_lengths",
             "points_mask",
+            "points_shapes",
             "tokens",
             "tokens_lengths",
             "tokens_mask",
@@ -299,6 +326,8 @@ def test_inspect_shows_the_lengths_of_the_axis_that_varies(tmp_path) -> None:
     summary = json.loads(CliRunner().invoke(cli, ["inspect", str(tmp_path / "ds"), "--json"]).output)
     lengths = summary["fields"][0]["lengths"]
     assert (lengths["axis"], lengths["min"], lengths["max"]) == (1, 1, 3)
+    assert summary["fields"][0]["shape"] == [2, None] and summary["version"] == 3
+    assert "x      ragged  float32  (2, 1..3)" in text
     assert lengths["histogram"]["counts"] == [np.count_nonzero(np.array(widths) == w) for w in (1, 2, 3)]
     assert MmapDataset(tmp_path / "ds").shapes("x").tolist() == [[2, w] for w in widths]  # unchanged
     assert MmapDataset(tmp_path / "ds").lengths("x").tolist() == widths  # the axis that varies
@@ -318,3 +347,25 @@ def test_lengths_of_a_field_varying_in_several_axes_say_to_take_its_shapes(tmp_p
         "ds.shapes('image') gives each sample's shape"
     )
     assert ds.shapes("image").tolist() == [[2, 3], [2, 5], [4, 3]]
+
+
+def test_a_version_2_dataset_pads_and_describes_its_fields_as_version_3_records_them(tmp_path) -> None:
+    """Version 2 records no ragged shape: it is derived from the shapes table, once, and reads the same."""
+    import shutil
+
+    from conftest import GOLDEN_DIR
+
+    for version in ("v2", "v3"):
+        shutil.copytree(GOLDEN_DIR / version, tmp_path / version)
+    v2, v3 = MmapDataset(tmp_path / "v2"), MmapDataset(tmp_path / "v3")
+    assert v2.features == v3.features and v3.features["points"].shape == (None, 2)
+    assert v2.lengths("points").tolist() == v3.lengths("points").tolist() == [0, 1, 2]
+    batches = [PaddedCollate(mask=True)(ds.__getitems__([2, 0, 1])) for ds in (v2, v3)]
+    assert list(batches[0]) == list(batches[1]) == [
+        "image", "label", "points", "points_lengths", "points_shapes", "points_mask"
+    ]
+    for key in batches[0]:
+        assert batches[0][key].tolist() == batches[1][key].tolist(), key
+    merged = merge([tmp_path / "v2", tmp_path / "v3"], tmp_path / "both", copy=True).out_dir
+    assert MmapDataset(merged).features["points"].shape == (None, 2)
+    assert MmapDataset([tmp_path / "v2", tmp_path / "v3"]).lengths("points").tolist() == [0, 1, 2] * 2

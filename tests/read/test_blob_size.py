@@ -18,7 +18,7 @@ from npz2mmap.cli.commands import cli
 from npz2mmap.errors import FormatError
 from npz2mmap.read.reader import DatasetReader
 
-GOLDEN = GOLDEN_DIR / "v2"
+GOLDEN = GOLDEN_DIR / "v3"
 HEADER_NBYTES = 128  # docs/FORMAT.md: the .npy header of data.npy is exactly 128 bytes
 
 

@@ -29,10 +29,11 @@ def test_a_reader_shows_its_path_size_and_fields_and_its_schema(tmp_path) -> Non
     assert (features["image"].dtype, features["image"].shape, features["image"].ragged) == (
         np.dtype(np.uint8), (2, 3), False
     )
-    assert (features["boxes"].dtype, features["boxes"].shape, features["boxes"].ndim) == (
-        np.dtype(np.float32), None, 2
+    assert (features["boxes"].dtype, features["boxes"].shape, features["boxes"].ragged) == (
+        np.dtype(np.float32), (None, 4), True
     )
-    assert repr(features["boxes"]) == "Feature(dtype=float32, ragged, ndim=2)"
+    assert features["boxes"].ndim == 2
+    assert repr(features["boxes"]) == "Feature(dtype=float32, shape=(None, 4))"
     assert repr(features["image"]) == "Feature(dtype=uint8, shape=(2, 3))"
 
 
