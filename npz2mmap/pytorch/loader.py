@@ -32,7 +32,7 @@ from .dataset import MmapDataset
 from .padding import PaddedCollate
 from .resume import Position, samplers_of
 from .ring import RingWorkers
-from .slots import default_slot_nbytes
+from .slots import aligned, default_slot_nbytes
 from .workers import resolve_context, seed_base
 
 _END = object()
@@ -66,7 +66,7 @@ class MmapLoader:
     With ``num_workers=N``, N processes (started on first iteration with
     ``multiprocessing_context``, kept across epochs until ``close()``) write
     batches into a shared ring of ``max(N * prefetch, N + 1)`` slots of
-    ``slot_nbytes`` each; the batches yielded are **views of the ring**: a
+    ``slot_nbytes`` each (rounded up to a multiple of 64); the batches yielded are **views of the ring**: a
     batch stays valid until the next batch is requested from this loader,
     also once it is closed or dropped (``.clone()`` what you keep longer);
     ``pin_memory`` page-locks the ring. A batch that takes longer than
@@ -297,7 +297,9 @@ class MmapLoader:
         if self._workers is None:
             plan = self._plan()
             num_slots = max(self.num_workers * self.prefetch, self.num_workers + 1)
-            slot_nbytes = self.slot_nbytes or default_slot_nbytes(self.dataset, self._largest_batch_size())
+            # Rounded up to whole SLOT_ALIGN units: every slot starts aligned, so does every array in it.
+            asked = self.slot_nbytes or default_slot_nbytes(self.dataset, self._largest_batch_size())
+            slot_nbytes = aligned(asked)
             context = resolve_context(self.multiprocessing_context)
             self._workers = RingWorkers(
                 plan, self.num_workers, num_slots, slot_nbytes, context, self.pin_memory, self.timeout

@@ -1789,3 +1789,37 @@ def test_a_dataset_that_is_no_mmap_dataset_is_refused_at_construction() -> None:
         "MmapLoader reads an MmapDataset, not a list: wrap your data in torch's DataLoader instead, "
         "or open the converted dataset with MmapDataset(path)"
     )
+
+
+@pytest.fixture(scope="module")
+def wide_items(tmp_path_factory) -> Path:
+    """16- and 8-byte items, ragged and fixed, after a 3-byte field: packed back to back in a
+    slot, only an aligned slot start keeps them aligned."""
+    out = tmp_path_factory.mktemp("wide") / "ds"
+    with npz2mmap.Writer(out) as writer:
+        for i in range(24):
+            writer.append({
+                "c": np.full(1 + i % 3, i + 1j, np.complex128),
+                "d": np.full(5, i, np.float64),
+                "u": np.full(3, i, np.uint8),
+            })
+    return out
+
+
+@pytest.mark.parametrize("slot_nbytes", [1000, 1001, 1064, 3000, 4095, 5000])
+@pytest.mark.parametrize("collate_fn", [None, PaddedCollate()], ids=["listed", "padded"])
+def test_every_array_of_every_slot_is_aligned_whatever_slot_nbytes(wide_items, slot_nbytes, collate_fn) -> None:
+    """slot_nbytes=1000 put slot 1 at byte 1000: its complex128 tensors were 8-byte aligned,
+    and copying one killed the trainer with SIGSEGV."""
+    ds = MmapDataset(wide_items)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a batch over a small slot goes by pipe
+        with MmapLoader(ds, 5, num_workers=1, slot_nbytes=slot_nbytes, collate_fn=collate_fn) as loader:
+            misaligned = [
+                (k, key, tensor.data_ptr() % 64)
+                for k, batch in enumerate(loader)
+                for key, value in batch.items()
+                for tensor in (value if isinstance(value, list) else [value])
+                if tensor.data_ptr() % tensor.element_size()
+            ]
+    assert misaligned == []
