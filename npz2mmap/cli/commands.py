@@ -50,9 +50,13 @@ from .render import PathsAsGiven, render_json, render_sample, render_summary
 def _parse_keys(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
     if value is None:
         return None
-    keys = [k for k in value.split(",") if k]  # exact: a key may hold spaces (" y" is not "y")
-    if not keys:
+    keys = value.split(",")  # exact: a key may hold spaces (" y" is not "y")
+    if not any(keys):
         raise click.BadParameter("give at least one key, e.g. --keys input,label")
+    if not all(keys):
+        raise click.BadParameter(
+            f"{value!r} names an empty key: give keys between commas, e.g. --keys input,label"
+        )
     return keys
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 from .. import fsutil
 from ..errors import FormatError
@@ -41,6 +42,7 @@ def resolve_listed(source: PathLike | Sequence[PathLike]) -> list[tuple[str | No
         if is_manifest_dir(path):
             return [(os.path.join(path, MANIFEST_NAME), read_manifest(path))]
         return [(None, [path])]
+    refuse_unordered(source)
     listed = [group for item in source for group in resolve_listed(item)]
     parts = [part for _, group in listed for part in group]
     if not parts:
@@ -49,6 +51,15 @@ def resolve_listed(source: PathLike | Sequence[PathLike]) -> list[tuple[str | No
     if repeated is not None:
         raise FormatError(f"{repeated}: given twice; each part may appear only once")
     return listed
+
+
+def refuse_unordered(parts: object) -> None:
+    """TypeError for parts given as a set: its order, and the samples' with it, changes from run to run."""
+    if isinstance(parts, AbstractSet):
+        raise TypeError(
+            "the parts are a set, whose order changes from run to run, and the samples' order with it: "
+            "give a list, in the order the parts are read"
+        )
 
 
 def is_manifest_dir(path: str) -> bool:

@@ -22,6 +22,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from ..errors import LargerThanMemoryWarning
 from ..format.index import SampleShape
+from ..format.manifest import refuse_unordered
 from ..read.features import Feature
 from ..read.memory import fits_in_memory, larger_than_memory, memory_limit
 from ..read.parts import Parts, PartsReader
@@ -90,7 +91,11 @@ class MmapDataset(Dataset[Any]):
         tensors: bool = False,
         reads: str = "auto",
     ) -> None:
-        self.path = os.fspath(path) if isinstance(path, (str, os.PathLike)) else [os.fspath(p) for p in path]
+        if isinstance(path, (str, os.PathLike)):
+            self.path: str | list[str] = os.fspath(path)
+        else:
+            refuse_unordered(path)
+            self.path = [os.fspath(p) for p in path]
         self.parts = Parts(self.path)
         self.single = isinstance(fields, str)
         if isinstance(fields, (bytes, bytearray)):

@@ -40,6 +40,7 @@ from .options import (
     PartOption,
     PathOrPaths,
     WriteOptions,
+    check_workers,
     parse_inputs,
     parse_keys,
     select_part,
@@ -127,6 +128,7 @@ def convert(
     display = progress_display(progress)
     inputs = parse_inputs(inputs)
     chosen_keys = parse_keys(keys)
+    check_workers(workers)
     limit = header_limit(max_header_size)
     publish.check_output(out, overwrite)
     publish.refuse_output_a_pattern_takes(out, inputs)  # before the walk would call OUT an input dataset

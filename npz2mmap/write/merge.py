@@ -26,6 +26,7 @@ from ..format.manifest import (
     manifest_text,
     naming_parts,
     read_manifest,
+    refuse_unordered,
     resolve_parts,
 )
 from ..ingest.discover import RealPaths
@@ -63,6 +64,7 @@ def merge(
     run in order (see manifest.check_part_set); OutputError when ``out_dir``
     cannot be written. Nothing is written when it raises before writing.
     """
+    refuse_unordered(parts)
     for part in parts:  # a part not there is a usage mistake, as a missing INPUT of convert is
         if not os.path.lexists(part):
             raise MissingInputError(f"{os.fspath(part)}: no such dataset")

@@ -10,7 +10,8 @@ is a usage error naming its option.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,25 +150,49 @@ def check_align(align: int) -> None:
         raise ValueError(f"align must be {ALIGN_RULE}, got {align}")
 
 
-def parse_inputs(inputs: PathOrPaths) -> list[str | os.PathLike[str]]:
-    """``inputs`` as a list: one path is a list of one, never the characters of its name."""
+def parse_inputs(inputs: PathOrPaths | Iterable[str | os.PathLike[str]]) -> list[str | os.PathLike[str]]:
+    """``inputs`` as a list: one path is a list of one, never the characters of its name; an
+    iterator is read once. TypeError for a set, whose order (the samples') changes from run to run."""
     if isinstance(inputs, (str, os.PathLike)):
         return [inputs]
-    if isinstance(inputs, (bytes, bytearray)) or not all(isinstance(i, (str, os.PathLike)) for i in inputs):
+    if isinstance(inputs, AbstractSet):
+        raise TypeError(
+            "inputs is a set, whose order changes from run to run, and the samples' order with it: "
+            "give a list, such as sorted(inputs)"
+        )
+    iterable = isinstance(inputs, Iterable) and not isinstance(inputs, (bytes, bytearray))
+    listed = list(inputs) if iterable else None
+    if listed is None or not all(isinstance(i, (str, os.PathLike)) for i in listed):
         raise TypeError(
             f"inputs must be a path or a list of paths (str or os.PathLike), not {brief(inputs, 80)}"
         )
-    return list(inputs)
+    if not listed:
+        raise ValueError("inputs is empty: give at least one path")
+    return listed
 
 
 def parse_keys(keys: Sequence[str] | None) -> tuple[str, ...] | None:
-    """``keys`` as a tuple (None or empty: every key); TypeError for one string, which would
-    name its characters."""
+    """``keys`` as a tuple (None: every key); TypeError for one string, which would name its
+    characters, ValueError for no key or an empty one (as ``--keys`` refuses them)."""
     if keys is None:
         return None
     if isinstance(keys, str) or not all(isinstance(key, str) for key in keys):
         raise TypeError(f"keys must be a list of keys, not {brief(keys, 80)}")
-    return tuple(keys) or None
+    if not keys:
+        raise ValueError("keys is empty: name at least one key, or leave it None for every key")
+    if not all(keys):
+        raise ValueError(f"keys {brief(list(keys), 80)} names an empty key, which no file holds")
+    return tuple(keys)
+
+
+def check_workers(workers: int | None) -> None:
+    """TypeError or ValueError unless ``workers`` is None (one per core) or a count of at least 1."""
+    if workers is None:
+        return
+    if not isinstance(workers, int) or isinstance(workers, bool):
+        raise TypeError(f"workers must be an integer (or None for one per core), not {brief(workers, 80)}")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1 (or None for one per core), got {workers}")
 
 
 def parse_fixed(fixed: Collection[str]) -> tuple[str, ...]:

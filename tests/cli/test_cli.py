@@ -102,6 +102,11 @@ def test_usage_errors_exit_2(tmp_path, sources) -> None:
         (("convert", sources, "-o", tmp_path / "o", "--align", "100"), "must be a power of two"),
         (("convert", sources, "-o", tmp_path / "o", "--workers", "0"), "0 is not in the range x>=1"),
         (("convert", sources, "-o", tmp_path / "o", "--keys", ","), "give at least one key"),
+        (  # it converted input alone, the empty key dropped without a word
+            ("convert", sources, "-o", tmp_path / "o", "--keys", "input,"),
+            "Invalid value for '--keys': 'input,' names an empty key: give keys between commas, "
+            "e.g. --keys input,label",
+        ),
         (("convert", sources, "-o", tmp_path / "o", "--cast", "input"), "'input' is not KEY=DTYPE"),
         (
             ("convert", sources, "-o", tmp_path / "o", "--cast", "input=object"),

@@ -509,3 +509,21 @@ def test_the_loader_writer_and_dataset_show_what_they_are_and_the_dataset_its_sc
     assert repr(loader) == (
         f"MmapLoader({ds!r}, batch_size=4, sampler=ShuffleSampler, num_workers=2, collate_fn=PaddedCollate)"
     )
+
+
+def test_parts_given_as_a_set_are_refused_as_their_order_would_change_from_run_to_run(tmp_path) -> None:
+    """MmapDataset({a, b}) read its parts, and merge wrote them, in the order of their hashes."""
+    parts = []
+    for k in range(2):
+        write_samples(tmp_path / f"src{k}", [{"x": np.full(2, k)}])
+        parts.append(convert([tmp_path / f"src{k}"], tmp_path / f"p{k}", workers=1).out_dir)
+    message = (
+        r"^the parts are a set, whose order changes from run to run, and the samples' order with it: "
+        r"give a list, in the order the parts are read$"
+    )
+    with pytest.raises(TypeError, match=message):
+        MmapDataset(set(parts))
+    with pytest.raises(TypeError, match=message):
+        merge(set(parts), tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
+    assert [int(s["x"][0]) for s in MmapDataset(parts)] == [0, 1]

@@ -470,3 +470,39 @@ def test_one_path_is_one_input_never_the_characters_of_its_name(tmp_path, monkey
     with pytest.raises(TypeError, match="^keys must be a list of keys, not 'x'"):
         convert(["src"], tmp_path / "other", keys="x")
     assert not (tmp_path / "other").exists()
+
+
+def test_inputs_in_an_iterator_convert_as_a_list_and_a_set_is_refused(tmp_path) -> None:
+    """An iterator was used up by the type check, then searched as no input at all; a set converted
+    in the order of its hashes, so the samples' order changed with PYTHONHASHSEED."""
+    paths = [str(write_npz(tmp_path / "src" / f"f{i}.npz", x=np.int64(i))) for i in range(6)]
+    convert(paths, tmp_path / "listed", workers=1)
+    for k, given in enumerate([iter(paths), (p for p in paths), tuple(paths)]):
+        convert(given, tmp_path / f"out{k}", workers=1)
+        assert dataset_bytes(tmp_path / f"out{k}") == dataset_bytes(tmp_path / "listed")
+    with pytest.raises(TypeError, match=r"^inputs is a set, whose order changes from run to run, and the "
+                       r"samples' order with it: give a list, such as sorted\(inputs\)$"):
+        convert(set(paths), tmp_path / "set")
+    with pytest.raises(ValueError, match=r"^inputs is empty: give at least one path$"):
+        convert([], tmp_path / "none")
+    assert not (tmp_path / "set").exists() and not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"keys": []}, ValueError, "keys is empty: name at least one key, or leave it None for every key"),
+        ({"keys": ["x", ""]}, ValueError, "keys ['x', ''] names an empty key, which no file holds"),
+        ({"workers": 0}, ValueError, "workers must be at least 1 (or None for one per core), got 0"),
+        ({"workers": -3}, ValueError, "workers must be at least 1 (or None for one per core), got -3"),
+        ({"workers": 1.5}, TypeError, "workers must be an integer (or None for one per core), not 1.5"),
+        ({"workers": True}, TypeError, "workers must be an integer (or None for one per core), not True"),
+    ],
+)
+def test_convert_refuses_the_values_the_cli_refuses(tmp_path, options, error, message) -> None:
+    """keys=[] converted every key and workers=-3 was taken, where --keys '' and --workers 0 are refused."""
+    write_npz(tmp_path / "src" / "a.npz", x=np.arange(3))
+    with pytest.raises(error) as caught:
+        convert([tmp_path / "src"], tmp_path / "out", **options)
+    assert str(caught.value) == message
+    assert not (tmp_path / "out").exists()
