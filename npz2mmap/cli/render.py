@@ -78,8 +78,8 @@ def _render_lengths(name: str, stats: dict[str, Any]) -> list[str]:
     axis = stats.get("axis", 0)
     which = "first dimension" if axis == 0 else f"axis {axis}, the first that varies"
     head = (
-        f"{name} lengths ({which}): min {stats['min']:,}, p50 {_figure(stats['p50'])}, "
-        f"p90 {_figure(stats['p90'])}, p99 {_figure(stats['p99'])}, max {stats['max']:,}, "
+        f"{name} lengths ({which}): min {stats['min']:,}, p50 {_percentile(stats['p50'])}, "
+        f"p90 {_percentile(stats['p90'])}, p99 {_percentile(stats['p99'])}, max {stats['max']:,}, "
         f"mean {stats['mean']:,.1f}"
     )
     counts, edges = stats["histogram"]["counts"], stats["histogram"]["edges"]
@@ -93,7 +93,7 @@ def _render_lengths(name: str, stats: dict[str, Any]) -> list[str]:
     return [head, *bars]
 
 
-def _figure(value: float) -> str:
+def _percentile(value: float) -> str:
     """A percentile as --json gives it, to two decimals: the median of lengths 1, 2, 9, 10 is 5.5, not 6."""
     return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.2f}".rstrip("0")
 
