@@ -91,7 +91,7 @@ class PaddedCollate:
             batch = GatheredBatch(_by_field(list(batch)), None, len(batch), private=True)
         elif not isinstance(batch, GatheredBatch):
             batch = GatheredBatch(_by_field(batch), None, len(batch), private=True)
-        ragged = {name: _every_dimension_differs(batch, name, shape) for name, shape in ragged.items()}
+        ragged = {name: _shape_of_samples(batch, name, shape) for name, shape in ragged.items()}
         self.check_keys(batch.field_names, ragged)
         out: dict[str, Any] = {}
         for name in batch.field_names:
@@ -171,22 +171,40 @@ def _named_ragged(
     return named
 
 
-def _every_dimension_differs(
-    batch: GatheredBatch, name: str, shape: SampleShape | None
-) -> SampleShape | None:
-    """A ragged field known by name only, as differing in every dimension its samples have."""
-    if shape is not None or name not in batch.field_names:
+def _shape_of_samples(batch: GatheredBatch, name: str, shape: SampleShape | None) -> SampleShape | None:
+    """The shape a ragged field's keys follow: the dataset's for samples as read; for others,
+    ``shape`` (said by a user, or by the dataset they were read from), checked against them.
+
+    A field known by name only, or whose samples have another ndim (a transform made them),
+    differs in every dimension its samples have. ValueError for samples of the ndim of ``shape``
+    but another length where it gives one: a transform changed them, and only their user can say
+    in which dimension they differ; no key may depend on one batch.
+    """
+    if name not in batch.field_names:
         return shape
+    rows = batch.ragged_rows(name)
+    if rows is not None:
+        return rows.sample_shape
     value = batch.field(name)
-    ndim = (np.ndim(value[0]) if len(value) else 1) if isinstance(value, list) else max(np.ndim(value) - 1, 0)
-    return (None,) * ndim
+    shapes = [np.shape(v) for v in value] if isinstance(value, list) else [np.shape(value)[1:]] * len(value)
+    ndim = len(shapes[0]) if shapes else (len(shape) if shape is not None else 1)
+    if shape is None or len(shape) != ndim:
+        return (None,) * ndim
+    for found in shapes:
+        if not all(want is None or want == got for want, got in zip(shape, found, strict=True)):
+            raise ValueError(
+                f"field {name!r} has a sample of shape {found}, not of the shape {shape} its samples "
+                f"are said to have (None where they differ; a transform changed them?): pass "
+                f"PaddedCollate(ragged={{{name!r}: ...}}) with the shape they have"
+            )
+    return shape
 
 
 def _known_shapes(named: RaggedShapes, said: RaggedShapes) -> dict[str, SampleShape | None]:
     """The ragged fields a user named and those a batch's samples say are ragged, each with the
-    shape the samples say where they say one."""
+    shape the user gave, else the one the samples say."""
     out = dict(named)
-    out.update((name, shape) for name, shape in said.items() if shape is not None or name not in out)
+    out.update((name, shape) for name, shape in said.items() if out.get(name) is None)
     return out
 
 

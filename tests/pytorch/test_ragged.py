@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 import textwrap
 import warnings
 from typing import Any
@@ -373,3 +374,35 @@ def test_a_version_2_dataset_pads_and_describes_its_fields_as_version_3_records_
     merged = merge([tmp_path / "v2", tmp_path / "v3"], tmp_path / "both", copy=True).out_dir
     assert MmapDataset(merged).features["points"].shape == (None, 2)
     assert MmapDataset([tmp_path / "v2", tmp_path / "v3"]).lengths("points").tolist() == [0, 1, 2] * 2
+
+
+def transposed(sample: dict[str, Any]) -> dict[str, Any]:
+    return {**sample, "points": sample["points"].T}
+
+
+def areas(sample: dict[str, Any]) -> dict[str, Any]:
+    return {**sample, "points": sample["points"].sum(axis=1)}
+
+
+def test_a_transform_that_moves_the_varying_dimension_is_refused_until_its_shape_is_given(ragged) -> None:
+    """points are (k, 3): a transform giving (3, k) made points_lengths 3 for every sample, the
+    recorded shape's dimension 0, where the samples differ in dimension 1."""
+    dataset, samples = ragged
+    indices = [2, 1, 4]
+    ds = MmapDataset(dataset, transform=transposed)
+    for batch in (ds.__getitems__(indices), [ds[i] for i in indices]):
+        with pytest.raises(ValueError, match=re.escape(
+            "field 'points' has a sample of shape (3, 9), not of the shape (None, 3) its samples are said "
+            "to have (None where they differ; a transform changed them?): pass "
+            "PaddedCollate(ragged={'points': ...}) with the shape they have"
+        )):
+            PaddedCollate()(batch)
+        out = PaddedCollate(ragged={"points": (3, None)})(batch)
+        assert out["points_lengths"].tolist() == [len(samples[i]["points"]) for i in indices]
+        assert out["points_shapes"].tolist() == [[3, len(samples[i]["points"])] for i in indices]
+    loader = DataLoader(ds, batch_size=3, collate_fn=PaddedCollate(ragged={"points": (3, None)}))
+    assert next(iter(loader))["points_lengths"].tolist() == [len(samples[i]["points"]) for i in range(3)]
+    fewer = MmapDataset(dataset, transform=areas)  # another ndim: its own dimensions, which differ
+    out = PaddedCollate()(fewer.__getitems__(indices))
+    assert out["points_lengths"].tolist() == [len(samples[i]["points"]) for i in indices]
+    assert "points_shapes" not in out
