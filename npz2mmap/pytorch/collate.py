@@ -31,6 +31,7 @@ from .samples import (
     RaggedSample,
     SampleList,
     TransformedRaggedArray,
+    bare_field,
     marked_ragged,
 )
 from .tensors import as_tensor_if_array, as_tensors, has_negative_strides, stack_bytes
@@ -169,7 +170,7 @@ def collate(batch: Any) -> Any:
     elif not isinstance(batch, (GatheredBatch, SampleList)):
         ragged = marked_ragged(batch)  # one walk of the samples per batch
         if ragged:
-            batch = SampleList(list(batch), ragged, _bare_field(batch))
+            batch = SampleList(list(batch), ragged, bare_field(batch))
     if isinstance(batch, SampleList):
         return _collate_listing_ragged(batch)
     if not isinstance(batch, GatheredBatch):
@@ -182,12 +183,6 @@ def collate(batch: Any) -> Any:
         for name in batch.field_names
     }
     return tensors[batch.single] if batch.single is not None else tensors
-
-
-def _bare_field(samples: Sequence[Any]) -> str | None:
-    """The field that bare samples of a ragged field (a one-field dataset's) belong to, if they are."""
-    marked = [s.field_name for s in samples if isinstance(s, TransformedRaggedArray)]
-    return marked[0] if marked and len(marked) == len(samples) else None
 
 
 def _collate_plain_dicts(samples: Sequence[Mapping[str, Any]]) -> Any:

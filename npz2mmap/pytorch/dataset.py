@@ -164,9 +164,11 @@ class MmapDataset(Dataset[Any]):
     def __getitem__(self, i: int) -> Any:
         """Sample ``i``, knowing its ragged fields, so that a collate of samples taken one by one
         (through ConcatDataset or Subset) treats them as it treats a batch of this dataset. Only a
-        plain dict is marked: a transform's own mapping type is given back as it made it."""
+        plain dict, or the bare array of a ragged field, is marked: a transform's own mapping type
+        is given back as it made it."""
         sample = self._read(i)
-        return self._marked(sample, self.transform is None) if type(sample) is dict else sample
+        bare_ragged = self.single and self.fields[0] in self.ragged_fields and type(sample) is np.ndarray
+        return self._marked(sample, self.transform is None) if type(sample) is dict or bare_ragged else sample
 
     def _read(self, i: int) -> Any:
         reader = self.reader
@@ -242,6 +244,7 @@ class MmapDataset(Dataset[Any]):
         Read from the index and its shape tables only, never from sample data,
         so building length-grouped batches costs no I/O of the data itself.
         """
+        shapes = self.shapes(field)  # tables checked whole first, as verify checks them
         shape = self.ragged_fields.get(field) or self.parts.field(field).shape or ()
         axis = lengths_axis(shape) if field in self.ragged_fields else 0
         if axis is None:
@@ -250,7 +253,6 @@ class MmapDataset(Dataset[Any]):
                 f"field {field!r} differs between samples in dimensions {dims}, so no one length "
                 f"describes a sample: ds.shapes({field!r}) gives each sample's shape"
             )
-        shapes = self.shapes(field)
         return np.ascontiguousarray(shapes[:, axis]) if shapes.shape[1] else np.zeros(len(shapes), np.int64)
 
     def shapes(self, field: str) -> np.ndarray:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from ..read.ragged import (
 from .assemble import NewMemory, Padding, place_padded, torch_dtype
 from .collate import check_same_keys
 from .gathered import GatheredBatch
-from .samples import marked_ragged
+from .samples import NOT_RAGGED, bare_field, said_of_fields
 from .tensors import as_tensors, stack_bytes, viewable_by_torch
 
 
@@ -85,13 +85,17 @@ class PaddedCollate:
         check_padded_keys(field_names, {} if self.nested else ragged, self.mask)
 
     def __call__(self, batch: Any) -> dict[str, Any]:
-        marked = {} if isinstance(batch, GatheredBatch) else marked_ragged(batch)
-        ragged = _known_shapes(self.ragged or {}, {**getattr(batch, "ragged", {}), **marked})
+        said = {} if isinstance(batch, GatheredBatch) else said_of_fields(batch)
+        declared = self.ragged or {}
+        ragged = _known_shapes(declared, getattr(batch, "ragged", {}), said)
         if isinstance(batch, GatheredBatch) and batch.samples_edited:  # by the samples as edited
             batch = GatheredBatch(_by_field(list(batch)), None, len(batch), private=True)
         elif not isinstance(batch, GatheredBatch):
             batch = GatheredBatch(_by_field(batch), None, len(batch), private=True)
-        ragged = {name: _shape_of_samples(batch, name, shape) for name, shape in ragged.items()}
+        ragged = {
+            name: _shape_of_samples(batch, name, shape, declared.get(name) is not None)
+            for name, shape in ragged.items()
+        }
         self.check_keys(batch.field_names, ragged)
         out: dict[str, Any] = {}
         for name in batch.field_names:
@@ -171,14 +175,17 @@ def _named_ragged(
     return named
 
 
-def _shape_of_samples(batch: GatheredBatch, name: str, shape: SampleShape | None) -> SampleShape | None:
+def _shape_of_samples(
+    batch: GatheredBatch, name: str, shape: SampleShape | None, declared: bool
+) -> SampleShape | None:
     """The shape a ragged field's keys follow: the dataset's for samples as read; for others,
-    ``shape`` (said by a user, or by the dataset they were read from), checked against them.
+    ``shape`` (``declared`` by the user, or said by the dataset they were read from), checked
+    against them.
 
-    A field known by name only, or whose samples have another ndim (a transform made them),
-    differs in every dimension its samples have. ValueError for samples of the ndim of ``shape``
-    but another length where it gives one: a transform changed them, and only their user can say
-    in which dimension they differ; no key may depend on one batch.
+    A field known by name only, or whose samples a transform gave another ndim than their
+    dataset's, differs in every dimension its samples have. ValueError for samples of another
+    length where ``shape`` gives one, or of another ndim than declared: no key may depend on one
+    batch, and only the user can say in which dimension such samples differ.
     """
     if name not in batch.field_names:
         return shape
@@ -188,10 +195,12 @@ def _shape_of_samples(batch: GatheredBatch, name: str, shape: SampleShape | None
     value = batch.field(name)
     shapes = [np.shape(v) for v in value] if isinstance(value, list) else [np.shape(value)[1:]] * len(value)
     ndim = len(shapes[0]) if shapes else (len(shape) if shape is not None else 1)
-    if shape is None or len(shape) != ndim:
+    if shape is None or (len(shape) != ndim and not declared):
         return (None,) * ndim
     for found in shapes:
-        if not all(want is None or want == got for want, got in zip(shape, found, strict=True)):
+        if len(found) != len(shape) or not all(
+            want is None or want == got for want, got in zip(shape, found, strict=True)
+        ):
             raise ValueError(
                 f"field {name!r} has a sample of shape {found}, not of the shape {shape} its samples "
                 f"are said to have (None where they differ; a transform changed them?): pass "
@@ -200,12 +209,35 @@ def _shape_of_samples(batch: GatheredBatch, name: str, shape: SampleShape | None
     return shape
 
 
-def _known_shapes(named: RaggedShapes, said: RaggedShapes) -> dict[str, SampleShape | None]:
-    """The ragged fields a user named and those a batch's samples say are ragged, each with the
-    shape the user gave, else the one the samples say."""
-    out = dict(named)
-    out.update((name, shape) for name, shape in said.items() if out.get(name) is None)
+def _known_shapes(
+    declared: RaggedShapes, of_batch: RaggedShapes, said: dict[str, list[SampleShape | str | None]]
+) -> dict[str, SampleShape | None]:
+    """The ragged fields a user declared and those a batch (``of_batch``) or its samples
+    (``said``) say are ragged, each with the shape the user gave, else the one they say.
+
+    ValueError for a field the samples of one batch say different things of (they come from
+    datasets that hold it differently: a ConcatDataset), unless the user gave its shape.
+    """
+    out = dict(declared)
+    out.update((name, shape) for name, shape in of_batch.items() if out.get(name) is None)
+    for name, things in said.items():
+        if declared.get(name) is not None:
+            continue
+        if len(things) > 1:
+            first, other = (_held(thing) for thing in things[:2])
+            raise ValueError(
+                f"field {name!r}: the samples of one batch come from datasets that hold it differently "
+                f"({first} and {other}; a ConcatDataset?), so no one set of keys follows from them: pass "
+                f"PaddedCollate(ragged={{{name!r}: ...}}) with the shape of all its samples, None where "
+                "they differ"
+            )
+        if things[0] != NOT_RAGGED and out.get(name) is None:
+            out[name] = cast("SampleShape | None", things[0])
     return out
+
+
+def _held(thing: SampleShape | str | None) -> str:
+    return "fixed" if thing == NOT_RAGGED else f"ragged, {thing}"
 
 
 def _common_dtype(arrays: list[np.ndarray], name: str) -> np.dtype:
@@ -239,7 +271,7 @@ def _by_field(samples: Sequence[Any]) -> dict[str, list[np.ndarray]]:
             f"{type(samples[0]).__name__}s: return a dict such as {{'input': x, 'label': y}} "
             "from the dataset or its transform"
         )
-    name = getattr(samples, "single", None) or "data"
+    name = getattr(samples, "single", None) or bare_field(samples) or "data"
     return {name: [_as_array(name, s) for s in samples]}
 
 

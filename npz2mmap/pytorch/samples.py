@@ -4,7 +4,7 @@ default one too, which fields are ragged and which dtypes torch lacks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -89,20 +89,54 @@ class SampleList(list[Any]):
         self.single = single
 
 
+def bare_field(samples: Sequence[Any]) -> str | None:
+    """The field that bare samples of a ragged field (a one-field dataset's) belong to, if they are."""
+    marked = [s.field_name for s in samples if isinstance(s, TransformedRaggedArray)]
+    return marked[0] if marked and len(marked) == len(samples) else None
+
+
+# What a dataset's sample says of a field its dataset holds fixed (beside the shapes of ragged ones).
+NOT_RAGGED = "not ragged"
+
+
 def marked_ragged(samples: Any) -> RaggedShapes:
     """The ragged fields, with their sample shapes, that a dataset's samples say they belong to,
     in a list a collate_fn made of them (sorted, sliced, copied; ``list(batch)``): fields are
-    ragged by the dataset, never by one batch. Empty for samples from elsewhere, which say nothing."""
+    ragged by the dataset, never by one batch. Empty for samples from elsewhere, which say nothing.
+    Of samples from several datasets (a ConcatDataset), a field any of them says is ragged, with
+    the shape the first says (``said_of_fields`` tells where they disagree)."""
+    return {
+        name: shapes[0]
+        for name, said in said_of_fields(samples).items()
+        if (shapes := [shape for shape in said if not isinstance(shape, str)])
+    }
+
+
+def said_of_fields(samples: Any) -> dict[str, list[SampleShape | str | None]]:
+    """Per field, the distinct things a dataset's samples say of it: its shape in every sample
+    where their dataset holds it ragged, NOT_RAGGED where it holds it fixed. Samples from
+    elsewhere say nothing; more than one thing said comes from samples of several datasets."""
+    said: dict[str, list[SampleShape | str | None]] = {}
     if not isinstance(samples, Sequence):
-        return {}
-    found: dict[str, SampleShape | None] = {}
+        return said
     for sample in samples:
-        if isinstance(sample, MarkedSample):
-            found.update(sample.ragged)
-        elif isinstance(sample, Mapping):
-            found.update(
-                (key, value.sample_shape) for key, value in sample.items() if isinstance(value, RaggedSample)
-            )
-        elif isinstance(sample, TransformedRaggedArray):
-            found[sample.field_name] = sample.sample_shape
-    return found
+        for name, what in _said_by(sample):
+            known = said.setdefault(name, [])
+            if what not in known:
+                known.append(what)
+    return said
+
+
+def _said_by(sample: Any) -> Iterator[tuple[str, SampleShape | str | None]]:
+    if isinstance(sample, MarkedSample):
+        for key in sample:
+            yield key, sample.ragged[key] if key in sample.ragged else NOT_RAGGED
+    elif isinstance(sample, GatheredSample):
+        for key, value in sample.items():
+            yield key, value.sample_shape if isinstance(value, RaggedSample) else NOT_RAGGED
+    elif isinstance(sample, Mapping):  # a copy of a dataset's sample: only its ragged values say
+        for key, value in sample.items():
+            if isinstance(value, RaggedSample):
+                yield key, value.sample_shape
+    elif isinstance(sample, TransformedRaggedArray):
+        yield sample.field_name, sample.sample_shape

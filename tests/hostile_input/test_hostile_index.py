@@ -365,3 +365,7 @@ def test_a_recorded_null_where_every_sample_agrees_is_named_by_verify(tmp_path) 
     assert verify(dataset).problems == [
         "field 'points': shape records that samples differ in dimension 1, but every one has 2"
     ]
+    with pytest.raises(FormatError, match=re.escape(  # it said the samples differ in dimensions 0, 1
+        "field 'points': shape records that samples differ in dimension 1, but every one has 2; run npz2mmap verify"
+    )):
+        MmapDataset(dataset).lengths("points")

@@ -14,6 +14,7 @@ import torch
 from conftest import write_npz, write_samples
 from torch.utils.data import DataLoader
 
+import npz2mmap
 from npz2mmap import LengthGroupedSampler, MmapDataset, MmapLoader, PaddedCollate, collate
 from npz2mmap.write.conversion import convert
 from npz2mmap.write.merge import merge
@@ -406,3 +407,64 @@ def test_a_transform_that_moves_the_varying_dimension_is_refused_until_its_shape
     out = PaddedCollate()(fewer.__getitems__(indices))
     assert out["points_lengths"].tolist() == [len(samples[i]["points"]) for i in indices]
     assert "points_shapes" not in out
+
+
+def write_field(path: Any, arrays: list[np.ndarray], name: str = "seg") -> MmapDataset:
+    with npz2mmap.Writer(path) as writer:
+        for array in arrays:
+            writer.append({name: array})
+    return MmapDataset(path)
+
+
+def test_samples_of_datasets_that_hold_a_field_differently_are_refused_until_its_shape_is_given(tmp_path) -> None:
+    """A ConcatDataset of a dataset of (2, n) and one of (m, 5): the last sample's dataset decided
+    which dimension seg_lengths measured, so [a, b] and [b, a] gave lengths of other dimensions."""
+    a = write_field(tmp_path / "a", [np.zeros((2, n), np.int16) for n in (1, 3)])
+    b = write_field(tmp_path / "b", [np.zeros((m, 5), np.int16) for m in (4, 1)])
+    fixed = write_field(tmp_path / "f", [np.zeros((3, 5), np.int16)] * 2)
+    for other, held in ((b, "ragged, (None, 5)"), (fixed, "fixed")):
+        both = torch.utils.data.ConcatDataset([a, other])
+        for order in ([0, 2], [2, 0]):
+            first, second = ("ragged, (2, None)", held) if order[0] == 0 else (held, "ragged, (2, None)")
+            with pytest.raises(ValueError, match=re.escape(
+                f"field 'seg': the samples of one batch come from datasets that hold it differently ({first} "
+                f"and {second}; a ConcatDataset?), so no one set of keys follows from them: pass "
+                "PaddedCollate(ragged={'seg': ...}) with the shape of all its samples, None where they differ"
+            )):
+                PaddedCollate()([both[i] for i in order])
+            out = PaddedCollate(ragged={"seg": (None, None)})([both[i] for i in order])
+            assert sorted(out) == ["seg", "seg_shapes"]
+            assert out["seg_shapes"].tolist() == [list(both[i]["seg"].shape) for i in order]
+
+
+def test_a_declared_shape_the_samples_do_not_have_is_refused(tmp_path) -> None:
+    samples = [{"boxes": np.zeros((4, k), np.float32)} for k in (2, 3)]
+    for declared in ((None, 4), (None,), (4, None, None)):
+        with pytest.raises(ValueError, match=re.escape(
+            f"field 'boxes' has a sample of shape (4, 2), not of the shape {declared} its samples are said"
+        )):
+            PaddedCollate(ragged={"boxes": declared})(samples)
+    assert PaddedCollate(ragged={"boxes": (4, None)})(samples)["boxes_lengths"].tolist() == [2, 3]
+
+
+def test_a_single_ragged_field_taken_one_by_one_pads_as_its_batch(tmp_path) -> None:
+    """ds[i] of fields="tokens" was a bare array that said nothing: [ds[i]] padded it as 'data', or
+    stacked it without lengths when the batch's samples shared a shape."""
+    ds = write_field(tmp_path / "t", [np.arange(n, dtype=np.int32) for n in (1, 3, 2, 2)], "tokens")
+    ds = MmapDataset(tmp_path / "t", fields="tokens")
+    for indices in ([0, 1], [2, 3]):
+        batch, one_by_one = PaddedCollate()(ds.__getitems__(indices)), PaddedCollate()([ds[i] for i in indices])
+        assert list(batch) == list(one_by_one) == ["tokens", "tokens_lengths"]
+        assert all(batch[k].tolist() == one_by_one[k].tolist() for k in batch)
+        subset = torch.utils.data.Subset(ds, indices)
+        listed = next(iter(DataLoader(subset, batch_size=2)))
+        assert [t.tolist() for t in listed] == [ds[i].tolist() for i in indices]
+
+
+def test_a_transform_that_drops_a_dimension_pads_its_samples_as_they_are(ragged) -> None:
+    """(k, 3) points summed to (k,): its own one dimension, where it raised numpy's IndexError."""
+    dataset, samples = ragged
+    out = PaddedCollate()(MmapDataset(dataset, transform=areas).__getitems__([2, 1]))
+    sums = [samples[i]["points"].sum(axis=1) for i in (2, 1)]
+    assert out["points"].tolist() == [np.pad(s, (0, 9 - len(s))).tolist() for s in sums]
+    assert out["points_lengths"].tolist() == [9, 1] and "points_shapes" not in out
