@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,14 +48,15 @@ class MergeResult:
 
 
 def merge(
-    parts: Sequence[PathLike],
+    parts: PathLike | Iterable[PathLike],
     out_dir: PathLike,
     *,
     copy: bool = False,
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> MergeResult:
-    """Present ``parts`` as one dataset at ``out_dir``.
+    """Present ``parts`` (dataset paths, in order: a list or any iterable but a set; one path is
+    a list of one) as one dataset at ``out_dir``.
 
     Without ``copy``, writes ``out_dir/manifest.json`` naming the parts
     (relative paths, so the tree can move as a whole). With ``copy``, writes a
@@ -65,10 +66,11 @@ def merge(
     cannot be written. Nothing is written when it raises before writing.
     """
     refuse_unordered(parts)
-    for part in parts:  # a part not there is a usage mistake, as a missing INPUT of convert is
+    listed = [parts] if isinstance(parts, (str, os.PathLike)) else list(parts)  # an iterator, read once
+    for part in listed:  # a part not there is a usage mistake, as a missing INPUT of convert is
         if not os.path.lexists(part):
             raise MissingInputError(f"{os.fspath(part)}: no such dataset")
-    given = resolve_parts(list(parts))
+    given = resolve_parts(listed)
     opened = Parts(given)  # without empty parts, which contribute nothing
     labels = [index.part for index in opened.all_indexes]  # empty parts' too
     check_part_set(list(zip(given, labels, strict=True)), naming_parts(given))

@@ -10,7 +10,7 @@ is a usage error naming its option.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
@@ -19,7 +19,7 @@ import numpy as np
 from ..format.index import ALIGN_RULE, MIN_ALIGN, is_valid_align
 from ..text import brief
 
-PathOrPaths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+PathOrPaths = str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
 PartOption = tuple[int, int] | str | None  # None, (i, n), "I/N" or "auto"
 MAX_PARTS = 100_000
 
@@ -43,7 +43,7 @@ class WriteOptions:
         part: PartOption = None,
         align: int = MIN_ALIGN,
         casts: Mapping[str, np.dtype | str] | None = None,
-        fixed: Collection[str] = (),
+        fixed: Iterable[str] = (),
     ) -> WriteOptions:
         """The options, each checked; TypeError or ValueError naming the first that is wrong."""
         chosen, out = resolve_part(part, out_dir)
@@ -150,7 +150,7 @@ def check_align(align: int) -> None:
         raise ValueError(f"align must be {ALIGN_RULE}, got {align}")
 
 
-def parse_inputs(inputs: PathOrPaths | Iterable[str | os.PathLike[str]]) -> list[str | os.PathLike[str]]:
+def parse_inputs(inputs: PathOrPaths) -> list[str | os.PathLike[str]]:
     """``inputs`` as a list: one path is a list of one, never the characters of its name; an
     iterator is read once. TypeError for a set, whose order (the samples') changes from run to run."""
     if isinstance(inputs, (str, os.PathLike)):
@@ -171,13 +171,13 @@ def parse_inputs(inputs: PathOrPaths | Iterable[str | os.PathLike[str]]) -> list
     return listed
 
 
-def parse_keys(keys: Sequence[str] | None) -> tuple[str, ...] | None:
-    """``keys`` as a tuple (None: every key); TypeError for one string, which would name its
-    characters, ValueError for no key or an empty one (as ``--keys`` refuses them)."""
+def parse_keys(keys: Iterable[str] | None) -> tuple[str, ...] | None:
+    """``keys`` as a tuple (None: every key; an iterator is read once); TypeError for one string,
+    which would name its characters, ValueError for no key or an empty one (as ``--keys`` refuses
+    them)."""
     if keys is None:
         return None
-    if isinstance(keys, str) or not all(isinstance(key, str) for key in keys):
-        raise TypeError(f"keys must be a list of keys, not {brief(keys, 80)}")
+    keys = _names("keys", keys)
     if not keys:
         raise ValueError("keys is empty: name at least one key, or leave it None for every key")
     if not all(keys):
@@ -195,16 +195,32 @@ def check_workers(workers: int | None) -> None:
         raise ValueError(f"workers must be at least 1 (or None for one per core), got {workers}")
 
 
-def parse_fixed(fixed: Collection[str]) -> tuple[str, ...]:
-    """``fixed`` as a tuple of keys; TypeError for one string, which would name its characters."""
-    if isinstance(fixed, str) or not all(isinstance(key, str) for key in fixed):
-        raise TypeError(f"fixed must be a list of keys, not {brief(fixed, 80)}")
-    return tuple(fixed)
+def parse_fixed(fixed: Iterable[str]) -> tuple[str, ...]:
+    """``fixed`` as a tuple of keys (an iterator is read once); TypeError for one string, which
+    would name its characters."""
+    return _names("fixed", fixed)
+
+
+def _names(option: str, given: Iterable[str]) -> tuple[str, ...]:
+    """Keys given as any iterable of str, read once; TypeError naming ``option`` otherwise."""
+    if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+        raise TypeError(f"{option} must be a list of keys, not {brief(given, 80)}")
+    listed = tuple(given)
+    if not all(isinstance(key, str) for key in listed):
+        raise TypeError(f"{option} must be a list of keys, not {brief(list(listed), 80)}")
+    return listed
 
 
 def parse_casts(casts: Mapping[str, np.dtype | str] | None) -> dict[str, np.dtype]:
-    """``casts`` with every value a dtype (see cast_dtype)."""
-    return {key: cast_dtype(value) for key, value in (casts or {}).items()}
+    """``casts`` with every value a dtype (see cast_dtype); TypeError for anything but a mapping
+    of keys to dtypes."""
+    if casts is None:
+        return {}
+    if not isinstance(casts, Mapping) or not all(isinstance(key, str) for key in casts):
+        raise TypeError(
+            f"casts must map keys to dtypes, as {{'input': 'float32'}}, not {brief(casts, 80)}"
+        )
+    return {key: cast_dtype(value) for key, value in casts.items()}
 
 
 def cast_dtype(value: np.dtype | str) -> np.dtype:

@@ -19,7 +19,7 @@ import os
 import warnings
 import weakref
 from array import array
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -88,7 +88,7 @@ class Writer:
         out_dir: str | os.PathLike[str],
         *,
         casts: Mapping[str, np.dtype | str] | None = None,
-        fixed: Collection[str] = (),
+        fixed: Iterable[str] = (),
         align: int = MIN_ALIGN,
         overwrite: bool = False,
         part: PartOption = None,

@@ -527,3 +527,9 @@ def test_parts_given_as_a_set_are_refused_as_their_order_would_change_from_run_t
         merge(set(parts), tmp_path / "merged")
     assert not (tmp_path / "merged").exists()
     assert [int(s["x"][0]) for s in MmapDataset(parts)] == [0, 1]
+    # A generator was used up by the check of each part, then merged as no part at all; one path
+    # was taken as a list of its characters.
+    merge((p for p in parts), tmp_path / "generated", copy=True)
+    assert [int(s["x"][0]) for s in MmapDataset(tmp_path / "generated")] == [0, 1]
+    merge(parts[1], tmp_path / "one", copy=True)
+    assert [int(s["x"][0]) for s in MmapDataset(tmp_path / "one")] == [1]

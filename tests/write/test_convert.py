@@ -14,11 +14,12 @@ from conftest import assert_same_array, blob_bytes, write_npz, write_samples
 from interrupts import Interrupt, left_beside, lock_is_free, moments, sigint_blocked
 
 from npz2mmap.check.verify import verify
-from npz2mmap.errors import OutputError, SourceError
+from npz2mmap.errors import FixedShapeError, OutputError, SourceError
 from npz2mmap.ingest.discover import discover_sources
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write import blob_writer, publish
 from npz2mmap.write.conversion import convert
+from npz2mmap.write.writer import Writer
 
 
 def read_sources(dataset: Path) -> list[str]:
@@ -506,3 +507,40 @@ def test_convert_refuses_the_values_the_cli_refuses(tmp_path, options, error, me
         convert([tmp_path / "src"], tmp_path / "out", **options)
     assert str(caught.value) == message
     assert not (tmp_path / "out").exists()
+
+
+def test_keys_and_fixed_in_an_iterator_are_read_once_and_held(tmp_path) -> None:
+    """fixed=iter(["a"]) was used up by its type check and held nothing: a file of another shape
+    made the field ragged without a word; keys=iter(["a"]) selected nothing and blamed the file."""
+    for i, n in enumerate([3, 3, 4]):
+        write_npz(tmp_path / "src" / f"{i}.npz", a=np.zeros(n), b=np.int8(i))
+    with pytest.raises(FixedShapeError, match=r"\[a\]: shape \(4,\) differs from \(3,\)"):
+        convert([tmp_path / "src"], tmp_path / "out", fixed=iter(["a"]), workers=1)
+    with pytest.raises(FixedShapeError):
+        with Writer(tmp_path / "w", fixed=(k for k in ["a"])) as writer:
+            for n in [3, 3, 4]:
+                writer.append({"a": np.zeros(n)})
+    result = convert([tmp_path / "src"], tmp_path / "keys", keys=map(str, ["b"]), workers=1)
+    assert result.index.field_names == ("b",)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"casts": [("b", "float64")]}, "casts must map keys to dtypes, as {'input': 'float32'}, not [('b', 'float64')]"),
+        ({"fixed": "a"}, "fixed must be a list of keys, not 'a'"),
+        ({"fixed": [1]}, "fixed must be a list of keys, not [1]"),
+        ({"keys": 3}, "keys must be a list of keys, not 3"),
+    ],
+)
+def test_options_of_another_type_are_a_type_error_naming_them(tmp_path, options, message) -> None:
+    """casts=[(key, dtype)] escaped as AttributeError: 'list' object has no attribute 'items'."""
+    write_npz(tmp_path / "src" / "a.npz", a=np.zeros(3), b=np.int8(1))
+    with pytest.raises(TypeError) as caught:
+        convert([tmp_path / "src"], tmp_path / "out", **options)
+    assert str(caught.value) == message
+    if "keys" not in options:
+        with pytest.raises(TypeError) as caught:
+            Writer(tmp_path / "w", **options)
+        assert str(caught.value) == message
