@@ -87,15 +87,17 @@ class PaddedCollate:
     def __call__(self, batch: Any) -> dict[str, Any]:
         said = {} if isinstance(batch, GatheredBatch) else said_of_fields(batch)
         declared = self.ragged or {}
-        ragged = _known_shapes(declared, getattr(batch, "ragged", {}), said)
+        # A nested batch adds no key: only which fields are ragged matters, not their shapes.
+        ragged = _known_shapes(declared, getattr(batch, "ragged", {}), said, keyed=not self.nested)
         if isinstance(batch, GatheredBatch) and batch.samples_edited:  # by the samples as edited
             batch = GatheredBatch(_by_field(list(batch)), None, len(batch), private=True)
         elif not isinstance(batch, GatheredBatch):
             batch = GatheredBatch(_by_field(batch), None, len(batch), private=True)
-        ragged = {
-            name: _shape_of_samples(batch, name, shape, declared.get(name) is not None)
-            for name, shape in ragged.items()
-        }
+        if not self.nested:
+            ragged = {
+                name: _shape_of_samples(batch, name, shape, declared.get(name) is not None)
+                for name, shape in ragged.items()
+            }
         self.check_keys(batch.field_names, ragged)
         out: dict[str, Any] = {}
         for name in batch.field_names:
@@ -162,7 +164,10 @@ def _named_ragged(
         return dict.fromkeys(ragged)
     named: dict[str, SampleShape | None] = {}
     for name, shape in ragged.items():
-        lengths = tuple(shape)
+        if shape is None:  # known by name only, as in a list
+            named[name] = None
+            continue
+        lengths = tuple(shape) if isinstance(shape, Iterable) and not isinstance(shape, (str, bytes)) else ()
         if None not in lengths or not all(
             length is None or (isinstance(length, int) and not isinstance(length, bool) and length >= 0)
             for length in lengths
@@ -210,19 +215,25 @@ def _shape_of_samples(
 
 
 def _known_shapes(
-    declared: RaggedShapes, of_batch: RaggedShapes, said: dict[str, list[SampleShape | str | None]]
+    declared: RaggedShapes,
+    of_batch: RaggedShapes,
+    said: dict[str, list[SampleShape | str | None]],
+    keyed: bool = True,
 ) -> dict[str, SampleShape | None]:
     """The ragged fields a user declared and those a batch (``of_batch``) or its samples
     (``said``) say are ragged, each with the shape the user gave, else the one they say.
 
-    ValueError for a field the samples of one batch say different things of (they come from
-    datasets that hold it differently: a ConcatDataset), unless the user gave its shape.
+    When the batch is ``keyed`` (padded, with keys that follow the shapes), ValueError for a
+    field the samples of one batch say different things of (they come from datasets that hold
+    it differently: a ConcatDataset), unless the user gave its shape; else ragged if any says so.
     """
     out = dict(declared)
     out.update((name, shape) for name, shape in of_batch.items() if out.get(name) is None)
     for name, things in said.items():
         if declared.get(name) is not None:
             continue
+        if not keyed:
+            things = [thing for thing in things if thing != NOT_RAGGED][:1] or [NOT_RAGGED]
         if len(things) > 1:
             first, other = (_held(thing) for thing in things[:2])
             raise ValueError(

@@ -468,3 +468,15 @@ def test_a_transform_that_drops_a_dimension_pads_its_samples_as_they_are(ragged)
     sums = [samples[i]["points"].sum(axis=1) for i in (2, 1)]
     assert out["points"].tolist() == [np.pad(s, (0, 9 - len(s))).tolist() for s in sums]
     assert out["points_lengths"].tolist() == [9, 1] and "points_shapes" not in out
+
+
+def test_a_nested_batch_of_datasets_that_hold_a_field_differently_needs_no_shape(tmp_path) -> None:
+    """A nested batch adds no key, so samples of a field one dataset holds fixed and another ragged
+    make one nested tensor, as that field's samples are."""
+    a = write_field(tmp_path / "a", [np.full((n, 5), n, np.int16) for n in (1, 2)])
+    fixed = write_field(tmp_path / "f", [np.full((3, 5), 3, np.int16)] * 2)
+    both = torch.utils.data.ConcatDataset([a, fixed])
+    out = PaddedCollate(nested=True)([both[i] for i in (0, 2, 1)])
+    assert [t.tolist() for t in out["seg"].unbind()] == [both[i]["seg"].tolist() for i in (0, 2, 1)]
+    named = PaddedCollate(ragged={"seg": None})([both[i] for i in (0, 1)])  # as a list of names
+    assert sorted(named) == ["seg", "seg_lengths", "seg_shapes"] and named["seg_lengths"].tolist() == [1, 2]
