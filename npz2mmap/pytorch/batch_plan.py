@@ -121,6 +121,7 @@ def padding_from_the_mapping(dataset: MmapDataset, collate_fn: Any) -> Padding |
         type(collate_fn) is not PaddedCollate
         or collate_fn.nested
         or (collate_fn.ragged is not None and set(collate_fn.ragged) != set(dataset.ragged_fields))
+        or any(shape is not None for shape in (collate_fn.ragged or {}).values())  # checked per batch
         or dataset.transform is not None
     ):
         return None

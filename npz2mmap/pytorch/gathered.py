@@ -204,6 +204,7 @@ class GatheredBatch(SequenceABC[Any]):
         handed = self._handed.get(j)
         if handed is None:
             sample = GatheredSample((name, self._sample(name, j)) for name in self._fields)
+            sample.ragged = None if self._private else self.ragged
             layouts = {key: (value, _layout(value)) for key, value in sample.items()}
             handed = self._handed[j] = (sample, layouts)
         return handed[0]
@@ -218,7 +219,7 @@ class GatheredBatch(SequenceABC[Any]):
         array = value[j] if isinstance(value, list) else value[j, ...]
         if name in self.ragged:
             marked = array.view(RaggedSample)
-            marked.sample_shape = self.ragged[name]
+            marked.field_name, marked.sample_shape = name, self.ragged[name]
             return marked
         return array.view(NumpyOnlySample) if torch_dtype(array.dtype) is None else array
 

@@ -150,6 +150,10 @@ class PaddedCollate:
         return out
 
 
+# The key of bare samples (arrays, not dicts) that say no field: samples from elsewhere.
+BARE_KEY = "data"
+
+
 def _named_ragged(
     ragged: Iterable[str] | Mapping[str, Sequence[int | None]],
 ) -> dict[str, SampleShape | None]:
@@ -195,10 +199,14 @@ def _shape_of_samples(
     if name not in batch.field_names:
         return shape
     rows = batch.ragged_rows(name)
-    if rows is not None:
+    if rows is not None and not declared:
         return rows.sample_shape
-    value = batch.field(name)
-    shapes = [np.shape(v) for v in value] if isinstance(value, list) else [np.shape(value)[1:]] * len(value)
+    if rows is not None:  # declared: the keys follow it, once the samples are seen to have it
+        shapes = [tuple(row) for row in rows.shapes.tolist()]
+        rows.sample_shape = shape
+    else:
+        value = batch.field(name)
+        shapes = [np.shape(v) for v in value] if isinstance(value, list) else [value.shape[1:]] * len(value)
     ndim = len(shapes[0]) if shapes else (len(shape) if shape is not None else 1)
     if shape is None or (len(shape) != ndim and not declared):
         return (None,) * ndim
@@ -282,7 +290,7 @@ def _by_field(samples: Sequence[Any]) -> dict[str, list[np.ndarray]]:
             f"{type(samples[0]).__name__}s: return a dict such as {{'input': x, 'label': y}} "
             "from the dataset or its transform"
         )
-    name = getattr(samples, "single", None) or bare_field(samples) or "data"
+    name = getattr(samples, "single", None) or bare_field(samples) or BARE_KEY
     return {name: [_as_array(name, s) for s in samples]}
 
 
@@ -309,8 +317,10 @@ def _as_array(name: str, value: Any) -> np.ndarray:
 def _stack(name: str, arrays: list[np.ndarray]) -> np.ndarray:
     shapes = sorted({a.shape for a in arrays})
     if len(shapes) > 1:
+        bare = f"bare samples, of no field (key {name!r}), have"
+        what = bare if name == BARE_KEY else f"field {name!r} has"
         raise ValueError(
-            f"field {name!r} has shapes {shapes[0]} and {shapes[-1]} in one batch; "
+            f"{what} shapes {shapes[0]} and {shapes[-1]} in one batch; "
             f"pass PaddedCollate(ragged=[{name!r}, ...]) to pad it"
         )
     if all(a.dtype == arrays[0].dtype for a in arrays):

@@ -19,10 +19,11 @@ class RaggedSample(np.ndarray):
 
     Samples of one ragged field differ in shape, so stacking them fails inside
     torch; the default collate gives them as a list of tensors instead, as
-    ``collate`` does (``PaddedCollate`` pads them into one tensor). Knows the
-    field's shape in every sample (None where samples differ).
+    ``collate`` does (``PaddedCollate`` pads them into one tensor). Knows its
+    field's name and shape in every sample (None where samples differ).
     """
 
+    field_name = ""
     sample_shape: SampleShape | None = None
 
 
@@ -35,7 +36,10 @@ class GatheredSample(dict[str, Any]):
     """A dict sample of a GatheredBatch: views of the batch's arrays. Through it torch's default
     collate hands the whole batch to ``collate``, which gives each fixed field's gathered array as
     the batch's tensor, where torch would stack the views into another (a copy, and another
-    block of shared memory inside a DataLoader worker)."""
+    block of shared memory inside a DataLoader worker). Of a dataset's batch, it knows the
+    dataset's ragged fields (``ragged``, None otherwise), whatever values a collate_fn puts in it."""
+
+    ragged: RaggedShapes | None = None
 
 
 class MarkedSample(dict[str, Any]):
@@ -91,7 +95,7 @@ class SampleList(list[Any]):
 
 def bare_field(samples: Sequence[Any]) -> str | None:
     """The field that bare samples of a ragged field (a one-field dataset's) belong to, if they are."""
-    marked = [s.field_name for s in samples if isinstance(s, TransformedRaggedArray)]
+    marked = [s.field_name for s in samples if isinstance(s, (TransformedRaggedArray, RaggedSample))]
     return marked[0] if marked and len(marked) == len(samples) else None
 
 
@@ -131,12 +135,12 @@ def _said_by(sample: Any) -> Iterator[tuple[str, SampleShape | str | None]]:
     if isinstance(sample, MarkedSample):
         for key in sample:
             yield key, sample.ragged[key] if key in sample.ragged else NOT_RAGGED
-    elif isinstance(sample, GatheredSample):
-        for key, value in sample.items():
-            yield key, value.sample_shape if isinstance(value, RaggedSample) else NOT_RAGGED
+    elif isinstance(sample, GatheredSample) and sample.ragged is not None:
+        for key in sample:  # the dataset says, whatever value a collate_fn put under the key
+            yield key, sample.ragged[key] if key in sample.ragged else NOT_RAGGED
     elif isinstance(sample, Mapping):  # a copy of a dataset's sample: only its ragged values say
         for key, value in sample.items():
             if isinstance(value, RaggedSample):
                 yield key, value.sample_shape
-    elif isinstance(sample, TransformedRaggedArray):
+    elif isinstance(sample, (TransformedRaggedArray, RaggedSample)):
         yield sample.field_name, sample.sample_shape

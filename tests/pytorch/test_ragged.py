@@ -6,6 +6,7 @@ import inspect
 import re
 import textwrap
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -480,3 +481,76 @@ def test_a_nested_batch_of_datasets_that_hold_a_field_differently_needs_no_shape
     assert [t.tolist() for t in out["seg"].unbind()] == [both[i]["seg"].tolist() for i in (0, 2, 1)]
     named = PaddedCollate(ragged={"seg": None})([both[i] for i in (0, 1)])  # as a list of names
     assert sorted(named) == ["seg", "seg_lengths", "seg_shapes"] and named["seg_lengths"].tolist() == [1, 2]
+
+
+@pytest.fixture
+def mixed(tmp_path) -> MmapDataset:
+    rng = np.random.default_rng(0)
+    with npz2mmap.Writer(tmp_path / "mixed") as writer:
+        for k, n in [(2, 5), (3, 7), (1, 4), (3, 7), (2, 7)]:
+            writer.append({
+                "boxes": rng.standard_normal((k, 4)).astype(np.float32),
+                "audio": rng.standard_normal((2, n)),
+                "tokens": np.arange(n, dtype=np.int32),
+            })
+    return MmapDataset(tmp_path / "mixed")
+
+
+def padded_paths(ds: MmapDataset, pad: PaddedCollate, indices: list[int]) -> dict[str, Any]:
+    """The same batch through every path a user takes to PaddedCollate, each giving keys or an error."""
+    def attempt(make: Callable[[], Any]) -> Any:
+        try:
+            return {key: value.tolist() for key, value in make().items()}
+        except (ValueError, npz2mmap.errors.WorkerError) as error:
+            cause = error.__cause__ if isinstance(error, npz2mmap.errors.WorkerError) else error
+            return str(cause)
+
+    def loader(workers: int) -> Any:
+        with MmapLoader(ds, len(indices), collate_fn=pad, num_workers=workers, sampler=indices) as it:
+            return next(iter(it))
+
+    return {
+        "gathered": attempt(lambda: pad(ds.__getitems__(indices))),
+        "listed": attempt(lambda: pad(list(ds.__getitems__(indices)))),
+        "one by one": attempt(lambda: pad([ds[i] for i in indices])),
+        "DataLoader": attempt(lambda: next(iter(DataLoader(ds, batch_size=len(indices), sampler=indices, collate_fn=pad)))),
+        "MmapLoader": attempt(lambda: loader(0)),
+        "MmapLoader workers": attempt(lambda: loader(1)),
+    }
+
+
+@pytest.mark.parametrize("declared", [{"boxes": (4, None)}, {"audio": (None, None)}, {"audio": (2, None)}])
+def test_a_declared_shape_is_taken_and_checked_on_every_path(mixed, declared) -> None:
+    """A shape given in ragged= was ignored for the dataset's own batches: boxes (4, None) gave
+    boxes_lengths along dimension 0 there, and audio (None, None) kept audio_lengths, where the
+    other paths refused or dropped them."""
+    results = padded_paths(mixed, PaddedCollate(ragged=declared), [0, 1, 2])
+    assert all(result == results["gathered"] for result in results.values()), results
+    if declared == {"boxes": (4, None)}:
+        assert results["gathered"].startswith("field 'boxes' has a sample of shape (2, 4), not of the shape")
+    elif declared == {"audio": (None, None)}:
+        assert "audio_lengths" not in results["gathered"] and "audio_shapes" in results["gathered"]
+    else:
+        assert results["gathered"]["audio_lengths"] == [5, 7, 4]
+
+
+def test_samples_listed_and_edited_keep_their_fields_raggedness(mixed) -> None:
+    """After samples = list(batch), a ragged value replaced by a plain array made the field fixed:
+    tokens_lengths went missing from a batch whose samples share a length."""
+    def edited(batch: Any) -> Any:
+        samples = list(batch)
+        for sample in samples:
+            sample["tokens"] = np.array(sample["tokens"]) % 5
+        return PaddedCollate()(samples)
+
+    out = edited(mixed.__getitems__([1, 3, 4]))
+    assert sorted(out) == ["audio", "audio_lengths", "audio_shapes", "boxes", "boxes_lengths", "boxes_shapes",
+                           "tokens", "tokens_lengths"]
+    assert out["tokens_lengths"].tolist() == [7, 7, 7]
+    single = MmapDataset(mixed.path, fields="tokens")
+    assert sorted(PaddedCollate()(list(single.__getitems__([1, 3, 4])))) == ["tokens", "tokens_lengths"]
+    with pytest.raises(ValueError, match=re.escape(
+        "bare samples, of no field (key 'data'), have shapes (5,) and (7,) in one batch; "
+        "pass PaddedCollate(ragged=['data', ...]) to pad it"
+    )):
+        PaddedCollate()([np.arange(5), np.arange(7)])
