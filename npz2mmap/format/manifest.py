@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import KeysView, Sequence
 from collections.abc import Set as AbstractSet
 
 from .. import fsutil
@@ -53,9 +53,15 @@ def resolve_listed(source: PathLike | Sequence[PathLike]) -> list[tuple[str | No
     return listed
 
 
+def is_unordered(items: object) -> bool:
+    """Whether ``items`` is a set, whose order changes from run to run (a dict's keys keep theirs):
+    never the order of parts or of inputs, which is the samples' order."""
+    return isinstance(items, AbstractSet) and not isinstance(items, KeysView)
+
+
 def refuse_unordered(parts: object) -> None:
     """TypeError for parts given as a set: its order, and the samples' with it, changes from run to run."""
-    if isinstance(parts, AbstractSet):
+    if is_unordered(parts):
         raise TypeError(
             "the parts are a set, whose order changes from run to run, and the samples' order with it: "
             "give a list, in the order the parts are read"

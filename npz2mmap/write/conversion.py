@@ -40,6 +40,7 @@ from .options import (
     PartOption,
     PathOrPaths,
     WriteOptions,
+    check_flags,
     check_workers,
     parse_inputs,
     parse_keys,
@@ -128,7 +129,8 @@ def convert(
     display = progress_display(progress)
     inputs = parse_inputs(inputs)
     chosen_keys = parse_keys(keys)
-    check_workers(workers)
+    workers = check_workers(workers)
+    check_flags(skip_bad=skip_bad, rows=rows, sample_dirs=sample_dirs, overwrite=overwrite)
     limit = header_limit(max_header_size)
     publish.check_output(out, overwrite)
     publish.refuse_output_a_pattern_takes(out, inputs)  # before the walk would call OUT an input dataset
@@ -148,7 +150,7 @@ def convert(
             skip_bad,
             options.casts,
             rows,
-            align,
+            options.align,
             space,
             fixed=fixed_keys,
             header_limit=limit,

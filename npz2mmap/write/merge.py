@@ -34,6 +34,7 @@ from ..progress import Progress, SilentProgress
 from ..read.parts import Parts, PartsReader
 from . import blob_writer, publish
 from .layout import Plan, lay_out
+from .options import check_flags, listed_paths
 
 COPY_CHUNK_NBYTES = 8 << 20
 
@@ -66,7 +67,8 @@ def merge(
     cannot be written. Nothing is written when it raises before writing.
     """
     refuse_unordered(parts)
-    listed = [parts] if isinstance(parts, (str, os.PathLike)) else list(parts)  # an iterator, read once
+    listed = listed_paths("parts", parts)
+    check_flags(copy=copy, overwrite=overwrite)
     for part in listed:  # a part not there is a usage mistake, as a missing INPUT of convert is
         if not os.path.lexists(part):
             raise MissingInputError(f"{os.fspath(part)}: no such dataset")

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..format.index import ALIGN_RULE, MIN_ALIGN, is_valid_align
+from ..format.manifest import is_unordered
 from ..text import brief
 
 PathOrPaths = str | os.PathLike[str] | Iterable[str | os.PathLike[str]]
@@ -47,8 +47,7 @@ class WriteOptions:
     ) -> WriteOptions:
         """The options, each checked; TypeError or ValueError naming the first that is wrong."""
         chosen, out = resolve_part(part, out_dir)
-        check_align(align)
-        return cls(out, chosen, align, parse_casts(casts), parse_fixed(fixed))
+        return cls(out, chosen, check_align(align), parse_casts(casts), parse_fixed(fixed))
 
 
 def select_part(sources: list[str], part: tuple[int, int] | None) -> list[str]:
@@ -144,31 +143,65 @@ def part_directory(out_dir: str, part: tuple[int, int]) -> str:
     return out_dir.replace("{part}", label) if "{part}" in out_dir else os.path.join(out_dir, f"part-{label}")
 
 
-def check_align(align: int) -> None:
-    """ValueError unless ``align`` is one a dataset may have (index.ALIGN_RULE)."""
-    if not is_valid_align(align):
-        raise ValueError(f"align must be {ALIGN_RULE}, got {align}")
+def check_align(align: int) -> int:
+    """``align`` as an int; TypeError unless an integer, ValueError unless one a dataset may have
+    (index.ALIGN_RULE)."""
+    value = check_integer("align", align)
+    if not is_valid_align(value):
+        raise ValueError(f"align must be {ALIGN_RULE}, got {value}")
+    return value
+
+
+def check_integer(option: str, value: object) -> int:
+    """``value`` as an int (numpy's integers too); TypeError naming ``option`` for a bool, a float,
+    a string or anything else that is no integer."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{option} must be an integer, not {brief(value, 80)}")
+    return int(value)
+
+
+def check_flags(**flags: object) -> None:
+    """TypeError naming the first of ``flags`` that is not True or False: a string 'false' would
+    be taken as true."""
+    for option, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{option} must be True or False, not {brief(value, 80)}")
 
 
 def parse_inputs(inputs: PathOrPaths) -> list[str | os.PathLike[str]]:
     """``inputs`` as a list: one path is a list of one, never the characters of its name; an
     iterator is read once. TypeError for a set, whose order (the samples') changes from run to run."""
-    if isinstance(inputs, (str, os.PathLike)):
-        return [inputs]
-    if isinstance(inputs, AbstractSet):
+    if is_unordered(inputs):
         raise TypeError(
             "inputs is a set, whose order changes from run to run, and the samples' order with it: "
             "give a list, such as sorted(inputs)"
         )
-    iterable = isinstance(inputs, Iterable) and not isinstance(inputs, (bytes, bytearray))
-    listed = list(inputs) if iterable else None
-    if listed is None or not all(isinstance(i, (str, os.PathLike)) for i in listed):
-        raise TypeError(
-            f"inputs must be a path or a list of paths (str or os.PathLike), not {brief(inputs, 80)}"
-        )
+    listed = listed_paths("inputs", inputs)
     if not listed:
         raise ValueError("inputs is empty: give at least one path")
     return listed
+
+
+def listed_paths(option: str, given: object) -> list[str | os.PathLike[str]]:
+    """Paths given as one path (a list of one, never the characters of its name) or any iterable
+    of them (read once), as a list of str (numpy's str_ made plain) or os.PathLike; TypeError
+    naming ``option`` for anything else."""
+    if isinstance(given, (str, os.PathLike)):
+        return [_plain(given)]
+    listed = None
+    if isinstance(given, Iterable) and not isinstance(given, (bytes, bytearray)):
+        listed = list(given)
+    if listed is None or not all(isinstance(path, (str, os.PathLike)) for path in listed):
+        raise TypeError(
+            f"{option} must be a path or a list of paths (str or os.PathLike), not {brief(given, 80)}"
+        )
+    return [_plain(path) for path in listed]
+
+
+def _plain(path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """A path as a plain str where it is a str of a subclass (numpy's str_), as os functions take it."""
+    return str(path) if isinstance(path, str) else path
+
 
 
 def parse_keys(keys: Iterable[str] | None) -> tuple[str, ...] | None:
@@ -185,14 +218,16 @@ def parse_keys(keys: Iterable[str] | None) -> tuple[str, ...] | None:
     return tuple(keys)
 
 
-def check_workers(workers: int | None) -> None:
-    """TypeError or ValueError unless ``workers`` is None (one per core) or a count of at least 1."""
+def check_workers(workers: int | None) -> int | None:
+    """``workers`` as an int, or None (one per core); TypeError or ValueError unless a count of
+    at least 1."""
     if workers is None:
-        return
-    if not isinstance(workers, int) or isinstance(workers, bool):
+        return None
+    if isinstance(workers, (bool, np.bool_)) or not isinstance(workers, (int, np.integer)):
         raise TypeError(f"workers must be an integer (or None for one per core), not {brief(workers, 80)}")
     if workers < 1:
         raise ValueError(f"workers must be at least 1 (or None for one per core), got {workers}")
+    return int(workers)
 
 
 def parse_fixed(fixed: Iterable[str]) -> tuple[str, ...]:
@@ -224,7 +259,10 @@ def parse_casts(casts: Mapping[str, np.dtype | str] | None) -> dict[str, np.dtyp
 
 
 def cast_dtype(value: np.dtype | str) -> np.dtype:
-    """The dtype a --cast names; ValueError unless it is a fixed-size, pickle-free numpy dtype."""
+    """The dtype a --cast names; ValueError unless it is a fixed-size, pickle-free numpy dtype
+    (None too, which numpy would take as float64)."""
+    if value is None:
+        raise ValueError("None is not a numpy dtype: name one, as 'float32'")
     try:
         dtype = np.dtype(value)
     except (TypeError, ValueError, SyntaxError):  # numpy's messages for '0.1=f4', '(2' differ

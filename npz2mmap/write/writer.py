@@ -38,7 +38,7 @@ from ..parallel import (
 from ..text import brief, printable
 from . import blob_writer, publish
 from .layout import Plan
-from .options import PartOption, WriteOptions
+from .options import PartOption, WriteOptions, check_flags
 from .plan import WRITER_HINTS, PendingSource, PlanBuilder, check_field_name
 from .shapes import NearlyFixed, describe_nearly_fixed, find_nearly_fixed, unfixed_problem
 from .spools import Marks, SourceNames, Spool, array_header
@@ -94,6 +94,7 @@ class Writer:
         part: PartOption = None,
     ) -> None:
         options = WriteOptions.checked(out_dir, part=part, align=align, casts=casts, fixed=fixed)
+        check_flags(overwrite=overwrite)
         self._fixed = options.fixed
         self.nearly_fixed: tuple[NearlyFixed, ...] = ()  # set by close
         self.part, self.out_dir = options.part, options.out_dir
@@ -115,7 +116,7 @@ class Writer:
             self._names = SourceNames(os.path.join(self._spool_dir, "sources"))
             self._stack.callback(self._names.spool.close)
             self._builder = PlanBuilder(
-                align,
+                options.align,
                 options.casts,
                 max_payload_nbytes=publish.free_nbytes(self.out_dir),
                 hints=WRITER_HINTS,

@@ -533,3 +533,21 @@ def test_parts_given_as_a_set_are_refused_as_their_order_would_change_from_run_t
     assert [int(s["x"][0]) for s in MmapDataset(tmp_path / "generated")] == [0, 1]
     merge(parts[1], tmp_path / "one", copy=True)
     assert [int(s["x"][0]) for s in MmapDataset(tmp_path / "one")] == [1]
+
+
+def test_merge_refuses_parts_and_options_of_another_type_with_a_message_naming_them(tmp_path) -> None:
+    """bytes parts gave "'int' object is not iterable", and copy='no' merged by copying."""
+    write_samples(tmp_path / "src", [{"x": np.zeros(2)}])
+    part = convert([tmp_path / "src"], tmp_path / "p0", workers=1).out_dir
+    for parts, message in [
+        ([str(part).encode()], "parts must be a path or a list of paths (str or os.PathLike), not [b'"),
+        (None, "parts must be a path or a list of paths (str or os.PathLike), not None"),
+    ]:
+        with pytest.raises(TypeError) as caught:
+            merge(parts, tmp_path / "merged")
+        assert str(caught.value).startswith(message)
+    with pytest.raises(TypeError, match=r"^copy must be True or False, not 'no'$"):
+        merge([part], tmp_path / "merged", copy="no")
+    assert not (tmp_path / "merged").exists()
+    merge({str(part): 0}.keys(), tmp_path / "merged")  # a dict's keys keep their order
+    assert len(MmapDataset(tmp_path / "merged")) == 1

@@ -532,6 +532,8 @@ def test_keys_and_fixed_in_an_iterator_are_read_once_and_held(tmp_path) -> None:
         ({"fixed": "a"}, "fixed must be a list of keys, not 'a'"),
         ({"fixed": [1]}, "fixed must be a list of keys, not [1]"),
         ({"keys": 3}, "keys must be a list of keys, not 3"),
+        ({"align": "4096"}, "align must be an integer, not '4096'"),
+        ({"overwrite": "yes"}, "overwrite must be True or False, not 'yes'"),
     ],
 )
 def test_options_of_another_type_are_a_type_error_naming_them(tmp_path, options, message) -> None:
@@ -544,3 +546,38 @@ def test_options_of_another_type_are_a_type_error_naming_them(tmp_path, options,
         with pytest.raises(TypeError) as caught:
             Writer(tmp_path / "w", **options)
         assert str(caught.value) == message
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"casts": {"a": None}}, ValueError, "None is not a numpy dtype: name one, as 'float32'"),
+        ({"rows": "false"}, TypeError, "rows must be True or False, not 'false'"),
+        ({"skip_bad": 1}, TypeError, "skip_bad must be True or False, not 1"),
+        ({"sample_dirs": "no"}, TypeError, "sample_dirs must be True or False, not 'no'"),
+        ({"overwrite": None}, TypeError, "overwrite must be True or False, not None"),
+        ({"align": "4096"}, TypeError, "align must be an integer, not '4096'"),
+        ({"align": 4096.0}, TypeError, "align must be an integer, not 4096.0"),
+        ({"align": None}, TypeError, "align must be an integer, not None"),
+    ],
+)
+def test_options_a_python_caller_gets_wrong_are_refused_where_they_were_taken(tmp_path, options, error, message) -> None:
+    """casts={'a': None} stored a as float64 (numpy's dtype of None), rows='false' converted in rows
+    mode, and align='4096' escaped as a comparison of str and int."""
+    write_npz(tmp_path / "src" / "a.npz", a=np.arange(3))
+    with pytest.raises(error) as caught:
+        convert([tmp_path / "src"], tmp_path / "out", **options)
+    assert str(caught.value) == message
+    assert not (tmp_path / "out").exists()
+
+
+def test_numpy_values_for_paths_and_numbers_are_taken_as_python_ones(tmp_path) -> None:
+    """A directory named by numpy's str_ failed inside the walk; align=np.int64(4096) failed once
+    the whole copy was done, writing the index; a dict's keys, which keep their order, were refused
+    as a set."""
+    write_npz(tmp_path / "src" / "a.npz", a=np.arange(3))
+    convert([tmp_path / "src"], tmp_path / "plain", align=4096, workers=1)
+    for k, inputs in enumerate([np.str_(tmp_path / "src"), np.array([str(tmp_path / "src")]),
+                                {str(tmp_path / "src"): None}.keys()]):
+        convert(inputs, tmp_path / f"out{k}", align=np.int64(4096), workers=np.int64(1))
+        assert dataset_bytes(tmp_path / f"out{k}") == dataset_bytes(tmp_path / "plain")
