@@ -28,6 +28,7 @@ from ..read.memory import fits_in_memory, larger_than_memory, memory_limit
 from ..read.parts import Parts, PartsReader
 from ..read.ragged import RaggedRows, lengths_axis
 from ..read.reader import ADVICE, copy_bytes
+from ..write.options import check_flags
 
 # Imported for its registrations: torch's default collate must know the marked sample types
 # wherever a dataset's batches are collated, in every worker process too.
@@ -120,6 +121,7 @@ class MmapDataset(Dataset[Any]):
             name: self._sample_shape(name) for name in names if self.parts.field(name).shape is None
         }
         self.transform = transform
+        check_flags(tensors=tensors)
         self.tensors = tensors
         if advice is not None and advice not in ADVICE:
             raise ValueError(f"advice must be one of {', '.join(ADVICE)}, got {advice!r}")

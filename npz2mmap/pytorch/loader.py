@@ -27,6 +27,7 @@ from numpy.typing import NDArray
 
 from ..errors import FormatError
 from ..read.reader import normalise_indices
+from ..write.options import check_flags, check_integer
 from .batch_plan import BatchPlan, InMemory, plan_batches
 from .dataset import MmapDataset
 from .padding import PaddedCollate
@@ -124,7 +125,8 @@ class MmapLoader:
             )
         if batch_size < 1 or prefetch < 0 or num_workers < 0 or read_ahead < 0:
             raise ValueError("batch_size must be at least 1, prefetch, num_workers and read_ahead at least 0")
-        if slot_nbytes is not None and slot_nbytes < 1:
+        check_flags(shuffle=shuffle, drop_last=drop_last, pin_memory=pin_memory)
+        if slot_nbytes is not None and check_integer("slot_nbytes", slot_nbytes) < 1:
             raise ValueError(f"slot_nbytes must be at least 1, got {slot_nbytes}")
         check_timeout(timeout)
         check_collate_keys(dataset, collate_fn)

@@ -21,6 +21,7 @@ from ..read.ragged import (
     raw_unit,
     valid_mask_of,
 )
+from ..write.options import check_flags
 from .assemble import NewMemory, Padding, place_padded, torch_dtype
 from .collate import check_same_keys
 from .gathered import GatheredBatch
@@ -70,6 +71,7 @@ class PaddedCollate:
         nested: bool = False,
         ragged: Iterable[str] | Mapping[str, Sequence[int | None]] | None = None,
     ) -> None:
+        check_flags(mask=mask, nested=nested)
         self.pad_value = pad_value
         self.mask = mask
         self.nested = nested

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 import npz2mmap.read.parts
-from npz2mmap import MmapDataset
+from npz2mmap import MmapDataset, MmapLoader, PaddedCollate
 from npz2mmap.errors import FormatError
 from npz2mmap.read.reader import normalise_index, normalise_indices
 from npz2mmap.write.conversion import convert
@@ -551,3 +551,21 @@ def test_merge_refuses_parts_and_options_of_another_type_with_a_message_naming_t
     assert not (tmp_path / "merged").exists()
     merge({str(part): 0}.keys(), tmp_path / "merged")  # a dict's keys keep their order
     assert len(MmapDataset(tmp_path / "merged")) == 1
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda ds: MmapLoader(ds, 2, shuffle="false"), "shuffle must be True or False, not 'false'"),
+        (lambda ds: MmapLoader(ds, 2, drop_last=1), "drop_last must be True or False, not 1"),
+        (lambda ds: MmapLoader(ds, 2, num_workers=1, slot_nbytes=1000.5), "slot_nbytes must be an integer, not 1000.5"),
+        (lambda ds: MmapDataset(ds.path, tensors="no"), "tensors must be True or False, not 'no'"),
+        (lambda ds: PaddedCollate(mask="false"), "mask must be True or False, not 'false'"),
+    ],
+)
+def test_a_switch_given_a_string_is_a_type_error_not_taken_as_true(small_dataset, make, message) -> None:
+    """shuffle='false' shuffled, and PaddedCollate(mask='false') added masks: any string is true."""
+    out, _ = small_dataset
+    with pytest.raises(TypeError) as caught:
+        make(MmapDataset(out))
+    assert str(caught.value) == message
