@@ -241,12 +241,14 @@ class MmapDataset(Dataset[Any]):
     def lengths(self, field: str) -> np.ndarray:
         """Every sample's length (int64, (N,)) along the one dimension in which a field's samples
         differ: a sequence's length, the count of a (k, 4) field's boxes; a fixed field's first
-        dimension. ValueError when several differ: ``shapes`` then has every shape.
+        dimension. ValueError when several differ (``shapes`` then has every shape) and for a 0-d field.
 
         Read from the index and its shape tables only, never from sample data,
         so building length-grouped batches costs no I/O of the data itself.
         """
         shapes = self.shapes(field)  # tables checked whole first, as verify checks them
+        if not shapes.shape[1]:
+            raise ValueError(f"field {field!r} is 0-d: its samples have no length")
         shape = self.ragged_fields.get(field) or self.parts.field(field).shape or ()
         axis = lengths_axis(shape) if field in self.ragged_fields else 0
         if axis is None:
@@ -255,7 +257,7 @@ class MmapDataset(Dataset[Any]):
                 f"field {field!r} differs between samples in dimensions {dims}, so no one length "
                 f"describes a sample: ds.shapes({field!r}) gives each sample's shape"
             )
-        return np.ascontiguousarray(shapes[:, axis]) if shapes.shape[1] else np.zeros(len(shapes), np.int64)
+        return np.ascontiguousarray(shapes[:, axis])
 
     def shapes(self, field: str) -> np.ndarray:
         """Every sample's shape (int64, (N, ndim)), from the index tables alone."""

@@ -174,16 +174,20 @@ def _named_ragged(
             named[name] = None
             continue
         lengths = tuple(shape) if isinstance(shape, Iterable) and not isinstance(shape, (str, bytes)) else ()
-        if None not in lengths or not all(
-            length is None or (isinstance(length, int) and not isinstance(length, bool) and length >= 0)
-            for length in lengths
-        ):
+        if None not in lengths or not all(length is None or _is_length(length) for length in lengths):
             raise ValueError(
                 f"ragged[{name!r}] is {shape!r}: give the field's shape in every sample, None in each "
                 "dimension in which samples differ, as (None, 4)"
             )
-        named[name] = lengths
+        named[name] = tuple(None if length is None else int(length) for length in lengths)
     return named
+
+
+def _is_length(value: object) -> bool:
+    """Whether ``value`` is a dimension's length: an int of at least 0 (numpy's too, never a bool)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        return False
+    return bool(value >= 0)
 
 
 def _shape_of_samples(

@@ -65,13 +65,15 @@ class DatasetReader:
         self, path: str | os.PathLike[str], index: Index | None = None, check_identity: bool = True
     ) -> None:
         self.path = os.fspath(path)
-        self._recipe = (self.path, index, check_identity)
         if index is None and is_manifest_dir(self.path):
             raise FormatError(
                 f"{self.path}: a dataset of parts ({MANIFEST_NAME}); a DatasetReader reads one part: "
                 f"open one of the parts it lists, or the whole as MmapDataset({self.path!r})"
             )
         self.index = index if index is not None else load_index(self.path)
+        # The index read travels with the path: a copy loaded elsewhere maps the blob again and,
+        # as this reader would, refuses a dataset replaced since.
+        self._recipe = (self.path, self.index, check_identity)
         self.blob_path = os.path.join(self.path, BLOB_NAME)
         self._mmap, self._hint_fd = _map_blob(self.blob_path, self.index, check_identity)
         if self._hint_fd is not None:

@@ -50,7 +50,9 @@ def test_lengths_come_from_the_tables_without_reading_sample_data(ragged, monkey
     assert ds.lengths("tokens").tolist() == LENGTHS
     assert ds.lengths("points").tolist() == LENGTHS  # (n, 3) points: the count, along the varying axis
     assert ds.shapes("points").tolist() == [[n, 3] for n in LENGTHS]  # every shape whole
-    assert ds.lengths("label").tolist() == [0] * 12 and ds.shapes("label").shape == (12, 0)  # 0-d: no axes
+    assert ds.shapes("label").shape == (12, 0)  # 0-d: no axes, so no length (it gave zeros to group by)
+    with pytest.raises(ValueError, match=r"^field 'label' is 0-d: its samples have no length$"):
+        ds.lengths("label")
 
 
 def test_lengths_of_a_multi_part_dataset(ragged, tmp_path) -> None:
@@ -554,3 +556,10 @@ def test_samples_listed_and_edited_keep_their_fields_raggedness(mixed) -> None:
         "pass PaddedCollate(ragged=['data', ...]) to pad it"
     )):
         PaddedCollate()([np.arange(5), np.arange(7)])
+
+
+def test_a_declared_shape_may_hold_numpy_integers(mixed) -> None:
+    """A shape built from ds.shapes() holds numpy integers: it was refused as no shape at all."""
+    width = mixed.shapes("boxes")[0, 1]
+    out = PaddedCollate(ragged={"boxes": (None, width)})(list(mixed.__getitems__([0, 1])))
+    assert out["boxes_lengths"].tolist() == [2, 3]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from conftest import REPO_ROOT
 
 import npz2mmap
@@ -75,3 +76,16 @@ def test_opening_a_dataset_a_writer_is_writing_says_so(tmp_path) -> None:
     with pytest.raises(FormatError) as refused:
         DatasetReader(str(tmp_path / "typo"))
     assert str(refused.value) == f"{tmp_path / 'typo'}: no such dataset"
+
+
+def test_a_reader_loaded_from_its_pickle_refuses_a_dataset_written_again_since(tmp_path) -> None:
+    """It pickled as its path alone: a copy loaded after the dataset was written again read the
+    new data (and Hugging Face's cache, keyed by that pickle, kept the old rows for it)."""
+    out = written(tmp_path)
+    pickled = pickle.dumps(DatasetReader(out))
+    assert pickle.loads(pickled).view("image", 2).tolist() == [[2] * 3] * 2
+    with npz2mmap.Writer(out, overwrite=True) as writer:
+        writer.append({"image": np.full((2, 3), 9, np.uint8), "boxes": np.zeros((1, 4), np.float32)})
+    with pytest.raises(npz2mmap.errors.FormatError, match="does not belong to the index read"):
+        pickle.loads(pickled)
+    assert pickled != pickle.dumps(DatasetReader(out))
