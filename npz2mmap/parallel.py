@@ -54,7 +54,8 @@ def worker_map(workers: int, num_tasks: int, close_in_workers: Sequence[int] = (
     must not keep, such as one holding a lock, which would otherwise stay
     held for as long as any worker lives.
     """
-    if workers <= 1 or num_tasks <= 1:
+    workers = min(workers, num_tasks)  # a process with nothing to do is only a cost
+    if workers <= 1:
         yield _serial_map
         return
     batch = max(1, min(MAX_BATCH, num_tasks // (workers * 8)))

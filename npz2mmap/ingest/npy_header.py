@@ -82,13 +82,14 @@ def header_limit(max_header_size: int | HeaderLimit | None) -> HeaderLimit:
         return NP_LOAD_LIMIT
     limit = max_header_size if isinstance(max_header_size, HeaderLimit) else HeaderLimit(max_header_size)
     chars = limit.max_chars
-    if not isinstance(chars, int) or isinstance(chars, bool):
+    if isinstance(chars, (bool, np.bool_)) or not isinstance(chars, (int, np.integer)):
         raise TypeError(f"max_header_size must be an integer, not {type(chars).__name__}")
+    chars = int(chars)  # numpy's integers too, taken as the number they are
     if not 1 <= chars <= MAX_HEADER_SIZE_LIMIT:
         raise ValueError(
             f"max_header_size must be from 1 to {MAX_HEADER_SIZE_LIMIT:,} characters, found {chars:,}"
         )
-    return limit
+    return limit._replace(max_chars=chars)
 
 
 @dataclass(frozen=True)

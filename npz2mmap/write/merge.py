@@ -30,7 +30,7 @@ from ..format.manifest import (
     resolve_parts,
 )
 from ..ingest.discover import RealPaths
-from ..progress import Progress, SilentProgress
+from ..progress import Progress, progress_display
 from ..read.parts import Parts, PartsReader
 from . import blob_writer, publish
 from .layout import Plan, lay_out
@@ -54,7 +54,7 @@ def merge(
     *,
     copy: bool = False,
     overwrite: bool = False,
-    progress: Progress | None = None,
+    progress: Progress | str | None = None,
 ) -> MergeResult:
     """Present ``parts`` (dataset paths, in order: a list or any iterable but a set; one path is
     a list of one) as one dataset at ``out_dir``.
@@ -69,6 +69,7 @@ def merge(
     refuse_unordered(parts)
     listed = listed_paths("parts", parts)
     check_flags(copy=copy, overwrite=overwrite)
+    display = progress_display(progress)  # as convert's: None, a mode of --progress, or a Progress
     for part in listed:  # a part not there is a usage mistake, as a missing INPUT of convert is
         if not os.path.lexists(part):
             raise MissingInputError(f"{os.fspath(part)}: no such dataset")
@@ -81,7 +82,8 @@ def merge(
     out = os.fspath(out_dir)
     ragged = ragged_across_parts(opened)
     if copy:
-        _merge_by_copy(opened, out, overwrite, progress or SilentProgress())
+        with display as shown:
+            _merge_by_copy(opened, out, overwrite, shown)
     else:
         _write_manifest(given, out, overwrite)
     for line in ragged:

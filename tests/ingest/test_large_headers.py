@@ -261,3 +261,11 @@ def test_a_long_utf8_header_is_measured_in_characters_as_np_load_measures_it(tmp
     with pytest.raises(SourceError) as raised:
         convert([path], tmp_path / "out", workers=1, max_header_size=MAX_HEADER_SIZE_LIMIT)
     assert str(raised.value) == f"{path}: .npy header is not a valid Python literal{SKIP_BAD_HINT}"
+
+
+def test_a_numpy_integer_is_taken_as_the_limit_it_is(tmp_path) -> None:
+    """max_header_size=np.int64(500) was refused as 'not an integer'."""
+    np.savez(tmp_path / "a.npz", x=np.zeros(3))
+    convert([tmp_path / "a.npz"], tmp_path / "out", max_header_size=np.int64(500), workers=1)
+    with pytest.raises(TypeError, match="^max_header_size must be an integer, not bool$"):
+        convert([tmp_path / "a.npz"], tmp_path / "other", max_header_size=True)

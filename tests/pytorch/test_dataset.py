@@ -569,3 +569,16 @@ def test_a_switch_given_a_string_is_a_type_error_not_taken_as_true(small_dataset
     with pytest.raises(TypeError) as caught:
         make(MmapDataset(out))
     assert str(caught.value) == message
+
+
+def test_merge_takes_progress_as_convert_does(tmp_path) -> None:
+    """merge(copy=True, progress='bar') raised AttributeError, and without copy any value passed."""
+    parts = [convert([write_samples(tmp_path / "src", [{"x": np.zeros(2)}])[0]], tmp_path / "p", part=(k, 2),
+                     workers=1).out_dir for k in range(2)]
+    for k, mode in enumerate(["log", "none", None]):
+        merge(parts, tmp_path / f"m{k}", copy=True, progress=mode)
+        assert (tmp_path / f"m{k}" / "data.npy").read_bytes() == (tmp_path / "m0" / "data.npy").read_bytes()
+    for copy in (True, False):
+        with pytest.raises(TypeError, match=r"^progress must be None, one of 'auto', 'bar', 'log', 'none'"):
+            merge(parts, tmp_path / f"bad{copy}", copy=copy, progress="xyz")
+        assert not (tmp_path / f"bad{copy}").exists()

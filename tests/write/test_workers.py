@@ -91,3 +91,22 @@ def test_ctrl_c_while_a_worker_starts_prints_nothing_from_it(tmp_path) -> None:
             process.kill()
             process.communicate()
     assert (process.returncode, stdout, stderr) == (0, "36\n", "")
+
+
+def test_no_more_workers_start_than_there_are_tasks(monkeypatch) -> None:
+    """--workers 1000 on 5 files started 999 processes, each doing nothing but cost."""
+    import npz2mmap.parallel as parallel
+
+    started = []
+
+    class Recorded(parallel.ProcessPoolExecutor):
+        def __init__(self, max_workers, **kwargs):
+            started.append(max_workers)
+            super().__init__(max_workers, **kwargs)
+
+    monkeypatch.setattr(parallel, "ProcessPoolExecutor", Recorded)
+    with parallel.worker_map(1000, 5) as imap:
+        assert list(imap(abs, [-1, -2, -3, -4, -5])) == [1, 2, 3, 4, 5]
+    with parallel.worker_map(1000, 1) as imap:  # one task: no process at all
+        assert list(imap(abs, [-7])) == [7]
+    assert started == [5]
