@@ -35,13 +35,10 @@ from ..format.index import (
     blob_header,
     blob_identity,
     load_index,
-    ragged_table_problem,
     representable_nbytes,
-    representable_row_nbytes,
-    sample_shape_of_table,
-    shape_fits,
 )
 from ..format.manifest import MANIFEST_NAME, is_manifest_dir
+from ..format.tables import ragged_table_problem, representable_row_nbytes, sample_shape_of_table, shape_fits
 from ..text import quoted
 from .features import Feature
 from .ragged import RaggedRows

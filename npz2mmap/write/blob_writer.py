@@ -42,8 +42,8 @@ from ..format.index import (
     blob_identity,
     index_digest,
     index_to_json,
-    sample_shape_of_table,
 )
+from ..format.tables import sample_shape_of_table
 from ..ingest.elements import ByteReader, Piece, stored_pieces
 from ..ingest.npy_header import SCANNED_LIMIT, MemberHeader, parse_npy_header
 from ..ingest.npz import CHUNK_NBYTES, LOCATION_FIELDS, MemberLocation
