@@ -26,7 +26,7 @@ import torch
 from numpy.typing import NDArray
 
 from ..errors import FormatError
-from ..read.reader import normalise_indices
+from ..read.indices import normalise_indices
 from ..write.options import check_flags, check_integer
 from .batch_plan import BatchPlan, InMemory, plan_batches
 from .dataset import MmapDataset
@@ -185,7 +185,7 @@ class MmapLoader:
         """The batches of sample indices of this epoch, checked as the dataset checks them.
 
         Raises TypeError for an index that is not an integer, IndexError for
-        one out of range (see reader.normalise_indices).
+        one out of range (see indices.normalise_indices).
         """
         num_samples = len(self.dataset)
         if self.batch_sampler is not None:

@@ -28,13 +28,12 @@ from ..format.index import (
 )
 from ..format.manifest import PathLike, check_part_set, naming_parts, resolve_listed
 from ..text import quoted
+from .indices import normalise_index, normalise_indices
 from .ragged import RaggedRows
 from .reader import (
     DatasetReader,
     as_raw,
     check_blob,
-    normalise_index,
-    normalise_indices,
 )
 
 
@@ -202,7 +201,7 @@ class PartsReader:
         return self.parts.field(name)
 
     def sample_index(self, i: int) -> int:
-        """Normalise ``i`` (see reader.normalise_index)."""
+        """Normalise ``i`` (see indices.normalise_index)."""
         return normalise_index(i, self.parts.num_samples)
 
     def sample_indices(self, indices: Sequence[int] | NDArray[np.integer]) -> NDArray[np.int64]:

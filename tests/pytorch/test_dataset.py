@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 import npz2mmap.read.parts
 from npz2mmap import MmapDataset, MmapLoader, PaddedCollate
 from npz2mmap.errors import FormatError
-from npz2mmap.read.reader import normalise_index, normalise_indices
+from npz2mmap.read.indices import normalise_index, normalise_indices
 from npz2mmap.write.conversion import convert
 from npz2mmap.write.merge import merge
 
