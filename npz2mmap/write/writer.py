@@ -275,7 +275,7 @@ class Writer:
         """close(); warnings point ``warn_stacklevel`` frames up, at the caller's line."""
         self._check_owner()
         if self._closed:
-            self._discard()
+            self._discard_surely()
             if self._close_began and not self._published:
                 raise OutputError(
                     f"{self.out_dir}: not written: the earlier close() raised, and its samples were "
@@ -289,8 +289,8 @@ class Writer:
                 self._write()
             finally:
                 self._discard()
-        finally:  # a Ctrl-C that cut the discard short: once is enough, so the retry is not cut
-            self._discard()
+        finally:  # a Ctrl-C that cut the discard short, even at its first instruction: again, till done
+            self._discard_surely()
         for item in self.nearly_fixed:
             warnings.warn(_describe_nearly_fixed(item), RaggedFieldWarning, stacklevel=warn_stacklevel)
 
@@ -301,12 +301,27 @@ class Writer:
         self._discard_surely()
 
     def _discard_surely(self) -> None:
-        """``_discard``, retried once: a Ctrl-C another thread took is raised even where this
-        thread holds Ctrl-C back, and cuts the first short; one Ctrl-C is raised once."""
+        """``_discard``, and when a Ctrl-C cuts it short, again until done before that Ctrl-C goes on.
+
+        A Ctrl-C another thread took (a process-wide SIGINT can reach any thread) is raised even
+        where this thread holds Ctrl-C back, so a burst of them can cut a discard short time and
+        again; each try takes up where the last stopped, so the lock is free once the first
+        KeyboardInterrupt is out. Those that cut the tries short are dropped, the signal mask
+        put back as they left it (bounded: a storm that outlasts every try leaves the rest to
+        the next call, or to garbage collection).
+        """
+        mask = signal_mask()
         try:
             self._discard()
-        finally:
-            self._discard()
+        except KeyboardInterrupt:
+            for _ in range(MAX_DISCARD_TRIES):
+                restore_signal_mask(mask)
+                try:
+                    self._discard()
+                    break
+                except KeyboardInterrupt:
+                    continue
+            raise
 
     def _discard(self) -> None:
         """Close for good: spools removed, lock released, with Ctrl-C held back so that all of it is done.
@@ -439,6 +454,11 @@ class _Cleanups:
         while self._steps:
             self._steps[-1]()
             self._steps.pop()
+
+
+# A discard cut short by Ctrl-C is tried again this many times (each try takes up where the last
+# stopped); only a storm of interrupts that outlasts them all leaves the rest to the next call.
+MAX_DISCARD_TRIES = 1000
 
 
 def _release_all(locks: list[publish.OutputLock]) -> None:

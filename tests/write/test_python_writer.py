@@ -1542,3 +1542,35 @@ left_open = npz2mmap.Writer({str(tmp_path / 'at-exit')!r})
         message.format(tmp_path / "at-exit"),
     ]
     assert sorted(os.listdir(tmp_path)) == ["closed"]
+
+
+@pytest.mark.parametrize("interrupts", [1, 2, 3, 10])
+def test_a_discard_cut_short_again_and_again_is_finished_before_the_interrupt_goes_on(
+    tmp_path, monkeypatch, interrupts
+) -> None:
+    """The same as a burst, made certain: every removal of the staging directory interrupted,
+    ``interrupts`` times over. Two cut close's two discards short and left the lock held."""
+    from npz2mmap import fsutil
+
+    remove_tree = fsutil.remove_tree
+    left = [interrupts]
+
+    def interrupted_removal(path: str) -> None:
+        if left[0]:
+            left[0] -= 1
+            raise KeyboardInterrupt
+        remove_tree(path)
+
+    samples = cast_samples(2)
+    for way in ("close", "abort"):
+        out = tmp_path / way
+        w = npz2mmap.Writer(out)
+        w.append(samples[0], source="s0")
+        left[0] = interrupts
+        monkeypatch.setattr(fsutil, "remove_tree", interrupted_removal)
+        with pytest.raises(KeyboardInterrupt):
+            getattr(w, way)()
+        monkeypatch.setattr(fsutil, "remove_tree", remove_tree)
+        assert lock_is_free(out) and left_beside(out) == [], way
+        assert not sigint_blocked()
+        npz2mmap.Writer(out, overwrite=True).abort()
