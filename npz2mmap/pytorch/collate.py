@@ -52,8 +52,9 @@ def _collate_numpy_only_samples(batch: Sequence[np.ndarray], *, collate_fn_map: 
 def _collate_gathered_samples(batch: Sequence[GatheredSample], *, collate_fn_map: Any = None) -> Any:
     """torch's default collate of a GatheredBatch: ``collate``'s batch (the same tensors, arrays
     and lists torch's collate makes of its samples, with no copy); of such samples rearranged
-    into a list of one's own, torch's own collate, field by field."""
-    if isinstance(batch, GatheredBatch):
+    into a list of one's own, ``collate``'s where their dataset has ragged fields (listed,
+    whatever values a collate_fn put under their keys), else torch's own, field by field."""
+    if isinstance(batch, GatheredBatch) or marked_ragged(batch):
         return collate(batch)
     return torch_collate([dict(sample) for sample in batch], collate_fn_map=collate_fn_map)
 

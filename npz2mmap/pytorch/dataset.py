@@ -115,11 +115,11 @@ class MmapDataset(Dataset[Any]):
         if repeated is not None:
             raise ValueError(f"fields names {repeated!r} twice; name each field once")
         self.fields: tuple[str, ...] = tuple(names)
-        # The selected fields whose shape differs between samples (in any part), each with its shape
-        # in every sample (None where samples differ); batches carry it.
-        self.ragged_fields: dict[str, SampleShape] = {
-            name: self._sample_shape(name) for name in names if self.parts.field(name).shape is None
-        }
+        # The selected fields whose shape differs between samples (in any part), with the shape each
+        # index records (None where a version 2 part records none): see ragged_fields.
+        infos = [self.parts.field(name) for name in names]
+        self._recorded = {info.name: info.sample_shape for info in infos if info.shape is None}
+        self._ragged_fields: dict[str, SampleShape] | None = None
         self.transform = transform
         check_flags(tensors=tensors)
         self.tensors = tensors
@@ -134,10 +134,18 @@ class MmapDataset(Dataset[Any]):
     def __len__(self) -> int:
         return self.parts.num_samples
 
-    def _sample_shape(self, name: str) -> SampleShape:
-        """From the index; a version 2 dataset's ragged field of 2 or more dimensions needs its tables."""
-        recorded = self.parts.field(name).sample_shape
-        return recorded if recorded is not None else PartsReader(self.parts).sample_shape(name)
+    @property
+    def ragged_fields(self) -> dict[str, SampleShape]:
+        """The selected fields whose shape differs between samples, each with its shape in every
+        sample (None where samples differ): batches carry it. From the index; where a version 2
+        dataset records none (a ragged field of 2 or more dimensions), from its tables, on first
+        use (once per process), so that opening it stays as cheap as before."""
+        if self._ragged_fields is None:
+            self._ragged_fields = {
+                name: shape if shape is not None else self.reader.sample_shape(name)
+                for name, shape in self._recorded.items()
+            }
+        return self._ragged_fields
 
     @property
     def reader(self) -> PartsReader:

@@ -164,10 +164,13 @@ def _named_ragged(
     TypeError for a bare string (a list of names is meant), ValueError for a
     shape that says no dimension differs or has a length that is no integer.
     """
-    if isinstance(ragged, (str, bytes)):
+    if isinstance(ragged, (str, bytes)) or not isinstance(ragged, Iterable):
         raise TypeError(f"ragged names fields by a list of str (or a dict of their shapes), not {ragged!r}")
+    names = list(ragged)
+    if not all(isinstance(name, str) for name in names):
+        raise TypeError(f"ragged names fields by str, not {names!r}")
     if not isinstance(ragged, Mapping):
-        return dict.fromkeys(ragged)
+        return dict.fromkeys(names)
     named: dict[str, SampleShape | None] = {}
     for name, shape in ragged.items():
         if shape is None:  # known by name only, as in a list
@@ -176,8 +179,8 @@ def _named_ragged(
         lengths = tuple(shape) if isinstance(shape, Iterable) and not isinstance(shape, (str, bytes)) else ()
         if None not in lengths or not all(length is None or _is_length(length) for length in lengths):
             raise ValueError(
-                f"ragged[{name!r}] is {shape!r}: give the field's shape in every sample, None in each "
-                "dimension in which samples differ, as (None, 4)"
+                f"ragged[{name!r}] is {shape!r}: give the field's shape in every sample, with None in "
+                "each dimension in which samples differ (at least one: (None, 4) for boxes)"
             )
         named[name] = tuple(None if length is None else int(length) for length in lengths)
     return named

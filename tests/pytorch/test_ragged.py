@@ -104,6 +104,10 @@ def test_padded_lengths_measure_the_one_dimension_in_which_samples_differ(tmp_pa
         PaddedCollate(ragged={"audio": (2, 3)})
     with pytest.raises(TypeError, match="ragged names fields by a list of str"):
         PaddedCollate(ragged="audio")
+    with pytest.raises(TypeError, match=r"^ragged names fields by a list of str \(or a dict of their shapes\), not 5$"):
+        PaddedCollate(ragged=5)  # it said 'int' object is not iterable
+    with pytest.raises(TypeError, match=r"^ragged names fields by str, not \[3\]$"):
+        PaddedCollate(ragged={3: (None,)})  # it failed at the first batch, adding an int and a str
 
 
 @pytest.mark.parametrize("transform", [None, lambda sample: sample])
@@ -545,6 +549,12 @@ def test_samples_listed_and_edited_keep_their_fields_raggedness(mixed) -> None:
             sample["tokens"] = np.array(sample["tokens"]) % 5
         return PaddedCollate()(samples)
 
+    for collate_fn in (torch.utils.data.default_collate, collate):  # torch's stacked them into one tensor
+        samples = list(mixed.__getitems__([1, 3, 4]))
+        for sample in samples:
+            sample["tokens"] = np.zeros(3, np.int32)
+        listed = collate_fn(samples)["tokens"]
+        assert isinstance(listed, list) and [t.tolist() for t in listed] == [[0, 0, 0]] * 3
     out = edited(mixed.__getitems__([1, 3, 4]))
     assert sorted(out) == ["audio", "audio_lengths", "audio_shapes", "boxes", "boxes_lengths", "boxes_shapes",
                            "tokens", "tokens_lengths"]
@@ -563,3 +573,24 @@ def test_a_declared_shape_may_hold_numpy_integers(mixed) -> None:
     width = mixed.shapes("boxes")[0, 1]
     out = PaddedCollate(ragged={"boxes": (None, width)})(list(mixed.__getitems__([0, 1])))
     assert out["boxes_lengths"].tolist() == [2, 3]
+
+
+def test_opening_a_version_2_dataset_reads_no_table(tmp_path, monkeypatch) -> None:
+    """A version 2 dataset's (k, 2) field had its whole shapes table read (and checked) by
+    MmapDataset() itself: opening cost grew with the samples, and a damaged table stopped it."""
+    import shutil
+
+    from conftest import GOLDEN_DIR
+
+    import npz2mmap.read.reader
+
+    shutil.copytree(GOLDEN_DIR / "v2", tmp_path / "v2")
+
+    def no_table(*args: Any) -> None:
+        raise AssertionError("a table was read on opening")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(npz2mmap.read.reader.DatasetReader, "shapes", no_table)
+        ds = MmapDataset(tmp_path / "v2")
+    assert ds.ragged_fields == {"points": (None, 2)}  # derived on first use, from the table
+    assert PaddedCollate()(ds.__getitems__([1, 2]))["points_lengths"].tolist() == [1, 2]
