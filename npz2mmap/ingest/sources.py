@@ -406,7 +406,8 @@ def sample_dir_files(path: str) -> dict[str, str]:
         if is_field_name(entry.name) and not _is_dir(entry):
             key = entry.name[: -len(NPY_SUFFIX)]
             if key in files:
-                raise SourceError(f"{path}: field {key!r} appears twice ({entry.name})")
+                first = os.path.basename(files[key])
+                raise SourceError(f"{path}: field {key!r} appears twice ({first} and {entry.name})")
             files[key] = entry.path
     if not files:
         raise SourceError(f"{path}: holds no .npy files; not a sample directory")

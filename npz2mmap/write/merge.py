@@ -69,6 +69,7 @@ def merge(
     refuse_unordered(parts)
     listed = listed_paths("parts", parts)
     check_flags(copy=copy, overwrite=overwrite)
+    copy, overwrite = bool(copy), bool(overwrite)  # numpy's bools too, as the plain values they are
     display = progress_display(progress)  # as convert's: None, a mode of --progress, or a Progress
     for part in listed:  # a part not there is a usage mistake, as a missing INPUT of convert is
         if not os.path.lexists(part):

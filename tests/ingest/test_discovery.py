@@ -175,6 +175,16 @@ def test_a_hidden_bare_npy_in_a_sample_dir_no_longer_stops_the_conversion(tmp_pa
     assert DatasetReader(str(tmp_path / "out")).field_names == ("x",)
 
 
+def test_a_field_in_a_sample_dir_twice_names_both_of_its_files(tmp_path) -> None:
+    """x.npy beside x.NPY: the message named only the second."""
+    save_npy(tmp_path / "src" / "s0" / "x.npy", np.arange(3.0))
+    (tmp_path / "src" / "s0" / "x.NPY").write_bytes((tmp_path / "src" / "s0" / "x.npy").read_bytes())
+    code, output = convert_cli(str(tmp_path / "src"), "--sample-dirs", "-o", str(tmp_path / "out"))
+    assert code == 1 and output.startswith(
+        f"Error: {tmp_path / 'src' / 's0'}: field 'x' appears twice (x.NPY and x.npy)"
+    ), output
+
+
 def test_a_directory_holding_only_hidden_npy_files_is_not_a_sample(tmp_path) -> None:
     save_npy(tmp_path / "src" / "s0" / "x.npy", np.arange(3.0))
     (tmp_path / "src" / "litter").mkdir()
