@@ -105,10 +105,13 @@ def _bin_label(first: int, last: int) -> str:
 def _shape_text(field: dict[str, Any]) -> str:
     if field["kind"] == "fixed":
         return str(tuple(field["shape"]))
-    dims = [
-        str(lo) if lo == hi else f"{lo}..{hi}"
-        for lo, hi in zip(field["min_shape"], field["max_shape"], strict=True)
-    ]
+    if not field["min_shape"]:  # no sample to measure: the shape recorded, * where samples may differ
+        dims = ["*" if length is None else str(length) for length in field["shape"]]
+    else:
+        dims = [
+            str(lo) if lo == hi else f"{lo}..{hi}"
+            for lo, hi in zip(field["min_shape"], field["max_shape"], strict=True)
+        ]
     return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
 
 

@@ -18,7 +18,7 @@ from torch.utils.data import get_worker_info
 
 from ..read.ragged import RaggedRows, RaggedShapes
 from .assemble import NewMemory, place_listed, torch_dtype
-from .samples import GatheredSample, NumpyOnlySample, RaggedSample
+from .samples import FieldSample, GatheredSample, NumpyOnlySample, RaggedSample
 from .tensors import as_tensors
 
 
@@ -194,7 +194,10 @@ class GatheredBatch(SequenceABC[Any]):
         if isinstance(j, slice):
             return [self[k] for k in range(*j.indices(self.length))]
         if self.single is not None:
-            bare = self._sample(self.single, j)  # an IndexError for j out of range
+            bare: Any = self._sample(self.single, j)  # an IndexError for j out of range
+            if type(bare) is np.ndarray:  # a fixed field's: as its name goes with a ragged one's
+                bare = bare.view(FieldSample)
+            bare.field_name = self.single
             self._viewed.add(operator.index(j) % self.length)
             return bare
         j = operator.index(j)

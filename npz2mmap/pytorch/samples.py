@@ -29,7 +29,17 @@ class RaggedSample(np.ndarray):
 
 class NumpyOnlySample(np.ndarray):
     """A sample of a field whose dtype torch lacks (strings, records, datetimes), as batches hand it
-    to torch's default collate, which would refuse it: stacked as numpy, as ``collate`` gives it."""
+    to torch's default collate, which would refuse it: stacked as numpy, as ``collate`` gives it.
+    Handed out bare (a one-field dataset's), it knows its field's name."""
+
+    field_name = ""
+
+
+class FieldSample(np.ndarray):
+    """A bare sample of a fixed field (a one-field dataset's) as a batch hands it out, ``list(batch)``:
+    an array that knows its field's name, which torch's default collate stacks as any array."""
+
+    field_name = ""
 
 
 class GatheredSample(dict[str, Any]):
@@ -95,7 +105,8 @@ class SampleList(list[Any]):
 
 def bare_field(samples: Sequence[Any]) -> str | None:
     """The field that bare samples of a ragged field (a one-field dataset's) belong to, if they are."""
-    marked = [s.field_name for s in samples if isinstance(s, (TransformedRaggedArray, RaggedSample))]
+    bare = (TransformedRaggedArray, RaggedSample, FieldSample, NumpyOnlySample)
+    marked = [s.field_name for s in samples if isinstance(s, bare) and s.field_name]
     return marked[0] if marked and len(marked) == len(samples) else None
 
 

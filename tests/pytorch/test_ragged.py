@@ -594,3 +594,29 @@ def test_opening_a_version_2_dataset_reads_no_table(tmp_path, monkeypatch) -> No
         ds = MmapDataset(tmp_path / "v2")
     assert ds.ragged_fields == {"points": (None, 2)}  # derived on first use, from the table
     assert PaddedCollate()(ds.__getitems__([1, 2]))["points_lengths"].tolist() == [1, 2]
+
+
+def test_a_single_fixed_fields_listed_samples_keep_its_name(mixed) -> None:
+    """list(batch) of a single fixed field was padded under the key 'data', its batch under its name."""
+    with npz2mmap.Writer(mixed.path + "-x") as writer:
+        for i in range(4):
+            writer.append({"x": np.full(3, i, np.float32), "s": np.array(f"s{i}")})
+    for field in ("x", "s"):  # s: a dtype torch lacks
+        ds = MmapDataset(mixed.path + "-x", fields=field)
+        batch = ds.__getitems__([0, 1, 2])
+        assert list(PaddedCollate()(batch)) == list(PaddedCollate()(list(batch))) == [field]
+        assert np.asarray(PaddedCollate()(list(batch))[field]).tolist() == np.asarray(batch.arrays[field]).tolist()
+    listed = list(MmapDataset(mixed.path + "-x", fields="x").__getitems__([0, 1]))
+    assert torch.utils.data.default_collate(listed).tolist() == [[0.0] * 3, [1.0] * 3]
+
+
+def test_inspect_shows_a_ragged_field_of_no_samples_by_its_recorded_shape(tmp_path) -> None:
+    """A --rows file of zero rows: the field's 1-d samples showed as the shape ()."""
+    from click.testing import CliRunner
+
+    from npz2mmap.cli.commands import cli
+
+    np.savez(tmp_path / "a.npz", a=np.zeros((0, 7), np.float32))
+    convert([tmp_path / "a.npz"], tmp_path / "ds", rows=True, workers=1)
+    text = CliRunner().invoke(cli, ["inspect", str(tmp_path / "ds")]).output
+    assert "a      ragged  float32  (*,)" in text, text
