@@ -34,7 +34,7 @@ from ..progress import Progress, progress_display
 from ..read.parts import Parts, PartsReader
 from . import blob_writer, publish
 from .layout import Plan, lay_out
-from .options import check_flags, listed_paths
+from .options import check_flags, check_out_dir, listed_paths
 
 COPY_CHUNK_NBYTES = 8 << 20
 
@@ -69,6 +69,7 @@ def merge(
     refuse_unordered(parts)
     listed = listed_paths("parts", parts)
     check_flags(copy=copy, overwrite=overwrite)
+    check_out_dir(out_dir)
     copy, overwrite = bool(copy), bool(overwrite)  # numpy's bools too, as the plain values they are
     display = progress_display(progress)  # as convert's: None, a mode of --progress, or a Progress
     for part in listed:  # a part not there is a usage mistake, as a missing INPUT of convert is

@@ -127,7 +127,7 @@ def resolve_part(part: PartOption, out_dir: str | os.PathLike[str]) -> tuple[tup
     or Slurm's environment); part i goes to OUT/part-IIIII, or to OUT with {part} replaced.
     TypeError or ValueError naming what is wrong (see check_part).
     """
-    out = os.fspath(out_dir)
+    out = check_out_dir(out_dir)
     if part is None:
         return None, out
     if isinstance(part, str):
@@ -135,6 +135,17 @@ def resolve_part(part: PartOption, out_dir: str | os.PathLike[str]) -> tuple[tup
     else:
         chosen = check_part(part)
     return chosen, part_directory(out, chosen)
+
+
+def check_out_dir(out_dir: object) -> str:
+    """OUT as a str; TypeError unless a str or os.PathLike of one (bytes, say), ValueError for an
+    empty path, as ``-o ""`` is a usage error: nothing would be written, after all the work."""
+    if not isinstance(out_dir, (str, os.PathLike)) or not isinstance(os.fspath(out_dir), str):
+        raise TypeError(f"out_dir must be a path (str or os.PathLike), not {brief(out_dir, 80)}")
+    out = str(os.fspath(out_dir))
+    if not out:
+        raise ValueError("out_dir is an empty path (an unset shell variable?): name a directory")
+    return out
 
 
 def part_directory(out_dir: str, part: tuple[int, int]) -> str:

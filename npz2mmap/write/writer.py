@@ -167,6 +167,8 @@ class Writer:
             self._check_open()
             if not isinstance(sample, Mapping):
                 raise TypeError(f"a sample is a dict of field name to array, not {type(sample).__name__}")
+            if source is not None and not isinstance(source, (str, os.PathLike)):
+                raise TypeError(f"source must be a str or a path, not {type(source).__name__}")
             name = "" if source is None else os.fspath(source)
             if not isinstance(name, str):
                 raise TypeError(f"source must be a str or a path, not {type(source).__name__}")

@@ -19,6 +19,7 @@ from npz2mmap.ingest.discover import discover_sources
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write import blob_writer, publish
 from npz2mmap.write.conversion import convert
+from npz2mmap.write.merge import merge
 from npz2mmap.write.writer import Writer
 
 
@@ -581,3 +582,19 @@ def test_numpy_values_for_paths_and_numbers_are_taken_as_python_ones(tmp_path) -
                                 {str(tmp_path / "src"): None}.keys()]):
         convert(inputs, tmp_path / f"out{k}", align=np.int64(4096), workers=np.int64(1))
         assert dataset_bytes(tmp_path / f"out{k}") == dataset_bytes(tmp_path / "plain")
+
+
+def test_an_empty_or_bytes_out_is_refused_before_any_work(tmp_path) -> None:
+    """Writer('') took every sample and failed only at close(), naming a path ''; a bytes OUT
+    escaped as a str/bytes mix-up; source=5 named bytes as a way."""
+    write_npz(tmp_path / "src" / "a.npz", a=np.arange(3))
+    for make in (lambda out: convert([tmp_path / "src"], out), lambda out: Writer(out),
+                 lambda out: merge([tmp_path / "src"], out)):
+        with pytest.raises(ValueError, match=r"^out_dir is an empty path \(an unset shell variable\?\): name a directory$"):
+            make("")
+        with pytest.raises(TypeError, match=r"^out_dir must be a path \(str or os.PathLike\), not b'"):
+            make(str(tmp_path / "out").encode())
+    writer = Writer(tmp_path / "w")
+    with pytest.raises(TypeError, match=r"^source must be a str or a path, not int$"):
+        writer.append({"x": np.arange(2)}, source=5)
+    writer.abort()
