@@ -61,11 +61,14 @@ def verify(
 
     With ``sources``, also compare every sample with its source (NPZ, .npy or sample directory),
     reading ``.npy`` headers up to ``max_header_size`` characters, as ``convert`` does.
-    Raises nothing for a damaged dataset: problems go into the report.
+    Raises nothing for a damaged dataset: problems go into the report. Raises FormatError for a
+    path where there is no dataset at all, as every reader does.
     Sample numbers in a multi-part report are global, problems name the part.
     """
     progress = progress or SilentProgress()
     limit = header_limit(max_header_size)
+    if not os.path.lexists(path):  # nothing to check: said in one line, as every reader says it
+        load_index(path)  # raises: no such dataset (or one a conversion is writing)
     try:
         parts = resolve_parts(path)
     except FormatError as exc:

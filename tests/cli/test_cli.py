@@ -160,9 +160,10 @@ def test_verify_failure_lists_problems_and_exits_1(tmp_path, sources) -> None:
 
 def test_real_console_script_errors_without_traceback_unless_debug(tmp_path) -> None:
     missing = tmp_path / "missing"
-    result = subprocess.run([SCRIPT, "inspect", missing], capture_output=True, text=True)
-    assert result.returncode == 1
-    assert result.stderr == f"Error: {missing}: no such dataset\n"
+    for command in ("inspect", "verify", "warm"):  # verify printed a problem line and a count besides
+        result = subprocess.run([SCRIPT, command, missing], capture_output=True, text=True)
+        assert result.returncode == 1
+        assert result.stderr == f"Error: {missing}: no such dataset\n", command
     result = subprocess.run([SCRIPT, "--debug", "inspect", missing], capture_output=True, text=True)
     assert result.returncode == 1
     assert "Traceback" in result.stderr and "FormatError" in result.stderr
