@@ -499,11 +499,21 @@ def test_inputs_in_an_iterator_convert_as_a_list_and_a_set_is_refused(tmp_path) 
         ({"workers": -3}, ValueError, "workers must be at least 1 (or None for one per core), got -3"),
         ({"workers": 1.5}, TypeError, "workers must be an integer (or None for one per core), not 1.5"),
         ({"workers": True}, TypeError, "workers must be an integer (or None for one per core), not True"),
+        ({"casts": {"a": None}}, ValueError, "None is not a numpy dtype: name one, as 'float32'"),
+        ({"rows": "false"}, TypeError, "rows must be True or False, not 'false'"),
+        ({"skip_bad": 1}, TypeError, "skip_bad must be True or False, not 1"),
+        ({"sample_dirs": "no"}, TypeError, "sample_dirs must be True or False, not 'no'"),
+        ({"overwrite": None}, TypeError, "overwrite must be True or False, not None"),
+        ({"align": "4096"}, TypeError, "align must be an integer, not '4096'"),
+        ({"align": 4096.0}, TypeError, "align must be an integer, not 4096.0"),
+        ({"align": None}, TypeError, "align must be an integer, not None"),
     ],
 )
 def test_convert_refuses_the_values_the_cli_refuses(tmp_path, options, error, message) -> None:
-    """keys=[] converted every key and workers=-3 was taken, where --keys '' and --workers 0 are refused."""
-    write_npz(tmp_path / "src" / "a.npz", x=np.arange(3))
+    """keys=[] converted every key and workers=-3 was taken, where --keys '' and --workers 0 are refused;
+    casts={'a': None} stored a as float64 (numpy's dtype of None), rows='false' converted in rows
+    mode, and align='4096' escaped as a comparison of str and int."""
+    write_npz(tmp_path / "src" / "a.npz", a=np.arange(3), x=np.arange(3))
     with pytest.raises(error) as caught:
         convert([tmp_path / "src"], tmp_path / "out", **options)
     assert str(caught.value) == message
@@ -547,29 +557,6 @@ def test_options_of_another_type_are_a_type_error_naming_them(tmp_path, options,
         with pytest.raises(TypeError) as caught:
             Writer(tmp_path / "w", **options)
         assert str(caught.value) == message
-
-
-@pytest.mark.parametrize(
-    ("options", "error", "message"),
-    [
-        ({"casts": {"a": None}}, ValueError, "None is not a numpy dtype: name one, as 'float32'"),
-        ({"rows": "false"}, TypeError, "rows must be True or False, not 'false'"),
-        ({"skip_bad": 1}, TypeError, "skip_bad must be True or False, not 1"),
-        ({"sample_dirs": "no"}, TypeError, "sample_dirs must be True or False, not 'no'"),
-        ({"overwrite": None}, TypeError, "overwrite must be True or False, not None"),
-        ({"align": "4096"}, TypeError, "align must be an integer, not '4096'"),
-        ({"align": 4096.0}, TypeError, "align must be an integer, not 4096.0"),
-        ({"align": None}, TypeError, "align must be an integer, not None"),
-    ],
-)
-def test_options_a_python_caller_gets_wrong_are_refused_where_they_were_taken(tmp_path, options, error, message) -> None:
-    """casts={'a': None} stored a as float64 (numpy's dtype of None), rows='false' converted in rows
-    mode, and align='4096' escaped as a comparison of str and int."""
-    write_npz(tmp_path / "src" / "a.npz", a=np.arange(3))
-    with pytest.raises(error) as caught:
-        convert([tmp_path / "src"], tmp_path / "out", **options)
-    assert str(caught.value) == message
-    assert not (tmp_path / "out").exists()
 
 
 def test_numpy_values_for_paths_and_numbers_are_taken_as_python_ones(tmp_path) -> None:
