@@ -104,7 +104,7 @@ class SampleList(list[Any]):
 
 
 def bare_field(samples: Sequence[Any]) -> str | None:
-    """The field that bare samples of a ragged field (a one-field dataset's) belong to, if they are."""
+    """The field that bare samples (a one-field dataset's, ragged or fixed) belong to, if all say one."""
     bare = (TransformedRaggedArray, RaggedSample, FieldSample, NumpyOnlySample)
     marked = [s.field_name for s in samples if isinstance(s, bare) and s.field_name]
     return marked[0] if marked and len(marked) == len(samples) else None
