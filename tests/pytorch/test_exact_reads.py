@@ -450,6 +450,7 @@ def test_the_hints_descriptor_goes_with_its_dataset(converted) -> None:
                 links.append(os.readlink(f"{fds}/{fd}"))
         return sum(link.endswith("data.npy") for link in links)
 
+    gc.collect()  # datasets earlier tests dropped close their descriptors now, not during this test
     before = blob_fds()
     ds = MmapDataset(converted, fields=FIELDS, reads="exact")
     parts = len(ds.reader.readers)
