@@ -193,3 +193,13 @@ def ctrl_c_left_as_found() -> Iterator[None]:
     if after is not handler:
         signal.signal(signal.SIGINT, handler)
     assert (after, after_mask) == (handler, mask), "the test left Ctrl-C's handler or signal mask changed"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def children_keep_temporary_files_in_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Processes the tests start inherit a temporary directory of the session's: what torch leaves
+    there (torchrun's ``torchelastic_*``, its persistent DataLoader workers' ``pymp-*``) goes with
+    the session's files, not into the machine's temporary directory."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmpdir")))
+        yield
