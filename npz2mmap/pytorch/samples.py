@@ -72,7 +72,8 @@ class TransformedRaggedArray(np.ndarray):
 def mark_transformed(sample: Any, ragged: RaggedShapes, single: str | None, listed: bool = False) -> Any:
     """A transformed sample as torch's default collate should see it: knowing its ragged fields.
 
-    Only dicts and bare numpy arrays are marked; other samples are the transform's to collate.
+    Only dicts and bare numpy arrays are marked (a one-field dataset's with the field's name);
+    other samples are the transform's to collate.
     With ``listed`` (samples as read, ``tensors=True``), ragged fields are listed, as without it.
     """
     if isinstance(sample, dict):
@@ -86,9 +87,11 @@ def mark_transformed(sample: Any, ragged: RaggedShapes, single: str | None, list
         array.sample_shape = ragged[single]
         array.listed = listed
         return array
-    if type(sample) is np.ndarray and torch_dtype(sample.dtype) is None:
-        return sample.view(NumpyOnlySample)
-    return sample
+    if type(sample) is not np.ndarray or (single is None and torch_dtype(sample.dtype) is not None):
+        return sample
+    bare = sample.view(NumpyOnlySample if torch_dtype(sample.dtype) is None else FieldSample)
+    bare.field_name = single or ""  # a one-field dataset's sample is its field's, whatever made it
+    return bare
 
 
 class SampleList(list[Any]):

@@ -596,16 +596,21 @@ def test_opening_a_version_2_dataset_reads_no_table(tmp_path, monkeypatch) -> No
     assert PaddedCollate()(ds.__getitems__([1, 2]))["points_lengths"].tolist() == [1, 2]
 
 
-def test_a_single_fixed_fields_listed_samples_keep_its_name(mixed) -> None:
-    """list(batch) of a single fixed field was padded under the key 'data', its batch under its name."""
+@pytest.mark.parametrize(
+    "transform", [None, lambda a: a, lambda a: np.stack([a, a])], ids=["none", "identity", "new array"]
+)
+def test_a_single_fixed_fields_listed_samples_keep_its_name(mixed, transform) -> None:
+    """list(batch) of a single fixed field was padded under the key 'data', its batch under its
+    name; with a transform, a bare array the transform gave too."""
     with npz2mmap.Writer(mixed.path + "-x") as writer:
         for i in range(4):
             writer.append({"x": np.full(3, i, np.float32), "s": np.array(f"s{i}")})
     for field in ("x", "s"):  # s: a dtype torch lacks
-        ds = MmapDataset(mixed.path + "-x", fields=field)
+        ds = MmapDataset(mixed.path + "-x", fields=field, transform=transform)
         batch = ds.__getitems__([0, 1, 2])
         assert list(PaddedCollate()(batch)) == list(PaddedCollate()(list(batch))) == [field]
-        assert np.asarray(PaddedCollate()(list(batch))[field]).tolist() == np.asarray(batch.arrays[field]).tolist()
+        expected = [np.asarray(ds[i]).tolist() for i in range(3)]
+        assert np.asarray(PaddedCollate()(list(batch))[field]).tolist() == expected
     listed = list(MmapDataset(mixed.path + "-x", fields="x").__getitems__([0, 1]))
     assert torch.utils.data.default_collate(listed).tolist() == [[0.0] * 3, [1.0] * 3]
 
