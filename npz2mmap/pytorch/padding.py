@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -40,7 +41,8 @@ class PaddedCollate:
     ``name_shapes`` (int64 (batch, ndim), every sample's shape), and, with
     ``mask``, ``name_mask`` (bool, True on real elements). With ``nested``, a ragged field becomes one
     jagged nested tensor instead (``torch.nested``, ragged along the first
-    dimension of each sample), with no padding. Fixed fields become tensors as
+    dimension of each sample), with no padding (so ``mask`` and a ``pad_value``
+    other than 0 are refused beside it). Fixed fields become tensors as
     with ``collate``; dtypes torch lacks (records, strings, datetimes) stay
     numpy arrays, padded ones too. One tensor per field also crosses from
     DataLoader workers cheaply, where a list of tensors would cost a
@@ -72,6 +74,12 @@ class PaddedCollate:
         ragged: Iterable[str] | Mapping[str, Sequence[int | None]] | None = None,
     ) -> None:
         check_flags(mask=mask, nested=nested)
+        if nested and (mask or not (isinstance(pad_value, numbers.Number) and pad_value == 0)):
+            given = "mask=True" if mask else f"pad_value={pad_value!r}"
+            raise ValueError(
+                f"PaddedCollate: {given} is an option of padding, and nested=True pads no field (a nested "
+                "tensor holds each sample's own shape): give one or the other"
+            )
         self.pad_value = pad_value
         self.mask = mask
         self.nested = nested

@@ -184,6 +184,10 @@ def check_path(
     nested: bool,
 ) -> None:
     """Either the batch is exactly right, or the documented error is raised: nothing in between."""
+    if mask and nested:  # a mask of nothing padded
+        with pytest.raises(ValueError, match="mask=True is an option of padding, and nested=True pads no"):
+            PaddedCollate(mask=mask, nested=nested)
+        return
     root = Path(tmp_path) / f"d{len(list(tmp_path.iterdir()))}.mmap"
     sources = write_dataset(root, fields)
     ds = MmapDataset(root)
@@ -257,7 +261,21 @@ def test_ragged_names_that_collide_are_refused_at_construction() -> None:
         "select the fields to keep with MmapDataset(path, fields=[...]) or rename one of them"
     )
     PaddedCollate(ragged=["x", "x_mask"])  # without a mask, x_mask is no generated key
-    PaddedCollate(mask=True, nested=True, ragged=["x", "x_mask"])  # nested batches add no keys
+    PaddedCollate(nested=True, ragged=["x", "x_lengths"])  # nested batches add no keys
+
+
+@pytest.mark.parametrize(
+    ("options", "given"), [({"mask": True}, "mask=True"), ({"pad_value": -1}, "pad_value=-1")]
+)
+def test_a_padding_option_with_nested_is_refused_at_construction(options, given) -> None:
+    """nested=True pads nothing: mask=True gave no mask (a KeyError far away), pad_value was unused."""
+    with pytest.raises(ValueError) as caught:
+        PaddedCollate(nested=True, **options)
+    assert str(caught.value) == (
+        f"PaddedCollate: {given} is an option of padding, and nested=True pads no field (a nested "
+        "tensor holds each sample's own shape): give one or the other"
+    )
+    PaddedCollate(nested=True, pad_value=0.0)  # the default, said again
 
 
 def test_a_ragged_field_named_like_another_ones_lengths_is_refused(tmp_path) -> None:
