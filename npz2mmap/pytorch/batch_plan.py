@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..format.index import SampleShape
+from ..read.ragged import RaggedShapes
 from .assemble import Destination, NewMemory, Padding, assemble
 from .collate import collate
 from .dataset import MmapDataset
@@ -120,10 +122,18 @@ def padding_from_the_mapping(dataset: MmapDataset, collate_fn: Any) -> Padding |
     if (
         type(collate_fn) is not PaddedCollate
         or collate_fn.nested
-        or (collate_fn.ragged is not None and set(collate_fn.ragged) != set(dataset.ragged_fields))
-        or any(shape is not None for shape in (collate_fn.ragged or {}).values())  # checked per batch
+        or (collate_fn.ragged is not None and not _named_as_recorded(collate_fn.ragged, dataset.ragged_fields))
         or dataset.transform is not None
     ):
         return None
     collate_fn.check_keys(dataset.fields, dataset.ragged_fields)
     return Padding(collate_fn.pad_value, collate_fn.mask)
+
+
+def _named_as_recorded(named: dict[str, SampleShape | None], recorded: RaggedShapes) -> bool:
+    """Whether a PaddedCollate's ``ragged`` gives the keys the dataset's recorded shapes give: the
+    same fields, named without shapes (checked per batch otherwise), each differing in every
+    dimension, as a field named so does."""
+    return set(named) == set(recorded) and all(
+        named[name] is None and all(length is None for length in shape) for name, shape in recorded.items()
+    )

@@ -400,10 +400,13 @@ def check_collate_keys(dataset: MmapDataset, collate_fn: Callable[[Any], Any] | 
     first batch tells.
     """
     if isinstance(collate_fn, PaddedCollate) and dataset.transform is None:
-        # A field named ragged differs in every dimension, unless the dataset knows better.
-        named = [name for name in collate_fn.ragged or () if name in dataset.fields]
-        said = {name: (None,) * dataset.parts.field(name).ndim for name in named}
-        collate_fn.check_keys(dataset.fields, {**said, **dataset.ragged_fields})
+        # A field named ragged has the shape given with it, or differs in every dimension.
+        declared = {
+            name: (None,) * dataset.parts.field(name).ndim if shape is None else shape
+            for name, shape in (collate_fn.ragged or {}).items()
+            if name in dataset.fields
+        }
+        collate_fn.check_keys(dataset.fields, {**dataset.ragged_fields, **declared})
 
 
 MAX_TIMEOUT_S = 10**7  # about 4 months: more than any wait a platform's clock and selectors take

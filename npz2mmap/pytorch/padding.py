@@ -105,8 +105,7 @@ class PaddedCollate:
             batch = GatheredBatch(_by_field(batch), None, len(batch), private=True)
         if not self.nested:
             ragged = {
-                name: _shape_of_samples(batch, name, shape, declared.get(name) is not None)
-                for name, shape in ragged.items()
+                name: _shape_of_samples(batch, name, shape, name in declared) for name, shape in ragged.items()
             }
         self.check_keys(batch.field_names, ragged)
         out: dict[str, Any] = {}
@@ -204,11 +203,11 @@ def _is_length(value: object) -> bool:
 def _shape_of_samples(
     batch: GatheredBatch, name: str, shape: SampleShape | None, declared: bool
 ) -> SampleShape | None:
-    """The shape a ragged field's keys follow: the dataset's for samples as read; for others,
-    ``shape`` (``declared`` by the user, or said by the dataset they were read from), checked
-    against them.
+    """The shape a ragged field's keys follow: the dataset's for samples as read; for others, or
+    where the user ``declared`` the field (``shape``, None for a name alone), ``shape`` (given by
+    the user, or said by the dataset the samples were read from), checked against them.
 
-    A field known by name only, or whose samples a transform gave another ndim than their
+    A field named without a shape, or whose samples a transform gave another ndim than their
     dataset's, differs in every dimension its samples have. ValueError for samples of another
     length where ``shape`` gives one, or of another ndim than declared: no key may depend on one
     batch, and only the user can say in which dimension such samples differ.
@@ -220,13 +219,23 @@ def _shape_of_samples(
         return rows.sample_shape
     if rows is not None:  # declared: the keys follow it, once the samples are seen to have it
         shapes = [tuple(row) for row in rows.shapes.tolist()]
-        rows.sample_shape = shape
+        ndim = len(rows.sample_shape)
     else:
         value = batch.field(name)
         shapes = [np.shape(v) for v in value] if isinstance(value, list) else [value.shape[1:]] * len(value)
-    ndim = len(shapes[0]) if shapes else (len(shape) if shape is not None else 1)
+        ndim = len(shape) if shape is not None else 1
+    ndim = len(shapes[0]) if shapes else ndim
     if shape is None or (len(shape) != ndim and not declared):
-        return (None,) * ndim
+        shape = (None,) * ndim  # samples of several ndims: the padding says so
+    else:
+        _check_shapes(name, shapes, shape)
+    if rows is not None:
+        rows.sample_shape = shape
+    return shape
+
+
+def _check_shapes(name: str, shapes: list[tuple[int, ...]], shape: SampleShape) -> None:
+    """ValueError for a sample whose shape is not ``shape`` (None where samples may differ)."""
     for found in shapes:
         if len(found) != len(shape) or not all(
             want is None or want == got for want, got in zip(shape, found, strict=True)
@@ -236,7 +245,6 @@ def _shape_of_samples(
                 f"are said to have (None where they differ; a transform changed them?): pass "
                 f"PaddedCollate(ragged={{{name!r}: ...}}) with the shape they have"
             )
-    return shape
 
 
 def _known_shapes(
@@ -246,16 +254,17 @@ def _known_shapes(
     keyed: bool = True,
 ) -> dict[str, SampleShape | None]:
     """The ragged fields a user declared and those a batch (``of_batch``) or its samples
-    (``said``) say are ragged, each with the shape the user gave, else the one they say.
+    (``said``) say are ragged, each with the shape the user gave (None for a name alone, which
+    differs in every dimension whatever they say), else the one they say.
 
     When the batch is ``keyed`` (padded, with keys that follow the shapes), ValueError for a
     field the samples of one batch say different things of (they come from datasets that hold
-    it differently: a ConcatDataset), unless the user gave its shape; else ragged if any says so.
+    it differently: a ConcatDataset), unless the user named it; else ragged if any says so.
     """
     out = dict(declared)
-    out.update((name, shape) for name, shape in of_batch.items() if out.get(name) is None)
+    out.update((name, shape) for name, shape in of_batch.items() if name not in declared)
     for name, things in said.items():
-        if declared.get(name) is not None:
+        if name in declared:
             continue
         if not keyed:
             things = [thing for thing in things if thing != NOT_RAGGED][:1] or [NOT_RAGGED]

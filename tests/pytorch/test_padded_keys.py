@@ -54,13 +54,17 @@ def write_dataset(path: Path, fields: dict[str, bool | int]) -> dict[str, list[n
     return sources
 
 
-def expected_keys(fields: dict[str, bool | int], mask: bool, nested: bool) -> list[str]:
-    """Every key a padded batch makes, in field order, duplicates kept (built here, not by npz2mmap)."""
+def expected_keys(fields: dict[str, bool | int], mask: bool, nested: bool, named: bool = False) -> list[str]:
+    """Every key a padded batch makes, in field order, duplicates kept (built here, not by npz2mmap).
+
+    ``named``: the collate was given the ragged fields' names only, so each counts as differing in
+    every dimension (no lengths for (k, 2) samples)."""
     keys = []
     for name, ragged in fields.items():
         keys.append(name)
         if ragged and not nested:
-            keys.append(name + "_lengths")  # both kinds differ in their first dimension only
+            if not (named and ragged == POINTS):  # else both kinds differ in their first dimension only
+                keys.append(name + "_lengths")
             if ragged == POINTS:
                 keys.append(name + "_shapes")
             if mask:
@@ -74,9 +78,10 @@ def check_batch(
     fields: dict[str, bool | int],
     mask: bool,
     nested: bool,
+    named: bool = False,
 ) -> None:
     """The batch holds exactly the expected keys, each value made from its own source by numpy."""
-    assert sorted(batch) == sorted(expected_keys(fields, mask, nested))
+    assert sorted(batch) == sorted(expected_keys(fields, mask, nested, named))
     for name, ragged in fields.items():
         arrays = [sources[name][i] for i in BATCH]
         if not ragged:
@@ -93,8 +98,9 @@ def check_batch(
         for row, array in zip(padded, arrays, strict=True):
             row[: len(array)] = array
         np.testing.assert_array_equal(batch[name].numpy(), padded)
-        assert batch[name + "_lengths"].dtype == torch.int64
-        np.testing.assert_array_equal(batch[name + "_lengths"].numpy(), lengths)
+        if not (named and ragged == POINTS):
+            assert batch[name + "_lengths"].dtype == torch.int64
+            np.testing.assert_array_equal(batch[name + "_lengths"].numpy(), lengths)
         if ragged == POINTS:
             assert batch[name + "_shapes"].dtype == torch.int64
             np.testing.assert_array_equal(batch[name + "_shapes"].numpy(), [a.shape for a in arrays])
@@ -105,9 +111,9 @@ def check_batch(
             np.testing.assert_array_equal(batch[name + "_mask"].numpy(), want)
 
 
-def check_refusal(message: str, fields: dict[str, bool | int], mask: bool, nested: bool) -> None:
+def check_refusal(message: str, fields: dict[str, bool | int], mask: bool, nested: bool, named: bool) -> None:
     """The one-line error names a key made twice and both things that would have it."""
-    counts = Counter(expected_keys(fields, mask, nested))
+    counts = Counter(expected_keys(fields, mask, nested, named))
     found = COLLISION.fullmatch(message)
     assert found is not None, message
     assert counts[found["key"]] > 1
@@ -174,6 +180,7 @@ def field_sets(draw: st.DrawFn) -> dict[str, bool | int]:
 
 
 FIELDS = field_sets()
+TOLD = st.sampled_from(["shapes", "names", "nothing"])
 
 
 def check_path(
@@ -182,8 +189,12 @@ def check_path(
     fields: dict[str, bool | int],
     mask: bool,
     nested: bool,
+    told: str,
 ) -> None:
-    """Either the batch is exactly right, or the documented error is raised: nothing in between."""
+    """Either the batch is exactly right, or the documented error is raised: nothing in between.
+
+    ``told``: what the collate is told of the ragged fields: their shapes (as ``ds.features`` gives
+    them), their names only, or nothing (the dataset's samples say it)."""
     if mask and nested:  # a mask of nothing padded
         with pytest.raises(ValueError, match="mask=True is an option of padding, and nested=True pads no"):
             PaddedCollate(mask=mask, nested=nested)
@@ -191,34 +202,37 @@ def check_path(
     root = Path(tmp_path) / f"d{len(list(tmp_path.iterdir()))}.mmap"
     sources = write_dataset(root, fields)
     ds = MmapDataset(root)
-    ragged = [name for name, is_ragged in fields.items() if is_ragged]
+    shapes = {name: (None, 2) if kind == POINTS else (None,) for name, kind in fields.items() if kind}
+    ragged = {"shapes": shapes, "names": list(shapes), "nothing": None}[told]
+    named = told == "names"
 
     def pad() -> PaddedCollate:
         return PaddedCollate(mask=mask, nested=nested, ragged=ragged)
 
-    collides = len(set(expected_keys(fields, mask, nested))) < len(expected_keys(fields, mask, nested))
+    keys = expected_keys(fields, mask, nested, named)
+    collides = len(set(keys)) < len(keys)
     try:
         batch = path(ds, pad)
     except ValueError as error:
         assert collides, error
-        check_refusal(last_line(error), fields, mask, nested)
+        check_refusal(last_line(error), fields, mask, nested, named)
         return
     assert not collides, sorted(batch)
-    check_batch(batch, sources, fields, mask, nested)
+    check_batch(batch, sources, fields, mask, nested, named)
 
 
 @pytest.mark.parametrize("path", IN_PROCESS.values(), ids=IN_PROCESS.keys())
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(fields=FIELDS, mask=st.booleans(), nested=st.booleans())
-def test_a_padded_batch_has_each_key_once_or_is_refused(path, tmp_path, fields, mask, nested) -> None:
-    check_path(path, tmp_path, fields, mask, nested)
+@given(fields=FIELDS, mask=st.booleans(), nested=st.booleans(), told=TOLD)
+def test_a_padded_batch_has_each_key_once_or_is_refused(path, tmp_path, fields, mask, nested, told) -> None:
+    check_path(path, tmp_path, fields, mask, nested, told)
 
 
 @pytest.mark.parametrize("path", IN_WORKERS.values(), ids=IN_WORKERS.keys())
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(fields=FIELDS, mask=st.booleans(), nested=st.booleans())
-def test_a_padded_batch_from_workers_has_each_key_once_or_is_refused(path, tmp_path, fields, mask, nested) -> None:
-    check_path(path, tmp_path, fields, mask, nested)
+@given(fields=FIELDS, mask=st.booleans(), nested=st.booleans(), told=TOLD)
+def test_a_padded_batch_from_workers_has_each_key_once_or_is_refused(path, tmp_path, fields, mask, nested, told) -> None:
+    check_path(path, tmp_path, fields, mask, nested, told)
 
 
 POINTS_MASK = (

@@ -79,7 +79,7 @@ def test_padded_collate_pads_reports_lengths_and_masks(ragged) -> None:
     assert batch["label"].tolist() == [2, 1, 4] and "label_lengths" not in batch
     per_item = PaddedCollate(ragged=["tokens", "points"])([ds[2], ds[1]])
     assert per_item["tokens"].shape == (2, 9) and per_item["tokens_lengths"].tolist() == [9, 1]
-    assert per_item["points_lengths"].tolist() == [9, 1] and per_item["points_shapes"].shape == (2, 2)
+    assert "points_lengths" not in per_item and per_item["points_shapes"].tolist() == [[9, 3], [1, 3]]
 
 
 def test_padded_lengths_measure_the_one_dimension_in_which_samples_differ(tmp_path) -> None:
@@ -485,8 +485,8 @@ def test_a_nested_batch_of_datasets_that_hold_a_field_differently_needs_no_shape
     both = torch.utils.data.ConcatDataset([a, fixed])
     out = PaddedCollate(nested=True)([both[i] for i in (0, 2, 1)])
     assert [t.tolist() for t in out["seg"].unbind()] == [both[i]["seg"].tolist() for i in (0, 2, 1)]
-    named = PaddedCollate(ragged={"seg": None})([both[i] for i in (0, 1)])  # as a list of names
-    assert sorted(named) == ["seg", "seg_lengths", "seg_shapes"] and named["seg_lengths"].tolist() == [1, 2]
+    named = PaddedCollate(ragged={"seg": None})([both[i] for i in (0, 2)])  # as a list of names
+    assert sorted(named) == ["seg", "seg_shapes"] and named["seg_shapes"].tolist() == [[1, 5], [3, 5]]
 
 
 @pytest.fixture
@@ -538,6 +538,19 @@ def test_a_declared_shape_is_taken_and_checked_on_every_path(mixed, declared) ->
         assert "audio_lengths" not in results["gathered"] and "audio_shapes" in results["gathered"]
     else:
         assert results["gathered"]["audio_lengths"] == [5, 7, 4]
+
+
+def test_a_field_named_without_a_shape_differs_in_every_dimension_on_every_path(mixed) -> None:
+    """ragged=["audio"] gave audio_lengths on the dataset's own batches, from the shape the dataset
+    records, and none on dicts built elsewhere: one collate, two sets of keys."""
+    pad = PaddedCollate(ragged=["audio", "boxes", "tokens"])
+    results = padded_paths(mixed, pad, [0, 1, 2])
+    results["dicts"] = {k: v.tolist() for k, v in pad([dict(mixed[i]) for i in (0, 1, 2)]).items()}
+    assert all(result == results["gathered"] for result in results.values()), results
+    assert sorted(results["gathered"]) == [
+        "audio", "audio_shapes", "boxes", "boxes_shapes", "tokens", "tokens_lengths"
+    ]
+    assert results["gathered"]["audio_shapes"] == [[2, 5], [2, 7], [2, 4]]
 
 
 def test_samples_listed_and_edited_keep_their_fields_raggedness(mixed) -> None:
