@@ -122,7 +122,7 @@ def padding_from_the_mapping(dataset: MmapDataset, collate_fn: Any) -> Padding |
     if (
         type(collate_fn) is not PaddedCollate
         or collate_fn.nested
-        or (collate_fn.ragged is not None and not _named_as_recorded(collate_fn.ragged, dataset.ragged_fields))
+        or not _named_as_recorded(collate_fn.ragged, dataset.ragged_fields)
         or dataset.transform is not None
     ):
         return None
@@ -130,10 +130,10 @@ def padding_from_the_mapping(dataset: MmapDataset, collate_fn: Any) -> Padding |
     return Padding(collate_fn.pad_value, collate_fn.mask)
 
 
-def _named_as_recorded(named: dict[str, SampleShape | None], recorded: RaggedShapes) -> bool:
-    """Whether a PaddedCollate's ``ragged`` gives the keys the dataset's recorded shapes give: the
-    same fields, named without shapes (checked per batch otherwise), each differing in every
-    dimension, as a field named so does."""
-    return set(named) == set(recorded) and all(
+def _named_as_recorded(named: dict[str, SampleShape | None] | None, recorded: RaggedShapes) -> bool:
+    """Whether a PaddedCollate's ``ragged`` gives the keys the dataset's recorded shapes give:
+    nothing, or the same fields named without shapes (checked per batch otherwise), each
+    differing in every dimension, as a field named so does."""
+    return named is None or set(named) == set(recorded) and all(
         named[name] is None and all(length is None for length in shape) for name, shape in recorded.items()
     )

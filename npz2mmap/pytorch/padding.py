@@ -104,9 +104,7 @@ class PaddedCollate:
         elif not isinstance(batch, GatheredBatch):
             batch = GatheredBatch(_by_field(batch), None, len(batch), private=True)
         if not self.nested:
-            ragged = {
-                name: _shape_of_samples(batch, name, shape, name in declared) for name, shape in ragged.items()
-            }
+            ragged = {name: _shape_of_samples(batch, name, ragged[name], name in declared) for name in ragged}
         self.check_keys(batch.field_names, ragged)
         out: dict[str, Any] = {}
         for name in batch.field_names:
