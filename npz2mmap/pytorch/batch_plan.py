@@ -135,5 +135,6 @@ def _named_as_recorded(named: dict[str, SampleShape | None] | None, recorded: Ra
     nothing, or the same fields named without shapes (checked per batch otherwise), each
     differing in every dimension, as a field named so does."""
     return named is None or set(named) == set(recorded) and all(
-        named[name] is None and all(length is None for length in shape) for name, shape in recorded.items()
+        named[name] is None and shape is not None and all(length is None for length in shape)
+        for name, shape in recorded.items()
     )

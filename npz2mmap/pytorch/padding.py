@@ -217,7 +217,7 @@ def _shape_of_samples(
         return rows.sample_shape
     if rows is not None:  # declared: the keys follow it, once the samples are seen to have it
         shapes = [tuple(row) for row in rows.shapes.tolist()]
-        ndim = len(rows.sample_shape)
+        ndim = rows.shapes.shape[1]
     else:
         value = batch.field(name)
         shapes = [np.shape(v) for v in value] if isinstance(value, list) else [value.shape[1:]] * len(value)
