@@ -15,6 +15,7 @@ from ._version import __version__
 __all__ = [
     "BlockShuffleSampler",
     "DatasetReader",
+    "Feature",
     "LengthGroupedSampler",
     "MmapDataset",
     "MmapLoader",
@@ -31,6 +32,7 @@ __all__ = [
 _LAZY = {
     "BlockShuffleSampler": "pytorch.samplers",
     "DatasetReader": "read.reader",
+    "Feature": "read.features",
     "LengthGroupedSampler": "pytorch.samplers",
     "MmapDataset": "pytorch.dataset",
     "MmapLoader": "pytorch.loader",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from .pytorch.loader import MmapLoader
     from .pytorch.padding import PaddedCollate
     from .pytorch.samplers import BlockShuffleSampler, LengthGroupedSampler, ShuffleSampler
+    from .read.features import Feature
     from .read.reader import DatasetReader
     from .write.conversion import convert
     from .write.merge import merge

@@ -109,6 +109,19 @@ def test_the_converter_and_dir_work_without_torch(tmp_path: Path) -> None:
     assert set(npz2mmap.__all__) <= set(result.stdout.split())
 
 
+def test_every_object_of_the_api_page_is_importable_from_npz2mmap() -> None:
+    """docs/api.md says so: Feature, which ds.features holds, was only in npz2mmap.read.features."""
+    import importlib
+    import inspect
+
+    import npz2mmap
+
+    shown = re.findall(r"^::: (\S+)$", (ROOT / "docs" / "api.md").read_text(), re.M)
+    objects = [getattr(importlib.import_module(module), name) for module, _, name in (s.rpartition(".") for s in shown)]
+    missing = [obj.__name__ for obj in objects if not inspect.ismodule(obj) and getattr(npz2mmap, obj.__name__, None) is not obj]
+    assert len(objects) > 10 and missing == []
+
+
 def test_the_example_says_why_its_first_epoch_is_slower(example_dir: Path, tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, ROOT / "scripts" / "example.py", "load", example_dir / DATASET_NAMES[0]],
