@@ -129,6 +129,7 @@ class MmapLoader:
         if slot_nbytes is not None and check_integer("slot_nbytes", slot_nbytes) < 1:
             raise ValueError(f"slot_nbytes must be at least 1, got {slot_nbytes}")
         check_timeout(timeout)
+        resolve_context(multiprocessing_context)  # checked now, as DataLoader does
         check_collate_keys(dataset, collate_fn)
         check_order_options(shuffle, sampler, batch_sampler, drop_last)
         self.dataset = dataset

@@ -379,11 +379,26 @@ def exception_line(error: BaseException) -> str:
 
 
 def resolve_context(context: BaseContext | str | None) -> BaseContext:
-    """A multiprocessing context from a context, a start method's name, or None (the platform's default)."""
+    """A multiprocessing context from a context, a start method's name, or None (the platform's default).
+
+    TypeError or ValueError, as DataLoader raises them, for anything else or a start method
+    this platform lacks.
+    """
     if context is None:
         return multiprocessing.get_context()
     if isinstance(context, str):
+        methods = multiprocessing.get_all_start_methods()
+        if context not in methods:
+            raise ValueError(
+                f"multiprocessing_context must name a start method of this platform ({', '.join(methods)}), "
+                f"not {context!r}"
+            )
         return multiprocessing.get_context(context)
+    if not isinstance(context, BaseContext):
+        raise TypeError(
+            "multiprocessing_context must be a start method's name or a multiprocessing context, "
+            f"not {context!r}"
+        )
     return context
 
 

@@ -8,6 +8,7 @@ and batches through DataLoader against the source files' bytes.
 
 from __future__ import annotations
 
+import multiprocessing
 import re
 from collections import Counter
 from pathlib import Path
@@ -234,10 +235,22 @@ def test_mmap_loader_resumes_the_read_ahead_samplers_exactly(exact_dataset, num_
         ({"seed": -1}, ValueError, "seed must be at least 0"),
         ({"batch_size": True}, TypeError, "batch_size must be an int, not True"),
         ({"prefetch": 2.0}, TypeError, "prefetch must be an int, not 2.0"),
+        (
+            {"num_workers": 1, "multiprocessing_context": "bogus"},
+            ValueError,
+            "multiprocessing_context must name a start method of this platform "
+            f"({', '.join(multiprocessing.get_all_start_methods())}), not 'bogus'",
+        ),
+        (
+            {"num_workers": 1, "multiprocessing_context": 1},
+            TypeError,
+            "multiprocessing_context must be a start method's name or a multiprocessing context, not 1",
+        ),
     ],
 )
 def test_mmap_loader_checks_its_numbers_when_made(exact_dataset, options, error, message) -> None:
-    """As DataLoader does: at construction, not from numpy's generator at the first batch."""
+    """As DataLoader does: at construction, not from numpy's generator (or multiprocessing) at the
+    first batch."""
     ds = MmapDataset(exact_dataset[0])
     with pytest.raises(error, match=f"^{re.escape(message)}"):
         npz2mmap.MmapLoader(ds, **{"batch_size": 4, **options})
