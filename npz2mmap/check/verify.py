@@ -88,6 +88,7 @@ def verify(
         report.num_samples += one.num_samples
         report.sources_checked &= one.sources_checked
         report.unsourced += one.unsourced
+        report.labelled += one.labelled
     return report
 
 

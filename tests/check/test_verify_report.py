@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 from conftest import write_npz
 
@@ -16,13 +17,18 @@ def run(*args: str):
     return CliRunner().invoke(cli, [str(a) for a in args])
 
 
-def test_labels_a_writer_was_given_as_source_are_not_compared_not_problems(tmp_path) -> None:
-    """The README's Writer example (source=f"generated/{i}") gave one "No such file" line per sample."""
+@pytest.mark.parametrize("merged", [None, "manifest", "copy"])
+def test_labels_a_writer_was_given_as_source_are_not_compared_not_problems(tmp_path, merged) -> None:
+    """The README's Writer example (source=f"generated/{i}") gave one "No such file" line per sample;
+    merged into a manifest, its labels went uncounted, and the summary said sources were compared."""
     out = tmp_path / "ds"
     with npz2mmap.Writer(out) as writer:
         for i in range(30):
             writer.append({"x": np.arange(3)}, source=f"generated/{i}")
         writer.append({"x": np.arange(3)})
+    if merged is not None:
+        npz2mmap.merge([out], tmp_path / "merged", copy=merged == "copy")
+        out = tmp_path / "merged"
     result = run("verify", out, "--sources")
     assert (result.exit_code, result.output) == (
         0,
