@@ -166,3 +166,26 @@ def test_a_writers_source_naming_a_file_is_recorded_absolute_and_missed_once_gon
     report = json.loads(result.output.split("\nError: ")[0])
     assert result.exit_code == 1 and not report["ok"] and report["samples_with_a_label_as_source"] == 1
     assert len(report["problems"]) == 1 and str(tmp_path / "s1.npz") in report["problems"][0]
+
+
+def test_a_multi_part_reports_counts_are_its_parts_counts_summed(tmp_path) -> None:
+    """Every count of the report, those added later included: the labels' count went missing."""
+    import dataclasses
+
+    from npz2mmap.check.verify import VerifyReport, verify
+
+    parts = []
+    for p, (labelled, unsourced) in enumerate([(2, 1), (0, 3), (4, 0)]):
+        parts.append(tmp_path / f"p{p}")
+        with npz2mmap.Writer(parts[-1]) as writer:
+            for i in range(labelled):
+                writer.append({"x": np.arange(3)}, source=f"made/{i}")
+            for _ in range(unsourced):
+                writer.append({"x": np.arange(3)})
+    npz2mmap.merge(parts, tmp_path / "all")
+    whole, each = verify(tmp_path / "all", sources=True), [verify(part, sources=True) for part in parts]
+    counts = [f.name for f in dataclasses.fields(VerifyReport) if f.type in ("int", int)]
+    assert {"num_samples", "unsourced", "labelled"} <= set(counts)
+    assert {name: getattr(whole, name) for name in counts} == {
+        name: sum(getattr(one, name) for one in each) for name in counts
+    }
