@@ -288,8 +288,11 @@ def _lost(values: np.ndarray, converted: np.ndarray) -> np.ndarray:
     The cast back must give the source's value, and for integers the two
     values must also be equal as numbers: uint32 4294967295 stored as int32 -1
     casts back to the same bits. NaN matches NaN and NaT matches NaT; record
-    padding is not a value.
+    padding is not a value. A datetime or timedelta of no unit (numpy's generic
+    one) is exactly NaT only, as NaT of any unit is it.
     """
+    if _unitless_time(values.dtype) and converted.dtype.kind in "mM":
+        return np.logical_not(np.isnat(values) & np.isnat(converted))
     try:
         back = _cast(converted, values.dtype)
     except (UnicodeError, ValueError, TypeError, OverflowError):
@@ -332,10 +335,19 @@ def _raw_rows(a: np.ndarray) -> np.ndarray:
 def _describe_lost(values: np.ndarray, converted: np.ndarray, k: int, index: tuple[int, ...]) -> str:
     """One line naming value ``k`` that a cast changes, where it is and what would be stored."""
     at = f" at index {index}" if index else ""
+    if _unitless_time(values.dtype) and not np.isnat(values[k]):
+        return (
+            f"value {_show(values[k])}{at} has no unit, so no value of {converted.dtype} is exactly it"
+        )
     return (
         f"value {_show(values[k])}{at} does not survive the cast to {converted.dtype}: "
         f"it would be stored as {_show(converted[k])}"
     )
+
+
+def _unitless_time(dtype: np.dtype) -> bool:
+    """A datetime64 or timedelta64 of numpy's generic unit (np.array([np.datetime64("NaT")]))."""
+    return dtype.kind in "mM" and np.datetime_data(dtype)[0] == "generic"
 
 
 def _show(value: np.generic) -> str:

@@ -191,6 +191,9 @@ def test_a_cast_keeps_exactly_representable_values_nan_and_nat(tmp_path) -> None
         "i": (np.array([-(2**31), 2**31 - 1], dtype=">i8"), "int32"),
         "t": (np.array(["NaT", "2020-01-01T00:00:01"], dtype="M8[ms]"), "M8[s]"),
         "s": (np.array([b"ab", b""], dtype="S2"), "U2"),
+        # np.array([np.datetime64("NaT")]) is of no unit: NaT in any unit is it
+        "g": (np.array([np.datetime64("NaT")] * 2), "M8[s]"),
+        "d": (np.array([np.timedelta64("NaT")] * 2), "m8[ms]"),
     }
     write_npz(tmp_path / "src" / "a.npz", **{key: values for key, (values, _) in sources.items()})
     casts = {key: dtype for key, (_, dtype) in sources.items()}
@@ -202,6 +205,18 @@ def test_a_cast_keeps_exactly_representable_values_nan_and_nat(tmp_path) -> None
         assert raw(stored) == raw(values.astype(stored.dtype)), key
     report = verify(tmp_path / "out", sources=True)
     assert report.ok, report.problems
+
+
+def test_a_cast_of_a_unitless_timedelta_that_is_not_nat_is_refused(tmp_path) -> None:
+    """numpy's generic unit holds numbers of no unit: no unit's value is exactly one (NaT is NaT)."""
+    bad = write_npz(tmp_path / "src" / "a.npz", x=np.array([np.timedelta64("NaT"), 5], dtype="m8"))
+    result = run("convert", tmp_path / "src", "-o", tmp_path / "out", "--cast", "x=m8[s]")
+    assert (result.exit_code, result.output) == (
+        1,
+        f"Error: {bad}[x]: value 5 generic time units at index (1,) has no unit, so no value of "
+        "timedelta64[s] is exactly it (--cast keeps only values that timedelta64[s] represents exactly)\n",
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_cast_of_bytes_that_are_not_ascii_to_unicode_is_a_one_line_error(tmp_path) -> None:
