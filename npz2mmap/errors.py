@@ -13,6 +13,17 @@ class MismatchError(SourceError):
     """Sources disagree on keys, dtype or number of dimensions; the message names the one that differs."""
 
 
+class KeyAbsentError(MismatchError):
+    """A source lacks a key the conversion selects (--keys): ``key``, beside the keys it has."""
+
+    def __init__(self, message: str, path: str, key: str, available: tuple[str, ...]) -> None:
+        self.path, self.key, self.available = path, key, available
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str, tuple[str, ...]]]:
+        return type(self), (str(self), self.path, self.key, self.available)
+
+
 class FormatError(Npz2mmapError):
     """A converted dataset is missing, malformed or from an unsupported version."""
 

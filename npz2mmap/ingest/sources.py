@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import BinaryIO, Protocol
 
 from .. import fsutil
-from ..errors import MismatchError, SourceError
+from ..errors import KeyAbsentError, SourceError
 from ..format.dtypes import storage_dtype
 from ..format.index import IDENTITY_MAGIC, NPY_MAGIC
 from ..text import quoted
@@ -157,7 +157,8 @@ def scan_source(
         headers = {}
         for key in available if keys is None else keys:
             if key not in available:  # a disagreement on keys, which --skip-bad does not leave out
-                raise MismatchError(f"{path}: no key {key!r} (has: {quoted(available)})")
+                message = f"{path}: no key {key!r} (has: {quoted(available)})"
+                raise KeyAbsentError(message, path, key, tuple(available))
             headers[key] = source.header(key)
         return headers, {key: source.location(key) for key in headers}
 

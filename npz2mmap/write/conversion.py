@@ -451,7 +451,7 @@ def found_bad_in_copy(error: SourceError) -> SourceError:
 COPY_PASS_HINT = "; convert again if it was being written, or --skip-bad leaves such files out"
 
 
-def stopped_at(error: SourceError, disagreed: MismatchError | None) -> SourceError:
+def stopped_at(error: SourceError, disagreed: SourceError | None) -> SourceError:
     """The error of a file that stops the scan, with the way past it, after the files that
     disagreed before it, if any (so that one run names them all)."""
     if not isinstance(error, DatasetInputError):  # an input that is a dataset is never left out

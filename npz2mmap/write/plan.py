@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from ..errors import MismatchError, SourceError, UnknownKeyError
+from ..errors import KeyAbsentError, MismatchError, SourceError, UnknownKeyError
 from ..format.dtypes import dtype_nesting_problem, storage_dtype
 from ..format.index import (
     CRC_DTYPE,
@@ -45,6 +45,7 @@ class Hints(NamedTuple):
     fixed: str = "--fixed {key}"  # formatted with key=
     fixed_way_out: str = "; use --skip-bad to leave such files out"
     one_cast_each: str = " (--cast takes one KEY=DTYPE: give it once for each key)"
+    cast_given: str = "--cast {key}={dtype}"  # formatted with key= and dtype=: a cast as it was given
 
 
 CLI_HINTS = Hints(
@@ -65,6 +66,7 @@ WRITER_HINTS = Hints(
     fixed="fixed=[{key!r}]",
     fixed_way_out="",
     one_cast_each="",
+    cast_given="casts={{{key!r}: {dtype!r}}}",
 )
 
 
@@ -76,18 +78,25 @@ class Disagreement(MismatchError):
     """
 
     def __init__(
-        self, problem: str, way_out: str = "", dtypes: Mapping[str, tuple[np.dtype, ...]] | None = None
+        self,
+        problem: str,
+        way_out: str = "",
+        dtypes: Mapping[str, tuple[np.dtype, ...]] | None = None,
+        refuses: str = "",
     ) -> None:
         self.problem, self.way_out, self.dtypes = problem, way_out, dict(dtypes or {})
+        self.refuses = refuses  # the option the source refuses, rather than the first source
         super().__init__(f"{problem}; {way_out}" if way_out else problem)
 
-    def __reduce__(self) -> tuple[type, tuple[str, str, dict[str, tuple[np.dtype, ...]]]]:
-        return type(self), (self.problem, self.way_out, self.dtypes)
+    def __reduce__(self) -> tuple[type, tuple[str, str, dict[str, tuple[np.dtype, ...]], str]]:
+        return type(self), (self.problem, self.way_out, self.dtypes, self.refuses)
 
 
-def dtype_disagreement(problem: str, key: str, dtypes: tuple[np.dtype, ...], hints: Hints) -> Disagreement:
+def dtype_disagreement(
+    problem: str, key: str, dtypes: tuple[np.dtype, ...], hints: Hints, refuses: str = ""
+) -> Disagreement:
     """A Disagreement on ``key``'s dtypes, with the cast that stores them all (or what else to do)."""
-    return Disagreement(problem, cast_hint(key, dtypes, hints), {key: dtypes})
+    return Disagreement(problem, cast_hint(key, dtypes, hints), {key: dtypes}, refuses)
 
 
 def joined_disagreements(found: Sequence[Disagreement], hints: Hints) -> Disagreement:
@@ -189,6 +198,7 @@ class _FieldCollector:
                     header.key,
                     tuple(self.seen_dtypes),  # the cast suggested must hold the sources' dtypes, not this one
                     self.hints,
+                    refuses=self.hints.cast_given.format(key=header.key, dtype=self.dtype),
                 )
         elif storage_dtype(header.dtype) != self.dtype:
             raise dtype_disagreement(
@@ -207,6 +217,9 @@ class Disagreements:
 
     Keeps the first few problems as they read and, for each key whose dtype
     differs, every dtype met, so that the one cast suggested holds them all.
+    Where no source was taken and every one refuses one option (a key --keys
+    names that none holds, a cast none can take), the option is at fault, and
+    the error says so.
     """
 
     SHOWN = 3
@@ -218,11 +231,16 @@ class Disagreements:
         self.problems: list[str] = []
         self.dtypes: dict[str, list[np.dtype]] = {}
         self.other_hints: list[str] = []
+        self.refused: set[str] | None = None  # the options every source so far refuses
 
     def add(self, exc: MismatchError) -> None:
         """Count one source's disagreement."""
         self.count += 1
         self.first = self.first or exc
+        refuses = exc.refuses if isinstance(exc, Disagreement) else ""
+        if isinstance(exc, KeyAbsentError):
+            refuses = f"--keys {exc.key!r}"
+        self.refused = {refuses} - {""} if self.refused is None else self.refused & {refuses}
         problem, hint = str(exc), ""
         if isinstance(exc, Disagreement):
             problem, hint = exc.problem, exc.way_out
@@ -235,16 +253,24 @@ class Disagreements:
         if hint and hint not in self.other_hints:
             self.other_hints.append(hint)
 
-    def error(self, first_source: str) -> MismatchError | None:
+    def error(self, first_source: str) -> SourceError | None:
         """One error naming them all (the first few, and how many more), or None if all agreed."""
+        refused = sorted(self.refused or ()) if not first_source else []  # no source taken
+        if refused and isinstance(self.first, KeyAbsentError):
+            first = self.first
+            return UnknownKeyError(
+                f"--keys names {first.key!r}, which no input file holds ({first.path} has "
+                f"{quoted(first.available)}): select keys the files hold"
+            )
         if self.first is None or self.count == 1:
             return self.first
         more = f"; and {self.count - len(self.problems):,} more" if self.count > len(self.problems) else ""
         ways = [cast_hint(key, dtypes, self.hints) for key, dtypes in self.dtypes.items()]
         ways += self.other_hints
         against = f" with the first, {first_source}" if first_source else ""
+        what = f"refuse {refused[0]}" if refused else f"disagree{against}"
         return MismatchError(
-            f"{self.count:,} files disagree{against}: "
+            f"{self.count:,} files {what}: "
             + "; ".join(self.problems)
             + more
             + "".join(f"; {way}" for way in ways)

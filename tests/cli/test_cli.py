@@ -404,10 +404,11 @@ def test_debug_after_the_command_shows_the_traceback(tmp_path, sources) -> None:
     assert result.returncode == 1
     assert "Traceback" in result.stderr
     assert result.stderr.splitlines()[-1] == f"npz2mmap.errors.FormatError: {missing}: no such dataset"
-    result = run_script("convert", sources, "-o", tmp_path / "out", "--keys", "nope", "--debug")
+    (tmp_path / "bad.npz").write_bytes(b"no zip")
+    result = run_script("convert", sources, tmp_path / "bad.npz", "-o", tmp_path / "out", "--debug")
     assert result.returncode == 1
     assert "Traceback" in result.stderr
-    assert result.stderr.splitlines()[-1].startswith("npz2mmap.errors.MismatchError: ")
+    assert result.stderr.splitlines()[-1].startswith("npz2mmap.errors.SourceError: ")
     assert not (tmp_path / "out").exists()
     for command in ("convert", "inspect", "verify", "merge", "warm"):
         assert "--debug" in run(command, "--help").output
@@ -615,8 +616,11 @@ def test_keys_are_named_exactly_spaces_included(tmp_path) -> None:
     assert DatasetReader(tmp_path / "spaced").view(" y", 0).tolist() == [2]
     write_samples(tmp_path / "plain", [{"x": np.array([1]), "y": np.array([3])}])
     result = run("convert", tmp_path / "plain", "-o", tmp_path / "out", "-q", "--keys", "x, y")
-    assert result.exit_code == 1
-    assert result.output == f"Error: {tmp_path / 'plain' / 's00000.npz'}: no key ' y' (has: 'x', 'y')\n"
+    assert result.exit_code == 2
+    assert result.output.splitlines()[-1] == (
+        f"Error: --keys names ' y', which no input file holds ({tmp_path / 'plain' / 's00000.npz'} has 'x', "
+        "'y'): select keys the files hold"
+    )
 
 
 def test_inspect_shows_names_that_would_reorder_or_hide_text_escaped(tmp_path) -> None:

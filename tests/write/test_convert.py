@@ -14,7 +14,7 @@ from conftest import assert_same_array, blob_bytes, write_npz, write_samples
 from interrupts import Interrupt, left_beside, lock_is_free, moments, sigint_blocked
 
 from npz2mmap.check.verify import verify
-from npz2mmap.errors import FixedShapeError, OutputError, SourceError
+from npz2mmap.errors import FixedShapeError, OutputError, SourceError, UnknownKeyError
 from npz2mmap.ingest.discover import discover_sources
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write import blob_writer, publish
@@ -87,9 +87,11 @@ def test_keys_select_fields(tmp_path) -> None:
 
 
 def test_missing_selected_key_names_the_file(tmp_path) -> None:
-    write_samples(tmp_path / "src", [{"a": np.ones(2)}])
+    write_samples(tmp_path / "src", [{"a": np.ones(2)}, {"a": np.ones(2), "b": np.ones(1)}])
     with pytest.raises(SourceError, match=r"s00000\.npz: no key 'b' \(has: 'a'\)"):
         convert([tmp_path / "src"], tmp_path / "out", keys=["b"])
+    with pytest.raises(UnknownKeyError, match=r"^--keys names 'c', which no input file holds \("):
+        convert([tmp_path / "src"], tmp_path / "out", keys=["c"])
 
 
 @pytest.mark.parametrize(

@@ -273,3 +273,34 @@ def test_a_file_whose_dtypes_differ_in_two_keys_is_named_with_a_cast_for_each(tm
         "to store one dtype\n",
     )
     assert convert_cli(str(src), "-o", str(tmp_path / "out"), "--cast", "a=float64", "--cast", "b=int64")[0] == 0
+
+
+@pytest.mark.parametrize("files", [1, 4])
+def test_a_key_of_keys_that_no_file_holds_is_a_usage_error_not_a_disagreement(tmp_path, files) -> None:
+    """--keys z on files that agree, none holding z, said "4 files disagree" (exit 1)."""
+    for k in range(files):
+        write_npz(tmp_path / "src" / f"{k}.npz", img=np.zeros(3, np.float32), y=np.int64(k))
+    first = tmp_path / "src" / "0.npz"
+    code, output = convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--keys", "img,z")
+    assert code == 2 and output.splitlines()[-1] == (
+        f"Error: --keys names 'z', which no input file holds ({first} has 'img', 'y'): select keys the files hold"
+    )
+    assert not (tmp_path / "out").exists()
+    write_npz(tmp_path / "src" / "9.npz", img=np.zeros(3, np.float32), z=np.int64(9))
+    code, output = convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--keys", "img,z")
+    one_by_name = f"Error: {first}: no key 'z' (has: 'img', 'y')\n"
+    assert (code, output if files == 1 else output[:30]) == (1, one_by_name if files == 1 else "Error: 4 files disagree with t")
+
+
+def test_a_cast_every_file_refuses_says_so_not_that_files_disagree(tmp_path) -> None:
+    for k in range(4):
+        write_npz(tmp_path / "src" / f"{k}.npz", img=np.zeros(3, np.float32))
+    code, output = convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--cast", "img=f4,f4")
+    target = "[('f0', '<f4'), ('f1', '<f4')]"
+    problem = f"[img]: dtype float32 cannot be cast to {target} member by member (the same names, in order)"
+    src = tmp_path / "src"
+    assert (code, output) == (
+        1,
+        f"Error: 4 files refuse --cast img={target}: {src / '0.npz'}{problem}; {src / '1.npz'}{problem}; "
+        f"{src / '2.npz'}{problem}; and 1 more; use --cast img=float32 to store one dtype\n",
+    )
