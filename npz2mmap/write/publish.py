@@ -50,10 +50,10 @@ def check_output(out_dir: str, overwrite: bool) -> None:
     except OSError as exc:
         if not fsutil.is_io_error(exc):
             raise
-        reason = f"cannot look inside: {exc.strerror or exc}"
+        reason = _not_a_dataset(f"cannot look inside: {exc.strerror or exc}")
     if reason is not None:  # said at once: --overwrite would refuse it too
         raise OutputError(
-            f"{out_dir}: exists and is not an npz2mmap dataset ({reason}); choose another OUT "
+            f"{out_dir}: exists and {reason}; choose another OUT "
             "(--overwrite replaces only a dataset or an empty directory)"
         )
     if not overwrite:
@@ -188,19 +188,25 @@ def creation_error(out_dir: str, exc: OSError) -> OutputError:
 
 
 def _why_not_ours(path: str) -> str | None:
-    """None when ``path`` is ours to replace, else why not: file names alone prove nothing."""
+    """None when ``path`` is ours to replace, else why not, said after "exists and": file
+    names alone prove nothing."""
     if os.path.islink(path):
-        return "a symbolic link"
+        return _not_a_dataset("a symbolic link")
     if not os.path.isdir(path):
-        return "not a directory"
+        return _not_a_dataset("not a directory")
     entries = set(os.listdir(path))
     if not entries:
         return None
     if INDEX_NAME in entries:
-        return _why_not_a_dataset(path, entries)
+        reason = _why_not_a_dataset(path, entries)
+        return None if reason is None else _not_a_dataset(reason)
     if MANIFEST_NAME in entries:
         return _why_not_a_manifest_dir(path, entries)
-    return f"it holds neither {INDEX_NAME} nor {MANIFEST_NAME}"
+    return _not_a_dataset(f"it holds neither {INDEX_NAME} nor {MANIFEST_NAME}")
+
+
+def _not_a_dataset(reason: str) -> str:
+    return f"is not an npz2mmap dataset ({reason})"
 
 
 def _why_not_a_dataset(path: str, entries: set[str]) -> str | None:
@@ -215,18 +221,23 @@ def _why_not_a_dataset(path: str, entries: set[str]) -> str | None:
 
 
 def _why_not_a_manifest_dir(path: str, entries: set[str]) -> str | None:
-    """A manifest that parses, beside nothing but parts it lists that are datasets."""
+    """A manifest that parses, beside nothing but parts it lists that are datasets held inside."""
     try:
         listed = {os.path.normpath(part) for part in read_manifest(path)}
     except FormatError as exc:
-        return str(exc)
+        return _not_a_dataset(str(exc))
     for entry in sorted(entries - {MANIFEST_NAME}):
         inner = os.path.join(path, entry)
-        if os.path.normpath(inner) not in listed or os.path.islink(inner) or not os.path.isdir(inner):
-            return f"it also holds {entry!r}, which its {MANIFEST_NAME} does not list as a part"
+        if os.path.normpath(inner) not in listed:
+            unlisted = f"it also holds {entry!r}, which its {MANIFEST_NAME} does not list as a part"
+            return _not_a_dataset(unlisted)
+        if os.path.islink(inner):  # its dataset is elsewhere, perhaps another's: never replaced from here
+            return f"its part {entry!r} is a symbolic link, which --overwrite does not follow"
+        if not os.path.isdir(inner):
+            return _not_a_dataset(f"its part {entry!r} is not a directory")
         reason = _why_not_a_dataset(inner, set(os.listdir(inner)))
         if reason is not None:
-            return f"its part {entry!r} is not a dataset ({reason})"
+            return _not_a_dataset(f"its part {entry!r} is not a dataset ({reason})")
     return None
 
 

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import write_samples
 
+from npz2mmap import MmapDataset
 from npz2mmap.cli.commands import cli
 from npz2mmap.read.reader import DatasetReader
 from npz2mmap.write.conversion import convert
@@ -95,6 +96,26 @@ def test_overwrite_refuses_a_directory_that_is_not_ours(tmp_path, tiny_sources, 
     assert re.search(reason, lines[0]), lines[0]
     assert tree_digest(out) == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_overwrite_refuses_a_manifest_directory_whose_parts_are_links_saying_so(tmp_path, tiny_sources) -> None:
+    """It said the manifest did not list the part, which it does: the part is a link to a dataset
+    elsewhere, perhaps another's, which replacing OUT must not touch."""
+    write_samples(tmp_path / "other", [{"y": np.arange(2)}])
+    convert([tmp_path / "other"], tmp_path / "elsewhere", workers=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "p0").symlink_to(tmp_path / "elsewhere")
+    (out / "manifest.json").write_text(json.dumps({"format": "npz2mmap-parts", "version": 1, "parts": ["p0"]}))
+    assert len(MmapDataset(out)) == 1  # a dataset that reads
+    before = tree_digest(tmp_path / "elsewhere")
+    result = run("convert", tiny_sources, "-o", out, "--overwrite", "-q")
+    assert (result.exit_code, result.output) == (
+        1,
+        f"Error: {out}: exists and its part 'p0' is a symbolic link, which --overwrite does not follow; "
+        "choose another OUT (--overwrite replaces only a dataset or an empty directory)\n",
+    )
+    assert tree_digest(tmp_path / "elsewhere") == before and (out / "p0").is_symlink()
 
 
 def test_overwrite_still_replaces_a_dataset_a_manifest_directory_and_an_empty_directory(
