@@ -130,6 +130,11 @@ class MmapLoader:
             raise ValueError(f"slot_nbytes must be at least 1, got {slot_nbytes}")
         check_timeout(timeout)
         resolve_context(multiprocessing_context)  # checked now, as DataLoader does
+        if multiprocessing_context is not None and num_workers == 0:
+            raise ValueError(
+                "multiprocessing_context is for worker processes, which num_workers=0 does not start: "
+                "pass num_workers=1 or more, or leave multiprocessing_context out"
+            )
         check_collate_keys(dataset, collate_fn)
         check_order_options(shuffle, sampler, batch_sampler, drop_last)
         self.dataset = dataset

@@ -354,7 +354,7 @@ def test_a_dataset_larger_than_memory_warns_once_naming_both_sizes(monkeypatch, 
 @pytest.mark.parametrize("read_ahead", [0, 1, 4])
 def test_resume_with_reads_issued_ahead_is_exact(converted, num_workers, read_ahead) -> None:
     ds = MmapDataset(converted, fields="label", reads="exact")
-    options = {"num_workers": num_workers, "read_ahead": read_ahead, "multiprocessing_context": "fork"}
+    options = {"num_workers": num_workers, "read_ahead": read_ahead, "multiprocessing_context": "fork" if num_workers else None}
     with MmapLoader(ds, 4, shuffle=True, seed=2, **options) as whole:
         uninterrupted = [b.tolist() for b in whole]
     with MmapLoader(ds, 4, shuffle=True, seed=2, **options) as first:

@@ -147,7 +147,7 @@ def data_loader(workers: int) -> Callable[[MmapDataset, Callable[[], PaddedColla
 def mmap_loader(workers: int, prefetch: int = 2) -> Callable[[MmapDataset, Callable[[], PaddedCollate]], Any]:
     def run(ds: MmapDataset, pad: Callable[[], PaddedCollate]) -> Any:
         with MmapLoader(
-            ds, len(BATCH), collate_fn=pad(), num_workers=workers, prefetch=prefetch, multiprocessing_context="fork"
+            ds, len(BATCH), collate_fn=pad(), num_workers=workers, prefetch=prefetch, multiprocessing_context="fork" if workers else None
         ) as loader:
             return {key: value.clone() for key, value in next(iter(loader)).items()}
 

@@ -197,7 +197,7 @@ def test_batches_equal_the_single_process_loader_and_the_sources(
     batch_size = options.pop("batch_size", 5)
     expected = epochs(MmapLoader(ds, batch_size, prefetch=0, **options))
     with MmapLoader(
-        ds, batch_size, num_workers=num_workers, multiprocessing_context="fork", **options
+        ds, batch_size, num_workers=num_workers, multiprocessing_context="fork" if num_workers else None, **options
     ) as loader:
         got = epochs(loader)
     assert_same(got, expected)
@@ -374,7 +374,7 @@ def test_resume_from_state_dict_equals_the_tail_of_an_uninterrupted_run(
     dataset_dir, num_workers, prefetch
 ) -> None:
     ds = MmapDataset(dataset_dir / "dataset", fields=["input", "label"])
-    options = {"num_workers": num_workers, "prefetch": prefetch, "multiprocessing_context": "fork"}
+    options = {"num_workers": num_workers, "prefetch": prefetch, "multiprocessing_context": "fork" if num_workers else None}
     with MmapLoader(ds, 4, shuffle=True, seed=1, **options) as whole:
         uninterrupted = epochs(whole, count=3)
     with MmapLoader(ds, 4, shuffle=True, seed=1, **options) as first:
@@ -480,7 +480,7 @@ def test_a_bad_index_of_the_order_is_raised_in_its_turn(dataset_dir) -> None:
     ds = MmapDataset(dataset_dir / "dataset", fields="label")
     order = [0, 1, 2, 3, 4, 5, NUM_SAMPLES, 6]
     for num_workers in (0, 2):
-        loader = MmapLoader(ds, 2, sampler=order, num_workers=num_workers, multiprocessing_context="fork")
+        loader = MmapLoader(ds, 2, sampler=order, num_workers=num_workers, multiprocessing_context="fork" if num_workers else None)
         yielded = []
         with pytest.raises(
             IndexError, match=f"sample index {NUM_SAMPLES} is out of range for {NUM_SAMPLES} samples"
@@ -628,7 +628,7 @@ def test_leaving_a_pass_early_lets_the_next_pass_start_clean(dataset_dir, num_wo
     into the same state_dict, and a resume from it would skip batches neither yielded."""
     ds = MmapDataset(dataset_dir / "dataset", fields="label")
     expected = [b.tolist() for b in MmapLoader(ds, 3, prefetch=0)]
-    options = {"num_workers": num_workers, "prefetch": prefetch, "multiprocessing_context": "fork"}
+    options = {"num_workers": num_workers, "prefetch": prefetch, "multiprocessing_context": "fork" if num_workers else None}
     with MmapLoader(ds, 3, **options) as loader:
         for k, _ in enumerate(loader):
             if k == 1:
@@ -750,7 +750,7 @@ def test_padded_batches_are_written_straight_into_the_slot_exactly(
     # Forked workers inherit this: a worker that pads into memory of its own first fails.
     monkeypatch.setattr(NewMemory, "array", refuse)
     with MmapLoader(
-        ds, 4, num_workers=num_workers, multiprocessing_context="fork", **loader_options
+        ds, 4, num_workers=num_workers, multiprocessing_context="fork" if num_workers else None, **loader_options
     ) as loader:
         got = []
         for batch in loader:
@@ -1388,7 +1388,7 @@ def test_resume_with_a_distributed_sampler_continues_the_saved_epoch(dataset_dir
 
     def make() -> MmapLoader:
         sampler = DistributedSampler(ds, num_replicas=3, rank=rank, shuffle=True, seed=4)  # type: ignore[arg-type]
-        return MmapLoader(ds, 3, sampler=sampler, num_workers=num_workers, multiprocessing_context="fork")
+        return MmapLoader(ds, 3, sampler=sampler, num_workers=num_workers, multiprocessing_context="fork" if num_workers else None)
 
     assert_epoch_resumes(make, epoch=3, stop_after=1)
 
@@ -1407,7 +1407,7 @@ def test_worker_augmentations_repeat_after_torch_manual_seed(dataset_dir, num_wo
     def run(seed: int) -> list[float]:
         torch.manual_seed(seed)
         np.random.seed(seed)
-        with MmapLoader(ds, 4, num_workers=num_workers, multiprocessing_context="fork") as loader:
+        with MmapLoader(ds, 4, num_workers=num_workers, multiprocessing_context="fork" if num_workers else None) as loader:
             return [float(v) for batch in loader for v in batch["noise"]]
 
     first, again, other = run(0), run(0), run(1)
@@ -1430,14 +1430,14 @@ def test_a_collate_fn_that_edits_the_sample_dicts_keeps_its_edits(
 ) -> None:
     """A batch's samples are handed out once each: edits to them reach the collated batch."""
     ds = MmapDataset(dataset_dir / "dataset", fields=["label", "tokens"])
+    context = {"multiprocessing_context": "fork"} if num_workers else {}
     if loader_kind == "DataLoader":
-        context = {"multiprocessing_context": "fork"} if num_workers else {}
         loader: Any = torch.utils.data.DataLoader(
             ds, batch_size=4, num_workers=num_workers, collate_fn=editing_collate, **context
         )
     else:
         loader = MmapLoader(
-            ds, 4, num_workers=num_workers, collate_fn=editing_collate, multiprocessing_context="fork"
+            ds, 4, num_workers=num_workers, collate_fn=editing_collate, **context
         )
     batch = next(iter(loader))
     assert batch["label"].tolist() == [1000, 1001, 1002, 1003] and batch["extra"].tolist() == [7] * 4
@@ -1467,7 +1467,7 @@ def test_padded_collate_ragged_adds_to_the_datasets_own(dataset_dir) -> None:
 def test_a_resume_over_torchs_random_sampler_is_refused(dataset_dir, num_workers) -> None:
     """RandomSampler draws a new order each pass and keeps no state: no resume can continue it."""
     ds = MmapDataset(dataset_dir / "dataset", fields="label")
-    options = {"num_workers": num_workers, "multiprocessing_context": "fork"}
+    options = {"num_workers": num_workers, "multiprocessing_context": "fork" if num_workers else None}
     with MmapLoader(ds, 4, sampler=torch.utils.data.RandomSampler(ds), **options) as first:  # type: ignore[arg-type]
         for k, _ in enumerate(first):
             if k == 2:
@@ -1487,7 +1487,7 @@ def test_a_distributed_sampler_given_its_epoch_directly_resumes_that_epoch(datas
 
     def make() -> MmapLoader:
         sampler = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=4)  # type: ignore[arg-type]
-        return MmapLoader(ds, 3, sampler=sampler, num_workers=num_workers, multiprocessing_context="fork")
+        return MmapLoader(ds, 3, sampler=sampler, num_workers=num_workers, multiprocessing_context="fork" if num_workers else None)
 
     with make() as whole:
         whole.sampler.set_epoch(5)  # type: ignore[union-attr]
@@ -1592,7 +1592,7 @@ def test_a_batch_samplers_own_sampler_resumes_its_epoch(dataset_dir, inner, num_
 
     def loader() -> MmapLoader:
         batches = torch.utils.data.BatchSampler(INNER_SAMPLERS[inner](ds), 4, False)
-        return MmapLoader(ds, 4, batch_sampler=batches, num_workers=num_workers, multiprocessing_context="fork")
+        return MmapLoader(ds, 4, batch_sampler=batches, num_workers=num_workers, multiprocessing_context="fork" if num_workers else None)
 
     uninterrupted = assert_epoch_resumes(loader, epoch=3, stop_after=2)
     with loader() as epoch_zero:

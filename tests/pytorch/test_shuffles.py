@@ -246,6 +246,12 @@ def test_mmap_loader_resumes_the_read_ahead_samplers_exactly(exact_dataset, num_
             TypeError,
             "multiprocessing_context must be a start method's name or a multiprocessing context, not 1",
         ),
+        (
+            {"multiprocessing_context": "spawn"},
+            ValueError,
+            "multiprocessing_context is for worker processes, which num_workers=0 does not start: "
+            "pass num_workers=1 or more, or leave multiprocessing_context out",
+        ),
     ],
 )
 def test_mmap_loader_checks_its_numbers_when_made(exact_dataset, options, error, message) -> None:

@@ -92,7 +92,7 @@ def mmap_loader(workers: int, prefetch: int = 0) -> Callable[[MmapDataset], Any]
             batch_sampler=[BATCH],
             num_workers=workers,
             prefetch=prefetch,
-            multiprocessing_context="fork",
+            multiprocessing_context="fork" if workers else None,
         ) as loader:
             batch = next(iter(loader))
             return {k: v.clone() if isinstance(v, torch.Tensor) else exact_copy(v) for k, v in batch.items()}
