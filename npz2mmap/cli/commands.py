@@ -264,7 +264,7 @@ def convert(
     try:
         chosen_part, _ = resolve_part(part, out_dir)  # a usage error, before anything starts
     except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="'--part'") from None
+        raise click.BadParameter(str(exc), param_hint="'--part'" if part else "'-o'") from None
     as_given = PathsAsGiven(inputs)
     with (
         showing_progress(quiet_progress(quiet, progress_mode), echo_err) as progress,

@@ -125,10 +125,16 @@ def resolve_part(part: PartOption, out_dir: str | os.PathLike[str]) -> tuple[tup
 
     ``part`` is None (no part: OUT itself), (i, n), ``"I/N"``, or ``"auto"`` (from torchrun's
     or Slurm's environment); part i goes to OUT/part-IIIII, or to OUT with {part} replaced.
-    TypeError or ValueError naming what is wrong (see check_part).
+    TypeError or ValueError naming what is wrong (see check_part); ValueError for an OUT holding
+    {part} without a part.
     """
     out = check_out_dir(out_dir)
     if part is None:
+        if "{part}" in out:  # a forgotten --part would write the whole at a literal '{part}'
+            raise ValueError(
+                f"OUT {out!r} holds {{part}}, which only a part fills: "
+                "give a part (--part, part=) or name OUT without {part}"
+            )
         return None, out
     if isinstance(part, str):
         chosen = part_from_environment() if part == "auto" else parse_part(part)

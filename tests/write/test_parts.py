@@ -306,7 +306,25 @@ def test_every_spelling_of_a_part_resolves_to_one_part_and_one_directory(part, o
     for environ in ({"RANK": str(i), "WORLD_SIZE": str(n)}, {"SLURM_PROCID": str(i), "SLURM_NTASKS": str(n)}):
         with mock.patch.dict(os.environ, environ, clear=True):
             assert resolve_part("auto", Path(out)) == ((i, n), expected_dir)
-    assert resolve_part(None, Path(out)) == (None, out)
+    if "{part}" in out:
+        with pytest.raises(ValueError, match=re.escape(f"'{out}' holds {{part}}")):
+            resolve_part(None, Path(out))
+    else:
+        assert resolve_part(None, Path(out)) == (None, out)
+
+
+def test_an_out_holding_part_is_refused_without_a_part_on_every_path(tmp_path, sources) -> None:
+    """``-o 'ds-{part}'`` with --part forgotten would write one whole dataset at a directory
+    literally named ds-{part}: refused, by the CLI, convert() and the Writer alike."""
+    out = tmp_path / "ds-{part}"
+    message = f"OUT '{out}' holds {{part}}, which only a part fills: give a part (--part, part=) or name OUT without {{part}}"
+    result = run("convert", sources, "-o", out)
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        convert([sources], out, workers=1)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        npz2mmap.Writer(out)
+    assert sorted(os.listdir(tmp_path)) == ["src"]
 
 
 def test_the_per_rank_loop_converts_every_part_from_python_then_merges(tmp_path, sources) -> None:
