@@ -356,9 +356,10 @@ class Scan:
                 scans = zip(paths[: len(batch.files)], batch.files, strict=True)  # up to any unreadable one
                 _add_one_by_one(scans, builder, usable, skipped, found, disagreements)
                 if batch.error is not None:
-                    raise stopped_at(batch.error, disagreements.error(builder.first_source))
+                    disagreed = disagreements.error(builder.first_source, builder.source_dtypes())
+                    raise stopped_at(batch.error, disagreed)
             progress.advance(len(paths), 0)
-        error = disagreements.error(builder.first_source)
+        error = disagreements.error(builder.first_source, builder.source_dtypes())
         if error is not None:
             raise error
         if not usable and skipped and (part is None or part[1] == 1):  # a part of one is the whole

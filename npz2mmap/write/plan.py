@@ -185,10 +185,15 @@ class _FieldCollector:
             )
         return array("q", sample_shape) * (header.shape[0] if self.rows else 1), self.accepted_is_cast
 
+    def saw(self, dtypes: Iterable[np.dtype]) -> None:
+        """Remember source dtypes met (a bounded number), for the cast a refusal suggests."""
+        for dtype in dtypes:
+            if dtype not in self.seen_dtypes and len(self.seen_dtypes) < MAX_DTYPES_SEEN:
+                self.seen_dtypes.append(dtype)
+
     def _check_dtype(self, header: MemberHeader, path: str) -> None:
         where = f"{path}[{header.key}]"
-        if header.dtype not in self.seen_dtypes and len(self.seen_dtypes) < MAX_DTYPES_SEEN:
-            self.seen_dtypes.append(header.dtype)
+        self.saw([header.dtype])
         if self.cast is not None:
             if not can_cast(header.dtype, self.dtype):
                 records = header.dtype.names is not None or self.dtype.names is not None
@@ -217,9 +222,9 @@ class Disagreements:
 
     Keeps the first few problems as they read and, for each key whose dtype
     differs, every dtype met, so that the one cast suggested holds them all.
-    Where no source was taken and every one refuses one option (a key --keys
-    names that none holds, a cast none can take), the option is at fault, and
-    the error says so.
+    Where every source that disagrees refuses one option (a cast it cannot
+    take), the error says they refuse it; where no source was taken because
+    none holds a key --keys names, the option is at fault: a usage error.
     """
 
     SHOWN = 3
@@ -253,17 +258,29 @@ class Disagreements:
         if hint and hint not in self.other_hints:
             self.other_hints.append(hint)
 
-    def error(self, first_source: str) -> SourceError | None:
-        """One error naming them all (the first few, and how many more), or None if all agreed."""
-        refused = sorted(self.refused or ()) if not first_source else []  # no source taken
+    def error(
+        self, first_source: str, taken: Mapping[str, Sequence[np.dtype]] | None = None
+    ) -> SourceError | None:
+        """One error naming them all (the first few, and how many more), or None if all agreed.
+
+        ``taken`` has each key's dtypes in the sources taken: the cast suggested must hold those
+        too, not only the refused ones (a cast that int64 files refuse and <U1 files take).
+        """
+        for key, known in self.dtypes.items():
+            known.extend(dtype for dtype in (taken or {}).get(key, ()) if dtype not in known)
+        refused = sorted(self.refused or ())  # the option every file that disagreed refuses
+        if first_source and isinstance(self.first, KeyAbsentError):
+            refused = []  # files lacking a key that others hold disagree with those
         if refused and isinstance(self.first, KeyAbsentError):
             first = self.first
             return UnknownKeyError(
                 f"--keys names {first.key!r}, which no input file holds ({first.path} has "
                 f"{quoted(first.available)}): select keys the files hold"
             )
-        if self.first is None or self.count == 1:
-            return self.first
+        if self.first is None:
+            return None
+        if self.count == 1:
+            return self._with_casts_for_all(self.first)
         more = f"; and {self.count - len(self.problems):,} more" if self.count > len(self.problems) else ""
         ways = [cast_hint(key, dtypes, self.hints) for key, dtypes in self.dtypes.items()]
         ways += self.other_hints
@@ -275,6 +292,13 @@ class Disagreements:
             + more
             + "".join(f"; {way}" for way in ways)
         )
+
+    def _with_casts_for_all(self, exc: MismatchError) -> MismatchError:
+        """``exc`` with the cast it suggests chosen from every dtype met, not its own alone."""
+        if not isinstance(exc, Disagreement) or not exc.dtypes:
+            return exc
+        ways = "; ".join(cast_hint(key, self.dtypes[key], self.hints) for key in exc.dtypes)
+        return Disagreement(exc.problem, ways, exc.dtypes, exc.refuses)
 
 
 def check_field_name(name: str, where: str) -> None:
@@ -382,6 +406,10 @@ class PlanBuilder:
     def num_sources(self) -> int:
         return len(self.counts)
 
+    def source_dtypes(self) -> dict[str, list[np.dtype]]:
+        """Each key's source dtypes met so far, those of the sources taken among them."""
+        return {key: list(collector.seen_dtypes) for key, collector in self.collectors.items()}
+
     def first_shape(self, key: str) -> tuple[int, ...]:
         """The sample shape ``key`` has in the first sample recorded (files mode)."""
         collector = self.collectors[key]
@@ -419,6 +447,7 @@ class PlanBuilder:
             self.first_source, self.first_members = sources[0], other.first_members
         for mine, theirs in zip(self.collectors.values(), other.collectors.values(), strict=True):
             mine.dims.extend(theirs.dims)
+            mine.saw(theirs.seen_dtypes)
             mine.cast_files.extend(array("q", [self.num_sources + k for k in theirs.cast_files]))
         self.counts.extend(other.counts)
         self.num_samples += other.num_samples

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import SKIP_BAD_HINT, write_npz
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import npz2mmap
 from npz2mmap.cli.commands import cli
@@ -304,3 +307,30 @@ def test_a_cast_every_file_refuses_says_so_not_that_files_disagree(tmp_path) -> 
         f"Error: 4 files refuse --cast img={target}: {src / '0.npz'}{problem}; {src / '1.npz'}{problem}; "
         f"{src / '2.npz'}{problem}; and 1 more; use --cast img=float32 to store one dtype\n",
     )
+
+
+POOL = ["int8", "int64", "uint8", "float32", "float64", "complex64", "bool", "<U1", "<U3", "S2", "datetime64[s]"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    dtypes=st.lists(st.sampled_from(POOL), min_size=2, max_size=4),
+    cast=st.none() | st.sampled_from(POOL),
+)
+def test_a_suggested_cast_succeeds_whatever_the_files_order_and_the_cast_given(tmp_path, dtypes, cast) -> None:
+    """--cast x=U8 on int64 then <U1 files suggested --cast x=int64, which <U1 refuses: the cast a
+    refusal suggests must hold the files that took the cast given too."""
+    root = tmp_path / str(abs(hash((tuple(dtypes), cast))))
+    for k, dtype in enumerate(dtypes):
+        write_npz(root / "src" / f"{k}.npz", x=np.zeros(2, dtype))
+    casts = {"x": cast} if cast else None
+    try:
+        convert([root / "src"], root / "out", casts=casts, workers=1)
+        return
+    except MismatchError as exc:
+        message = str(exc)
+    suggested = re.search(r"use --cast x=(\S+) to store one dtype", message)
+    if suggested is not None:
+        convert([root / "src"], root / "again", casts={"x": suggested.group(1)}, workers=1)  # no error
+    else:
+        assert "share no dtype --cast could store them as" in message or "has no dtype" in message, message
