@@ -334,3 +334,20 @@ def test_a_suggested_cast_succeeds_whatever_the_files_order_and_the_cast_given(t
         convert([root / "src"], root / "again", casts={"x": suggested.group(1)}, workers=1)  # no error
     else:
         assert "share no dtype --cast could store them as" in message or "has no dtype" in message, message
+
+
+def test_files_a_cast_refuses_among_files_that_take_it_are_said_to_refuse_it(tmp_path) -> None:
+    """int64 files refusing --cast x=U8 beside a <U1 file that takes it: the files refuse the cast
+    (not "disagree with the first"), and no cast stores int64 and <U1 alike."""
+    src = tmp_path / "src"
+    for name, dtype in (("a", "int64"), ("b", "<U1"), ("c", "int64")):
+        write_npz(src / f"{name}.npz", x=np.zeros(2, dtype))
+    code, output = convert_cli(str(src), "-o", str(tmp_path / "out"), "--cast", "x=U8")
+    problem = "[x]: dtype int64 cannot be cast to <U8 without changing kind"
+    assert (code, output) == (
+        1,
+        f"Error: 2 files refuse --cast x=<U8: {src / 'a.npz'}{problem}; {src / 'c.npz'}{problem}; "
+        "int64 and <U1 share no dtype --cast could store them as (it keeps their kind): "
+        "convert such files apart, or leave x out with --keys\n",
+    )
+    assert not (tmp_path / "out").exists()
