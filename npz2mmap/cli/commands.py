@@ -31,7 +31,7 @@ from ..text import human_bytes, plural
 from ..write.conversion import ConvertResult
 from ..write.conversion import convert as convert_files
 from ..write.merge import merge as merge_parts
-from ..write.options import cast_dtype, resolve_part
+from ..write.options import cast_dtype, repeated, resolve_part
 from ..write.shapes import NearlyFixed, describe_nearly_fixed
 from .click_support import (
     DirectoryPath,
@@ -57,6 +57,9 @@ def _parse_keys(ctx: click.Context, param: click.Parameter, value: str | None) -
         raise click.BadParameter(
             f"{value!r} names an empty key: give keys between commas, e.g. --keys input,label"
         )
+    twice = repeated(keys)
+    if twice is not None:
+        raise click.BadParameter(f"{value!r} names {twice!r} twice: name each key once")
     return keys
 
 

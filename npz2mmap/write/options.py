@@ -10,7 +10,7 @@ is a usage error naming its option.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +43,7 @@ class WriteOptions:
         part: PartOption = None,
         align: int = MIN_ALIGN,
         casts: Mapping[str, np.dtype | str] | None = None,
-        fixed: Iterable[str] = (),
+        fixed: Iterable[str] | None = (),
     ) -> WriteOptions:
         """The options, each checked; TypeError or ValueError naming the first that is wrong."""
         chosen, out = resolve_part(part, out_dir)
@@ -232,7 +232,20 @@ def parse_keys(keys: Iterable[str] | None) -> tuple[str, ...] | None:
         raise ValueError("keys is empty: name at least one key, or leave it None for every key")
     if not all(keys):
         raise ValueError(f"keys {brief(list(keys), 80)} names an empty key, which no file holds")
+    twice = repeated(keys)
+    if twice is not None:
+        raise ValueError(f"keys {brief(list(keys), 80)} names {twice!r} twice: name each key once")
     return tuple(keys)
+
+
+def repeated(names: Sequence[str]) -> str | None:
+    """The first name given a second time, if any: a key is selected once."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
 
 
 def check_workers(workers: int | None) -> int | None:
@@ -247,10 +260,10 @@ def check_workers(workers: int | None) -> int | None:
     return int(workers)
 
 
-def parse_fixed(fixed: Iterable[str]) -> tuple[str, ...]:
-    """``fixed`` as a tuple of keys (an iterator is read once); TypeError for one string, which
-    would name its characters."""
-    return _names("fixed", fixed)
+def parse_fixed(fixed: Iterable[str] | None) -> tuple[str, ...]:
+    """``fixed`` as a tuple of keys (None: none; an iterator is read once); TypeError for one
+    string, which would name its characters."""
+    return () if fixed is None else _names("fixed", fixed)
 
 
 def _names(option: str, given: Iterable[str]) -> tuple[str, ...]:

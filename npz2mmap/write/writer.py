@@ -88,7 +88,7 @@ class Writer:
         out_dir: str | os.PathLike[str],
         *,
         casts: Mapping[str, np.dtype | str] | None = None,
-        fixed: Iterable[str] = (),
+        fixed: Iterable[str] | None = (),
         align: int = MIN_ALIGN,
         overwrite: bool = False,
         part: PartOption = None,

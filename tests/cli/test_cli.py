@@ -107,6 +107,10 @@ def test_usage_errors_exit_2(tmp_path, sources) -> None:
             "Invalid value for '--keys': 'input,' names an empty key: give keys between commas, "
             "e.g. --keys input,label",
         ),
+        (  # it converted one field ' a', the second dropped without a word
+            ("convert", sources, "-o", tmp_path / "o", "--keys", " a, a"),
+            "Invalid value for '--keys': ' a, a' names ' a' twice: name each key once",
+        ),
         (("convert", sources, "-o", tmp_path / "o", "--cast", "input"), "'input' is not KEY=DTYPE"),
         (
             ("convert", sources, "-o", tmp_path / "o", "--cast", "input=object"),

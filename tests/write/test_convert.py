@@ -497,6 +497,7 @@ def test_inputs_in_an_iterator_convert_as_a_list_and_a_set_is_refused(tmp_path) 
     [
         ({"keys": []}, ValueError, "keys is empty: name at least one key, or leave it None for every key"),
         ({"keys": ["x", ""]}, ValueError, "keys ['x', ''] names an empty key, which no file holds"),
+        ({"keys": ["x", "a", "x"]}, ValueError, "keys ['x', 'a', 'x'] names 'x' twice: name each key once"),
         ({"workers": 0}, ValueError, "workers must be at least 1 (or None for one per core), got 0"),
         ({"workers": -3}, ValueError, "workers must be at least 1 (or None for one per core), got -3"),
         ({"workers": 1.5}, TypeError, "workers must be an integer (or None for one per core), not 1.5"),
@@ -536,6 +537,19 @@ def test_keys_and_fixed_in_an_iterator_are_read_once_and_held(tmp_path) -> None:
     result = convert([tmp_path / "src"], tmp_path / "keys", keys=map(str, ["b"]), workers=1)
     assert result.index.field_names == ("b",)
     assert not (tmp_path / "out").exists() and not (tmp_path / "w").exists()
+
+
+def test_fixed_none_holds_no_key_as_keys_none_and_casts_none_select_and_cast_none(tmp_path) -> None:
+    """convert(fixed=None) raised "fixed must be a list of keys, not None" where keys=None and
+    casts=None mean the default."""
+    for i, n in enumerate([3, 4]):
+        write_npz(tmp_path / "src" / f"{i}.npz", a=np.zeros(n))
+    result = convert([tmp_path / "src"], tmp_path / "out", keys=None, casts=None, fixed=None, workers=1)
+    assert DatasetReader(result.out_dir).shapes("a").tolist() == [[3], [4]]
+    with Writer(tmp_path / "w", casts=None, fixed=None) as writer:
+        writer.append({"a": np.zeros(3)})
+        writer.append({"a": np.zeros(4)})
+    assert DatasetReader(tmp_path / "w").shapes("a").tolist() == [[3], [4]]
 
 
 @pytest.mark.parametrize(
