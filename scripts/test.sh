@@ -8,5 +8,7 @@ cd "$ROOT"
 "$VENV/bin/ruff" check npz2mmap tests scripts
 "$VENV/bin/mypy"
 "$VENV/bin/lint-imports" --no-cache
-"$VENV/bin/mkdocs" build --strict --quiet --site-dir "$(mktemp -d)"
+site=$(mktemp -d)
+trap 'rm -rf "$site"' EXIT
+"$VENV/bin/mkdocs" build --strict --quiet --site-dir "$site"
 "$VENV/bin/python" -m pytest "$@"
