@@ -277,6 +277,10 @@ class BlockShuffleSampler(_Resumable, Sampler[int]):
             if self.auto_interleave
             else check_count("interleave", interleave, 1)
         )
+        if dataset is not None and len(dataset) != self.num_samples:
+            raise ValueError(
+                f"num_samples is {self.num_samples} but the dataset has {len(dataset)} samples: pass len(ds)"
+            )
         self.dataset = dataset
         self.drop_last = check_flag("drop_last", drop_last)
         self.num_replicas, self.rank = _replicas_and_rank(num_replicas, rank)
@@ -513,7 +517,7 @@ class LengthGroupedSampler(_Resumable, Sampler[list[int]]):
         check_count("pool_batches", pool_batches, 1)
         check_flag("drop_last", drop_last)
         super().__init__(seed)
-        lengths = np.asarray(lengths)
+        lengths = checked_lengths(lengths)
         self.lengths = lengths.reshape(len(lengths), math.prod(lengths.shape[1:])).prod(axis=1)
         self.batch_size = batch_size
         self.pool = batch_size * pool_batches
@@ -559,9 +563,30 @@ class LengthGroupedSampler(_Resumable, Sampler[list[int]]):
             yield batches[k].tolist()
 
 
+def checked_lengths(given: Any) -> np.ndarray:
+    """``given`` as an integer array of one length or one shape per sample; TypeError or
+    ValueError naming what is wrong (a negative, a fraction, a third dimension)."""
+    lengths = np.asarray(given)
+    if lengths.size == 0 and lengths.ndim in (1, 2):
+        return lengths.astype(np.int64)
+    if lengths.ndim not in (1, 2):
+        raise ValueError(
+            f"lengths must be one length (1-d) or one shape (2-d) per sample, not {lengths.ndim}-d"
+        )
+    if lengths.dtype.kind not in "iu":
+        raise TypeError(f"lengths must be integers, as ds.lengths(field) gives, not {lengths.dtype}")
+    negative = np.flatnonzero((lengths < 0).any(axis=-1) if lengths.ndim == 2 else lengths < 0)
+    if negative.size:
+        sample = int(negative[0])
+        value = lengths[sample].min() if lengths.ndim == 2 else lengths[sample]
+        raise ValueError(f"lengths must be at least 0; sample {sample} has {value}")
+    return lengths
+
+
 def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     """The world size and rank given, or torch.distributed's, or a single process's."""
     in_group = dist.is_available() and dist.is_initialized()
+    rank_given = rank is not None
     if num_replicas is None:
         num_replicas = dist.get_world_size() if in_group else 1
     if rank is None:
@@ -570,6 +595,11 @@ def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int,
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise ValueError(f"{name} must be an integer, not {value!r}")
     num_replicas, rank = int(num_replicas), int(rank)
+    if num_replicas > 1 and not rank_given and not in_group:  # every process would be rank 0
+        raise ValueError(
+            f"num_replicas={num_replicas} without rank: pass rank= (this process's place in "
+            f"0..{num_replicas - 1}), or initialise torch.distributed's process group, which gives both"
+        )
     if num_replicas < 1 or not 0 <= rank < num_replicas:
         raise ValueError(f"rank must be in 0..num_replicas-1, got rank {rank} of {num_replicas}")
     return num_replicas, rank

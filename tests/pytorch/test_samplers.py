@@ -728,3 +728,45 @@ def test_a_sampler_state_given_to_a_loader_is_named_as_one(tmp_path) -> None:
     )
     with pytest.raises(ValueError, match="another loader's .torchdata's StatefulDataLoader's"):
         loader.load_state_dict({"_snapshot": {}, "_steps_since_snapshot": 0})
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ShuffleSampler(10, num_replicas=2),
+        lambda: BlockShuffleSampler(10, 2, num_replicas=2),
+        lambda: LengthGroupedSampler(np.arange(10), 2, num_replicas=2),
+    ],
+    ids=["ShuffleSampler", "BlockShuffleSampler", "LengthGroupedSampler"],
+)
+def test_a_world_size_without_a_rank_outside_a_process_group_is_refused(make) -> None:
+    """num_replicas=2 with no rank and no process group read as rank 0 on every process: each
+    read the same half and the other half was never read. DistributedSampler raises there."""
+    message = (
+        "num_replicas=2 without rank: pass rank= (this process's place in 0..1), "
+        "or initialise torch.distributed's process group, which gives both"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("lengths", "error", "message"),
+    [
+        (np.array([3, -1, 2]), ValueError, "lengths must be at least 0; sample 1 has -1"),
+        (np.array([1.5, 2.0]), TypeError, "lengths must be integers, as ds.lengths(field) gives, not float64"),
+        (np.array([True, False]), TypeError, "lengths must be integers, as ds.lengths(field) gives, not bool"),
+        (np.zeros((2, 2, 2), int), ValueError, "lengths must be one length (1-d) or one shape (2-d) per sample, not 3-d"),
+        (np.int64(3), ValueError, "lengths must be one length (1-d) or one shape (2-d) per sample, not 0-d"),
+        (np.array([[1, -2]]), ValueError, "lengths must be at least 0; sample 0 has -2"),
+    ],
+)
+def test_lengths_that_are_not_lengths_are_refused(lengths, error, message) -> None:
+    """Negative, fractional and 3-d lengths made batches without a word."""
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        LengthGroupedSampler(lengths, 2)
+
+
+def test_lengths_of_no_samples_give_no_batches_whatever_their_dtype() -> None:
+    assert list(LengthGroupedSampler([], 2)) == []
+

@@ -310,3 +310,12 @@ def test_an_auto_window_resumes_with_the_interleave_it_was_saved_with(
     fixed = BlockShuffleSampler(len(ds), 16, seed=4, interleave=7, dataset=ds)
     with pytest.raises(ValueError, match=f"sampler state has interleave {saved_with}, this sampler has 7"):
         fixed.load_state_dict(state)
+
+
+def test_a_block_sampler_given_a_dataset_of_another_size_is_refused(exact_dataset) -> None:
+    """BlockShuffleSampler(5, dataset=ds) of a 150-sample ds yielded samples 0..4 only."""
+    ds = MmapDataset(exact_dataset[0])
+    message = f"num_samples is 5 but the dataset has {len(ds)} samples: pass len(ds)"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        BlockShuffleSampler(5, dataset=ds)
+    assert sorted(BlockShuffleSampler(len(ds), dataset=ds)) == list(range(len(ds)))
