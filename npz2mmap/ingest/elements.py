@@ -236,7 +236,7 @@ def _cast_pieces(
     per_piece = CHUNK_NBYTES // largest
     for start in range(0, count, per_piece):
         values = np.frombuffer(reader.read(min(per_piece, count - start) * source.itemsize), source)
-        converted = _cast_or_refuse(values, stored, reader.where)
+        converted = _cast_or_refuse(values, stored, f"{reader.where}: ", start, header, cast_option)
         lost = np.flatnonzero(_lost(values, converted))
         if len(lost):
             k = int(lost[0])
@@ -263,12 +263,36 @@ def _element_index(k: int, header: MemberHeader) -> tuple[int, ...]:
     return tuple(int(i) for i in np.unravel_index(k, header.shape, order=order))
 
 
-def _cast_or_refuse(values: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
-    """numpy's cast, or SourceError when numpy cannot make it (bytes that are not ASCII to unicode)."""
+CAST_FAILURES = (UnicodeError, ValueError, TypeError, OverflowError)
+
+
+def _cast_or_refuse(
+    values: np.ndarray, dtype: np.dtype, where: str, start: int, header: MemberHeader, cast_option: str
+) -> np.ndarray:
+    """numpy's cast, or MismatchError naming the first value numpy cannot cast (bytes that are
+    not ASCII to unicode), where it is (``start``: the first value's place in the member)."""
     try:
         return _cast(values, dtype)
-    except (UnicodeError, ValueError, TypeError, OverflowError) as exc:
-        raise MismatchError(f"{where}: cannot cast {values.dtype} to {dtype}: {exc}") from None
+    except CAST_FAILURES as exc:
+        failed = exc
+    k = next((k for k in range(len(values)) if not _casts(values[k : k + 1], dtype)), None)
+    if k is None:  # only the values together fail: numpy's words, then
+        raise MismatchError(f"{where}cannot cast {values.dtype} to {dtype}: {failed}") from None
+    index = _element_index(start + k, header)
+    at = f" at index {index}" if index else ""
+    why = ": bytes that are not ASCII are no text" if isinstance(failed, UnicodeError) else ""
+    raise MismatchError(
+        f"{where}value {_show(values[k])}{at} has no {dtype} form{why} "
+        f"({cast_option} keeps only values that {dtype} represents exactly)"
+    )
+
+
+def _casts(values: np.ndarray, dtype: np.dtype) -> bool:
+    try:
+        _cast(values, dtype)
+    except CAST_FAILURES:
+        return False
+    return True
 
 
 def _cast(values: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -38,7 +38,7 @@ MAX_NUM_SAMPLES = MAX_PAYLOAD_NBYTES // OFFSET_DTYPE.itemsize - 1
 class Hints(NamedTuple):
     """How messages name the options that resolve a disagreement: the CLI's, or the Writer's arguments."""
 
-    cast: str  # formatted with key= and dtype=
+    cast: str  # formatted with key= and dtype=; a cast that may not keep every value adds SOME_VALUES
     no_cast: str  # formatted with key=, dtypes=, share= and them=: where no dtype holds them all
     keys: str
     casts_named: str
@@ -47,6 +47,8 @@ class Hints(NamedTuple):
     one_cast_each: str = " (--cast takes one KEY=DTYPE: give it once for each key)"
     cast_given: str = "--cast {key}={dtype}"  # formatted with key= and dtype=: a cast as it was given
 
+
+SOME_VALUES = ", if every value fits it (the first that does not is named)"
 
 CLI_HINTS = Hints(
     cast="use --cast {key}={dtype} to store one dtype",
@@ -110,11 +112,31 @@ def cast_hint(key: str, dtypes: Sequence[np.dtype], hints: Hints) -> str:
     """The way to store ``dtypes`` as one: a cast every one of them allows, or what else to do."""
     target = common_cast_target(dtypes)
     if target is None:
-        names = [str(dtype) for dtype in dtypes]
+        names = list(dict.fromkeys(str(storage_dtype(dtype)) for dtype in dtypes))  # >f8 is float64
         listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
         share, them = ("has", "it") if len(names) == 1 else ("share", "them")
         return hints.no_cast.format(key=key, dtypes=listed, share=share, them=them)
-    return hints.cast.format(key=key, dtype=target)
+    every_value = all(holds_every_value(dtype, np.dtype(target)) for dtype in dtypes)
+    return hints.cast.format(key=key, dtype=target) + ("" if every_value else SOME_VALUES)
+
+
+def holds_every_value(source: np.dtype, target: np.dtype) -> bool:
+    """Whether ``target`` represents every value of ``source`` exactly, so that a cast of any
+    file's values succeeds: not so for int64 to float64 (2**53 + 1), uint64 to int64, bytes to
+    text (bytes that are not ASCII), float64 to float32."""
+    source, target = storage_dtype(source), storage_dtype(target)
+    if source == target:
+        return True
+    if source.names is not None or target.names is not None:
+        if source.names is None or source.names != target.names:
+            return False
+        return all(holds_every_value(source[name], target[name]) for name in source.names)
+    if source.kind in "biu" and target.kind in "fc":
+        value_bits = 1 if source.kind == "b" else source.itemsize * 8 - (source.kind == "i")
+        return value_bits <= np.finfo(target).nmant + 1
+    if source.kind == "S" and target.kind == "U":
+        return False
+    return bool(np.can_cast(source, target, casting="safe"))
 
 
 def common_cast_target(dtypes: Sequence[np.dtype]) -> str | None:

@@ -351,3 +351,36 @@ def test_files_a_cast_refuses_among_files_that_take_it_are_said_to_refuse_it(tmp
         "convert such files apart, or leave x out with --keys\n",
     )
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("first", "other", "hint"),
+    [
+        (np.array([2**63 + 1], np.uint64), np.array([-1]), "use --cast x=float64 to store one dtype, if"),
+        (np.array([b"\xff"], "S1"), np.array(["a"], "U1"), "use --cast x=U1 to store one dtype, if"),
+        (np.array([2**53 + 1]), np.array([0.5], np.float32), "use --cast x=float64 to store one dtype, if"),
+        (np.array([1], np.int32), np.array([0.5]), "use --cast x=float64 to store one dtype\n"),
+    ],
+    ids=["uint64-int64", "bytes-text", "int64-float32", "int32-float64"],
+)
+def test_a_cast_that_some_values_may_not_survive_is_suggested_as_such(tmp_path, first, other, hint) -> None:
+    """uint64 and int64 files were told to use --cast x=float64, which then refused 2**63 + 1: a
+    cast that keeps only some of a dtype's values says so, and the refusal names the value."""
+    write_npz(tmp_path / "src" / "a.npz", x=first)
+    write_npz(tmp_path / "src" / "b.npz", x=other)
+    code, output = convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"))
+    assert code == 1 and output.endswith(
+        hint if hint.endswith("\n") else f"{hint} every value fits it (the first that does not is named)\n"
+    ), output
+    target = re.search(r"--cast (x=\S+)", output).group(1)
+    code, output = convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--cast", target)
+    assert code == (0 if hint.endswith("\n") else 1), output
+    assert code == 0 or "value" in output and "at index (0,)" in output
+
+
+def test_a_dtype_in_two_byte_orders_is_listed_once(tmp_path) -> None:
+    """'float64, datetime64[ms] and >f8 share no dtype' listed one dtype twice, as three."""
+    write_npz(tmp_path / "src" / "a.npz", x=np.zeros(2, ">f8"))
+    write_npz(tmp_path / "src" / "b.npz", x=np.zeros(2, "M8[ms]"))
+    code, output = convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"))
+    assert code == 1 and "; float64 and datetime64[ms] share no dtype --cast could store" in output, output

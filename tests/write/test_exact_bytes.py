@@ -158,6 +158,12 @@ def raw(array: np.ndarray) -> bytes:
             "value 2147483647 does not survive the cast to float32: it would be stored as 2147483648.0 "
             "(--cast keeps only values that float32 represents exactly)",
         ),
+        (  # numpy's own words were shown: 'ascii' codec can't decode byte 0xff in position 0: ...
+            np.array([b"ok", b"\xff"], dtype="S2"),
+            "U2",
+            "value b'\\xff' at index (1,) has no <U2 form: bytes that are not ASCII are no text "
+            "(--cast keeps only values that <U2 represents exactly)",
+        ),
     ],
     ids=[
         "int-overflow",
@@ -167,6 +173,7 @@ def raw(array: np.ndarray) -> bytes:
         "unsigned-to-signed-64",
         "unsigned-to-signed-8",
         "int-rounding-to-float",
+        "bytes-not-ascii-to-text",
     ],
 )
 def test_a_cast_that_changes_a_value_is_refused_naming_file_key_and_value(
@@ -224,8 +231,8 @@ def test_a_cast_of_bytes_that_are_not_ascii_to_unicode_is_a_one_line_error(tmp_p
     result = run("convert", tmp_path / "src", "-o", tmp_path / "out", "--cast", "s=<U2")
     assert result.exit_code == 1
     assert result.output == (
-        f"Error: {bad}[s]: cannot cast |S2 to <U2: 'ascii' codec can't decode byte 0xc3 in position 0: "
-        "ordinal not in range(128)\n"
+        f"Error: {bad}[s]: value b'\\xc3\\xa9' at index (1,) has no <U2 form: bytes that are not ASCII "
+        "are no text (--cast keeps only values that <U2 represents exactly)\n"
     )
     assert not (tmp_path / "out").exists()
 
