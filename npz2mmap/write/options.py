@@ -9,11 +9,14 @@ is a usage error naming its option.
 
 from __future__ import annotations
 
+import ast
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import numpy as np
+from numpy.lib.format import descr_to_dtype
 
 from ..format.index import ALIGN_RULE, MIN_ALIGN, is_valid_align
 from ..format.manifest import is_unordered
@@ -169,6 +172,39 @@ def check_align(align: int) -> int:
     return value
 
 
+MAX_RECORD_SPELLING = 65_536  # characters: far more than any record a dataset may hold
+
+
+def is_record_spelling(value: object) -> TypeGuard[str]:
+    """Whether ``value`` spells a record as numpy's ``descr`` does: "[('a', '<i8'), ('b', '<f8')]",
+    the one text that names record members (numpy's "i8,f8" names them f0, f1)."""
+    return isinstance(value, str) and value.lstrip().startswith("[")
+
+
+def record_dtype(text: str) -> np.dtype:
+    """The record ``text`` spells, read as a .npy header's descr is (a Python literal, never
+    code); ValueError for anything else."""
+    if len(text) > MAX_RECORD_SPELLING:
+        raise ValueError("too long")
+    try:
+        descr = ast.literal_eval(text.strip())
+        dtype = descr_to_dtype(descr)
+    except (ValueError, TypeError, SyntaxError, KeyError, IndexError, MemoryError, RecursionError):
+        raise ValueError("not a record") from None
+    if not isinstance(descr, list) or dtype.names is None:
+        raise ValueError("not a record")
+    return dtype
+
+
+def record_spelling(dtype: np.dtype) -> str | None:
+    """How to spell record ``dtype`` for --cast, if it reads back as the same dtype."""
+    text = str(dtype.descr)
+    try:
+        return text if record_dtype(text) == dtype else None
+    except ValueError:
+        return None
+
+
 def check_integer(option: str, value: object) -> int:
     """``value`` as an int (numpy's integers too); TypeError naming ``option`` for a bool, a float,
     a string or anything else that is no integer."""
@@ -294,7 +330,7 @@ def cast_dtype(value: np.dtype | str) -> np.dtype:
     if value is None:
         raise ValueError("None is not a numpy dtype: name one, as 'float32'")
     try:
-        dtype = np.dtype(value)
+        dtype = record_dtype(value) if is_record_spelling(value) else np.dtype(value)
     except (TypeError, ValueError, SyntaxError):  # numpy's messages for '0.1=f4', '(2' differ
         raise ValueError(f"{value!r} is not a numpy dtype") from None
     if dtype.hasobject or dtype.itemsize == 0:

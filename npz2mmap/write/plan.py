@@ -9,6 +9,7 @@ are bounded, so no sum wraps and every field stays an array numpy can hold.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 from array import array
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import NamedTuple
@@ -28,6 +29,7 @@ from ..format.index import (
 from ..ingest.npy_header import MemberHeader
 from ..text import brief, quoted
 from .layout import Plan, lay_out
+from .options import cast_dtype, record_spelling
 
 MAX_DTYPES_SEEN = 64  # the source dtypes of a field a cast refusal considers (a bound, not a limit)
 
@@ -51,7 +53,7 @@ class Hints(NamedTuple):
 SOME_VALUES = ", if every value fits it (the first that does not is named)"
 
 CLI_HINTS = Hints(
-    cast="use --cast {key}={dtype} to store one dtype",
+    cast="use --cast {cast} to store one dtype",
     no_cast="{dtypes} {share} no dtype --cast could store {them} as (it keeps their kind): "
     "convert such files apart, or leave {key} out with --keys",
     keys="; select common keys with --keys",
@@ -116,8 +118,17 @@ def cast_hint(key: str, dtypes: Sequence[np.dtype], hints: Hints) -> str:
         listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
         share, them = ("has", "it") if len(names) == 1 else ("share", "them")
         return hints.no_cast.format(key=key, dtypes=listed, share=share, them=them)
-    every_value = all(holds_every_value(dtype, np.dtype(target)) for dtype in dtypes)
-    return hints.cast.format(key=key, dtype=target) + ("" if every_value else SOME_VALUES)
+    every_value = all(holds_every_value(dtype, cast_dtype(target)) for dtype in dtypes)
+    shown = shell_word(f"{key}={target}")
+    return hints.cast.format(key=key, dtype=target, cast=shown) + ("" if every_value else SOME_VALUES)
+
+
+def shell_word(text: str) -> str:
+    """``text`` as one word a shell takes as it is: bare where it can be, else in double quotes
+    (a record's spelling reads best so), else as shlex quotes it."""
+    if shlex.quote(text) == text:
+        return text
+    return f'"{text}"' if not any(char in text for char in '"$`\\!') else shlex.quote(text)
 
 
 def holds_every_value(source: np.dtype, target: np.dtype) -> bool:
@@ -149,13 +160,16 @@ def common_cast_target(dtypes: Sequence[np.dtype]) -> str | None:
         pass
     for candidate in candidates:
         spelled = dtype_spelling(storage_dtype(candidate))
-        if spelled is not None and all(can_cast(dtype, np.dtype(spelled)) for dtype in dtypes):
+        if spelled is not None and all(can_cast(dtype, cast_dtype(spelled)) for dtype in dtypes):
             return spelled
     return None
 
 
 def dtype_spelling(dtype: np.dtype) -> str | None:
-    """The shortest text --cast parses back to ``dtype`` (float32, U8, datetime64[ms]), if any."""
+    """The shortest text --cast parses back to ``dtype`` (float32, U8, datetime64[ms], a record
+    as numpy's descr spells it), if any."""
+    if dtype.names is not None:
+        return record_spelling(dtype)
     for text in (dtype.name, dtype.str.lstrip("<|="), dtype.str):
         try:
             if np.dtype(text) == dtype and not dtype.fields and not dtype.subdtype:
