@@ -12,7 +12,7 @@ import functools
 import os
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -22,7 +22,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from ..errors import LargerThanMemoryWarning
 from ..format.index import SampleShape
-from ..format.manifest import refuse_unordered
+from ..format.manifest import is_unordered, refuse_unordered
 from ..read.features import Feature
 from ..read.memory import fits_in_memory, larger_than_memory, memory_limit
 from ..read.parts import Parts, PartsReader
@@ -99,8 +99,10 @@ class MmapDataset(Dataset[Any]):
             self.path = [os.fspath(p) for p in path]
         self.parts = Parts(self.path)
         self.single = isinstance(fields, str)
-        if isinstance(fields, (bytes, bytearray)):
+        if isinstance(fields, (bytes, bytearray)) or not isinstance(fields, (str, Iterable, type(None))):
             raise TypeError(f"fields names fields by str (one, or a list of them), not {fields!r}")
+        if is_unordered(fields):
+            raise TypeError("fields is a set, whose order changes from run to run: give a list (or a tuple)")
         if isinstance(fields, str):
             names = [fields]
         else:

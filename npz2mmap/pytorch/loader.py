@@ -123,8 +123,14 @@ class MmapLoader:
             raise ValueError(
                 f"seed must be at least 0 (numpy's generators take no negative seed), got {seed}"
             )
-        if batch_size < 1 or prefetch < 0 or num_workers < 0 or read_ahead < 0:
-            raise ValueError("batch_size must be at least 1, prefetch, num_workers and read_ahead at least 0")
+        for name, value, least in (
+            ("batch_size", batch_size, 1),
+            ("prefetch", prefetch, 0),
+            ("num_workers", num_workers, 0),
+            ("read_ahead", read_ahead, 0),
+        ):
+            if value < least:
+                raise ValueError(f"{name} must be at least {least}, got {value}")
         check_flags(shuffle=shuffle, drop_last=drop_last, pin_memory=pin_memory)
         if slot_nbytes is not None and check_integer("slot_nbytes", slot_nbytes) < 1:
             raise ValueError(f"slot_nbytes must be at least 1, got {slot_nbytes}")

@@ -175,6 +175,9 @@ def _named_ragged(
     if not all(isinstance(name, str) for name in names):
         raise TypeError(f"ragged names fields by str, not {names!r}")
     if not isinstance(ragged, Mapping):
+        repeated = next((name for k, name in enumerate(names) if name in names[:k]), None)
+        if repeated is not None:
+            raise ValueError(f"ragged names {repeated!r} twice; name each field once")
         return dict.fromkeys(names)
     named: dict[str, SampleShape | None] = {}
     for name, shape in ragged.items():

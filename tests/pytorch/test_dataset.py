@@ -479,12 +479,20 @@ def test_index_arrays_of_every_width_normalise_as_each_index_alone(dtype, n, dat
     assert normalise_indices(indices, n).tolist() == expected
 
 
-@pytest.mark.parametrize("fields", [b"label", [b"label"], [1], ["label", None]])
+@pytest.mark.parametrize("fields", [b"label", [b"label"], [1], ["label", None], 3, 2.5])
 def test_fields_that_are_not_names_are_a_type_error_naming_them(small_dataset, fields) -> None:
     """bytes iterate as numbers ("no field 120" was the message): fields are named by str only."""
     out, _ = small_dataset
     with pytest.raises(TypeError, match=r"^fields names fields by str \(one, or a list of them\), not "):
         MmapDataset(out, fields=fields)
+
+
+def test_fields_given_as_a_set_are_refused_as_parts_are(small_dataset) -> None:
+    """A set's order, the order of a sample's keys with it, changes from run to run."""
+    out, _ = small_dataset
+    message = "fields is a set, whose order changes from run to run: give a list (or a tuple)"
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        MmapDataset(out, fields={"label"})
 
 
 def test_the_loader_writer_and_dataset_show_what_they_are_and_the_dataset_its_schema(tmp_path) -> None:

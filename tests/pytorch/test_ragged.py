@@ -108,6 +108,8 @@ def test_padded_lengths_measure_the_one_dimension_in_which_samples_differ(tmp_pa
         PaddedCollate(ragged=5)  # it said 'int' object is not iterable
     with pytest.raises(TypeError, match=r"^ragged names fields by str, not \[3\]$"):
         PaddedCollate(ragged={3: (None,)})  # it failed at the first batch, adding an int and a str
+    with pytest.raises(ValueError, match=r"^ragged names 'audio' twice; name each field once$"):
+        PaddedCollate(ragged=["audio", "audio"])  # as fields= refuses it
 
 
 @pytest.mark.parametrize("transform", [None, lambda sample: sample])

@@ -235,6 +235,10 @@ def test_mmap_loader_resumes_the_read_ahead_samplers_exactly(exact_dataset, num_
         ({"seed": -1}, ValueError, "seed must be at least 0"),
         ({"batch_size": True}, TypeError, "batch_size must be an int, not True"),
         ({"prefetch": 2.0}, TypeError, "prefetch must be an int, not 2.0"),
+        ({"batch_size": 0}, ValueError, "batch_size must be at least 1, got 0"),
+        ({"prefetch": -1}, ValueError, "prefetch must be at least 0, got -1"),
+        ({"num_workers": -2}, ValueError, "num_workers must be at least 0, got -2"),
+        ({"read_ahead": -1}, ValueError, "read_ahead must be at least 0, got -1"),
         (
             {"num_workers": 1, "multiprocessing_context": "bogus"},
             ValueError,
