@@ -34,7 +34,7 @@ from .samples import (
     bare_field,
     marked_ragged,
 )
-from .tensors import as_tensor_if_array, as_tensors, has_negative_strides, stack_bytes
+from .tensors import as_tensors, has_negative_strides, owned_by_the_batch, stack_bytes
 
 
 def _collate_ragged_samples(batch: Sequence[np.ndarray], *, collate_fn_map: Any = None) -> list[Any]:
@@ -42,7 +42,7 @@ def _collate_ragged_samples(batch: Sequence[np.ndarray], *, collate_fn_map: Any 
     field's GatheredBatch, ``collate``'s list, whose memory then leaves the samples)."""
     if isinstance(batch, GatheredBatch):
         return collate(batch)
-    return [as_tensors(np.asarray(sample)) for sample in batch]
+    return [owned_by_the_batch(sample) for sample in batch]
 
 
 def _collate_numpy_only_samples(batch: Sequence[np.ndarray], *, collate_fn_map: Any = None) -> np.ndarray:
@@ -66,7 +66,7 @@ def _collate_transformed_samples(batch: Sequence[MarkedSample], *, collate_fn_ma
     for name in batch[0]:
         values = [sample[name] for sample in batch]
         if name in ragged and batch[0].listed:
-            out[name] = [as_tensors(np.asarray(v)) if isinstance(v, np.ndarray) else v for v in values]
+            out[name] = [owned_by_the_batch(v) for v in values]
             continue
         if name in ragged:
             _check_stackable(name, values)
@@ -125,9 +125,9 @@ def collate_numpy_torch_lacks(values: Sequence[Any]) -> Any:
 def _collate_transformed_arrays(
     batch: Sequence[TransformedRaggedArray], *, collate_fn_map: Any = None
 ) -> Any:
-    arrays = [np.asarray(sample) for sample in batch]
     if batch[0].listed:
-        return [as_tensors(array) for array in arrays]
+        return [owned_by_the_batch(sample) for sample in batch]
+    arrays = [np.asarray(sample) for sample in batch]
     _check_stackable(batch[0].field_name, arrays)
     return torch_collate(arrays, collate_fn_map=collate_fn_map)
 
@@ -212,7 +212,7 @@ def _collate_plain_dicts(samples: Sequence[Mapping[str, Any]]) -> Any:
 def _collate_listing_ragged(samples: SampleList) -> Any:
     """Transformed samples: each ragged field as a list of tensors, the rest by torch's default collate."""
     if samples.single is not None and samples.single in samples.ragged:
-        return [as_tensor_if_array(sample) for sample in samples]
+        return [owned_by_the_batch(sample) for sample in samples]
     if not samples or not isinstance(samples[0], dict):
         return _collate_values(list(samples))
     check_same_keys(samples)
@@ -220,7 +220,7 @@ def _collate_listing_ragged(samples: SampleList) -> Any:
     for name in samples[0]:
         values = [sample[name] for sample in samples]
         if name in samples.ragged:
-            out[name] = [as_tensor_if_array(value) for value in values]
+            out[name] = [owned_by_the_batch(value) for value in values]
             continue
         with _naming_unequal_shapes(name, values):
             out[name] = _collate_values(values)

@@ -30,9 +30,15 @@ def viewable_by_torch(array: np.ndarray) -> np.ndarray:
     return array.copy() if has_negative_strides(array) else array
 
 
-def as_tensor_if_array(value: Any) -> Any:
-    """A transform's array as a tensor sharing its memory (a plain ndarray, not a marked view)."""
-    return as_tensors(np.asarray(value)) if isinstance(value, np.ndarray) else value
+def owned_by_the_batch(value: Any) -> Any:
+    """A ragged field's sample as a batch lists it: a tensor (or, of a dtype torch lacks, an
+    array) of a copy, as torch's stack copies a fixed field, so that editing the batch in place
+    leaves the sample, and whatever it came from (a transform's cache), as it was."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, np.ndarray):
+        return as_tensors(np.array(value, copy=True))
+    return value
 
 
 def as_tensors(array: np.ndarray | list[np.ndarray]) -> Any:

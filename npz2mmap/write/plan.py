@@ -50,7 +50,7 @@ class Hints(NamedTuple):
     cast_given: str = "--cast {key}={dtype}"  # formatted with key= and dtype=: a cast as it was given
 
 
-SOME_VALUES = ", if every value fits it (the first that does not is named)"
+SOME_VALUES = ", if every value fits it"
 
 CLI_HINTS = Hints(
     cast="use --cast {cast} to store one dtype",

@@ -810,7 +810,7 @@ def test_files_of_a_pattern_are_named_in_messages_as_the_pattern_spells_them(tmp
     """Typed 'd/*.npz', messages named /abs/.../d/b.npz where typed 'd' they name d/b.npz."""
     write_npz(tmp_path / "d" / "a.npz", v=np.arange(3))
     write_npz(tmp_path / "d" / "b.npz", v=np.arange(3.0))
-    expected = "Error: {0}b.npz[v]: dtype float64 differs from int64 in {0}a.npz; use --cast v=float64 to store one dtype"
+    expected = "Error: {0}b.npz[v]: dtype float64 differs from int64 in {0}a.npz; use --cast v=float64 to store one dtype, if every value fits it"
     monkeypatch.chdir(tmp_path)
     for typed, prefix in [("d", "d/"), ("d/*.npz", "d/"), ("./d/**", "./d/")]:
         code, output = convert_cli(typed, "-o", "out")

@@ -122,7 +122,8 @@ def test_npy_files_whose_names_repeat_across_directories_get_the_sample_dirs_hin
         f"Error: 2 files disagree with the first, {x0}: "
         f"{tmp_path / 'train' / 's0' / 'y.npy'}[arr_0]: dtype int64 differs from float32 in {x0}; "
         f"{tmp_path / 'train' / 's1' / 'y.npy'}[arr_0]: dtype int64 differs from float32 in {x0}; "
-        "use --cast arr_0=float64 to store one dtype (each directory one sample? use --sample-dirs)\n"
+        "use --cast arr_0=float64 to store one dtype, if every value fits it (each directory one sample? "
+        "use --sample-dirs)\n"
     )
     assert_nothing_written(tmp_path / "out")
     assert convert_cli(str(tmp_path / "train"), "--sample-dirs", "-o", str(tmp_path / "out"))[0] == 0

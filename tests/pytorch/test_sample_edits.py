@@ -514,3 +514,70 @@ def test_a_pass_that_ended_at_a_transforms_error_says_so_when_asked_for_more(tmp
         )
         del batches
         assert next(iter(loader))["i"].tolist() == [0, 1, 2, 3]  # a new pass begins as ever
+
+
+class CachedTokens:
+    """A transform that hands out arrays of its own (a cache), as a user's may."""
+
+    def __init__(self) -> None:
+        self.cache = {i: np.arange(i + 2, dtype=np.int32) * 7 for i in range(4)}
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        return {"idx": sample["idx"], "tok": self.cache[int(sample["idx"])]}
+
+
+def held_samples(ragged_dataset: Path, how: str) -> list[Any]:
+    """Samples a user holds, made one way or another, and collated as a batch afterwards."""
+    if how == "list of a gathered batch":
+        return list(MmapDataset(ragged_dataset).__getitems__([3, 0, 2]))
+    if how == "ds[i] one by one":
+        ds = MmapDataset(ragged_dataset)
+        return [ds[i] for i in (3, 0, 2)]
+    if how == "bare ragged field":
+        ds = MmapDataset(ragged_dataset, fields="tok")
+        return [ds[i] for i in (3, 0, 2)]
+    ds = MmapDataset(ragged_dataset, transform=lambda s: {"idx": s["idx"], "tok": s["tok"] + 0})
+    return [ds[i] for i in (3, 0, 2)]
+
+
+@pytest.mark.parametrize(
+    ("collate_name", "how"),
+    [
+        (collate_name, how)
+        for collate_name in ("collate", "default_collate")
+        for how in ("list of a gathered batch", "ds[i] one by one", "bare ragged field", "transformed")
+        if (collate_name, how) != ("default_collate", "transformed")  # a transform's ragged: refused
+    ],
+)
+def test_a_batch_collated_from_samples_one_holds_is_memory_of_its_own(ragged_dataset, collate_name, how) -> None:
+    """collate(list(batch)) and collate([ds[i], ...]) gave ragged fields as tensors viewing the
+    samples: scaling the batch in place changed the samples (and a transform's cached arrays)."""
+    collate_fn = npz2mmap.collate if collate_name == "collate" else torch.utils.data.default_collate
+    samples = held_samples(ragged_dataset, how)
+    before = copy.deepcopy(samples)
+    batch = collate_fn(samples)
+    for tensor in batch["tok"] if isinstance(batch, dict) else batch:
+        tensor.mul_(10)
+    for sample, kept in zip(samples, before, strict=True):
+        for got, expected in [(sample["tok"], kept["tok"])] if isinstance(sample, dict) else [(sample, kept)]:
+            assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    "loader", ["MmapLoader", "MmapLoader with collate", "DataLoader with collate", "DataLoader"]
+)
+def test_a_transforms_cached_arrays_are_not_changed_by_editing_a_batch(ragged_dataset, loader) -> None:
+    """A batch of a transform's cached ragged arrays, scaled in place, changed the cache: every
+    later epoch read the scaled values."""
+    transform = CachedTokens()
+    ds = MmapDataset(ragged_dataset, transform=transform)
+    expected = {i: tokens.copy() for i, tokens in transform.cache.items()}
+    collate_fn = npz2mmap.collate if "with collate" in loader else None
+    if loader.startswith("MmapLoader"):
+        made: Any = npz2mmap.MmapLoader(ds, 2, prefetch=0, collate_fn=collate_fn)
+    else:
+        made = torch.utils.data.DataLoader(ds, batch_size=2, collate_fn=collate_fn or npz2mmap.collate)
+    for batch in made:
+        for tensor in batch["tok"]:
+            tensor.sub_(1000)
+    assert all(np.array_equal(transform.cache[i], expected[i]) for i in expected)
