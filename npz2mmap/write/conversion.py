@@ -171,12 +171,14 @@ def convert(
         blob_writer.check_index_nbytes(out, plan, len(skipped) + len(plan.sources), part)
         needed = blob_writer.dataset_nbytes(plan, skipped, part)
         publish.check_free_space(out, needed, space)
-        sources_nbytes = _total_file_nbytes(plan.sources) if sample_dirs else _scanned_file_nbytes(locations)
         staging = publish.make_staging_dir(out)
         try:
             num_workers = workers or os.cpu_count() or 1
             copy = _Copy(plan, locations, staging, imap, shown, skip_bad, num_workers, replan)
             plan, index = copy.run(sources, skipped, part)
+            # of the files converted: the copy may have left out some that the scan took
+            scanned = _scanned_file_nbytes(copy.locations)
+            sources_nbytes = _total_file_nbytes(plan.sources) if sample_dirs else scanned
             publish.publish(staging, out, overwrite)
         except SourceError as exc:
             with_hint = found_bad_in_copy(exc)

@@ -484,3 +484,21 @@ def test_a_writer_closed_by_hand_warns_at_the_callers_line(tmp_path) -> None:
         warnings.simplefilter("always")
         w.close()
     assert [(c.category, Path(c.filename).name) for c in caught] == [(RaggedFieldWarning, Path(__file__).name)]
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_the_reported_source_size_is_that_of_the_files_converted_after_a_bad_first_file(
+    tmp_path, fixed
+) -> None:
+    """--fixed --skip-bad with a first file found bad only in the copy reported the size of that
+    file alone (its shape held the others out until it was dropped), and a false Note."""
+    import hostile
+
+    src = tmp_path / "src"
+    write_npz(src / "00.npz", x=np.zeros((1, 100), np.int64))
+    hostile.corrupt_far_past_the_header(src / "00.npz", "x")
+    good = [write_npz(src / f"0{k}.npz", x=np.zeros((100, 100), np.int64)) for k in range(1, 5)]
+    options = {"fixed": ["x"]} if fixed else {}
+    result = convert([src], tmp_path / "out", skip_bad=True, workers=1, **options)
+    assert [path for path, _ in result.skipped] == [str(src / "00.npz")]
+    assert result.sources_nbytes == sum(path.stat().st_size for path in good)
