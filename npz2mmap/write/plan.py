@@ -138,6 +138,8 @@ def holds_every_value(source: np.dtype, target: np.dtype) -> bool:
     source, target = storage_dtype(source), storage_dtype(target)
     if source == target:
         return True
+    if source.subdtype is not None or target.subdtype is not None:
+        return source.shape == target.shape and holds_every_value(source.base, target.base)
     if source.names is not None or target.names is not None:
         if source.names is None or source.names != target.names:
             return False
@@ -152,17 +154,22 @@ def holds_every_value(source: np.dtype, target: np.dtype) -> bool:
 
 def common_cast_target(dtypes: Sequence[np.dtype]) -> str | None:
     """How to spell a dtype every one of ``dtypes`` casts to under --cast's rule, if there is one:
-    numpy's promotion of them all where they allow it, else the first of them they all allow."""
+    numpy's promotion of them all where they allow it, else the first of them they all allow,
+    one that keeps every value of each before one that may not."""
     candidates = list(dtypes)
     try:
         candidates.insert(0, np.result_type(*dtypes))
     except TypeError:  # numpy's DTypePromotionError: no promotion (a string and a number)
         pass
+    allowed = []
     for candidate in candidates:
         spelled = dtype_spelling(storage_dtype(candidate))
         if spelled is not None and all(can_cast(dtype, cast_dtype(spelled)) for dtype in dtypes):
-            return spelled
-    return None
+            allowed.append(spelled)
+    # one that keeps every value of every dtype first: numpy promotes no records with subarrays
+    exact = [spelled for spelled in allowed if all(holds_every_value(d, cast_dtype(spelled)) for d in dtypes)]
+    chosen = exact or allowed
+    return chosen[0] if chosen else None
 
 
 def dtype_spelling(dtype: np.dtype) -> str | None:

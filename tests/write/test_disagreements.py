@@ -416,3 +416,25 @@ def test_a_record_cast_that_is_no_dtype_is_a_usage_error(tmp_path, spelling) -> 
     code, output = convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--cast", f"x={spelling}")
     assert code == 2 and "Invalid value for '--cast'" in output and len(output.splitlines()) <= 4, output
     assert "not a numpy dtype" in output or "pickle-free" in output, output
+
+
+@pytest.mark.parametrize(
+    ("narrow", "wide"),
+    [
+        ([("a", "<i4", (2,))], [("a", "<i8", (2,))]),
+        ([("a", "<f4", (2, 2))], [("a", "<f8", (2, 2))]),
+        ([("p", [("x", "<i2", (2,))]), ("q", "<i8")], [("p", [("x", "<i8", (2,))]), ("q", "<i8")]),
+    ],
+    ids=["int-subarray", "float-subarray", "nested"],
+)
+def test_records_whose_members_widen_get_the_wider_record_suggested(tmp_path, narrow, wide) -> None:
+    """With the narrower record first, its own dtype was suggested (with 'if every value fits it'),
+    which then refused the wider file's values, though the wider record holds both."""
+    write_npz(tmp_path / "src" / "a.npz", x=np.zeros(2, narrow))
+    write_npz(tmp_path / "src" / "b.npz", x=np.zeros(1, wide))
+    code, output = convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"))
+    suggested = re.search(r"; use --cast (.+?) to store one dtype(.*)$", output.strip())
+    assert code == 1 and suggested is not None, output
+    assert suggested.group(2) == "", output  # the wider record holds every value
+    cast = shlex.split(suggested.group(1))[0]
+    assert convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--cast", cast) == (0, "")
