@@ -252,8 +252,9 @@ class BlockShuffleSampler(_Resumable, Sampler[int]):
     Under DDP (``num_replicas``, ``rank``: default from ``torch.distributed``
     once initialised), each rank takes its own contiguous share of the
     epoch's shuffled blocks, so ranks read apart; as with
-    ``DistributedSampler``, the first samples of the epoch's order are
-    repeated to fill the last share (``drop_last``: the last ones left out).
+    ``DistributedSampler``, the first samples of the epoch's shuffled blocks
+    (taken before each window's own shuffle) are repeated to fill the last
+    share (``drop_last``: the last ones left out).
     """
 
     def __init__(
