@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..read.reader import as_raw
+from ..read.reader import as_raw, copy_bytes
 from .assemble import torch_dtype
 
 
@@ -37,7 +37,7 @@ def owned_by_the_batch(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, np.ndarray):
-        return as_tensors(np.array(value, copy=True))
+        return as_tensors(copy_bytes(np.asarray(value)))  # every byte, record padding too
     return value
 
 
