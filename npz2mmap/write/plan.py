@@ -134,7 +134,7 @@ def shell_word(text: str) -> str:
 def holds_every_value(source: np.dtype, target: np.dtype) -> bool:
     """Whether ``target`` represents every value of ``source`` exactly, so that a cast of any
     file's values succeeds: not so for int64 to float64 (2**53 + 1), uint64 to int64, bytes to
-    text (bytes that are not ASCII), float64 to float32."""
+    text (bytes that are not ASCII), float64 to float32, days to nanoseconds (past 2262)."""
     source, target = storage_dtype(source), storage_dtype(target)
     if source == target:
         return True
@@ -148,6 +148,8 @@ def holds_every_value(source: np.dtype, target: np.dtype) -> bool:
         value_bits = 1 if source.kind == "b" else source.itemsize * 8 - (source.kind == "i")
         return value_bits <= np.finfo(target).nmant + 1
     if source.kind == "S" and target.kind == "U":
+        return False
+    if source.kind in "mM":  # a finer unit overflows (2300-01-01 in ns), a coarser one truncates
         return False
     return bool(np.can_cast(source, target, casting="safe"))
 

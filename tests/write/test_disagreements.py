@@ -362,8 +362,13 @@ def test_files_a_cast_refuses_among_files_that_take_it_are_said_to_refuse_it(tmp
         (np.array([b"\xff"], "S1"), np.array(["a"], "U1"), "use --cast x=U1 to store one dtype, if"),
         (np.array([2**53 + 1]), np.array([0.5], np.float32), "use --cast x=float64 to store one dtype, if"),
         (np.array([1], np.int32), np.array([0.5]), "use --cast x=float64 to store one dtype\n"),
+        (
+            np.array(["2020-01-01"], "M8[ns]"),
+            np.array(["2300-01-01"], "M8[D]"),
+            'use --cast "x=datetime64[ns]" to store one dtype, if',
+        ),
     ],
-    ids=["uint64-int64", "bytes-text", "int64-float32", "int32-float64"],
+    ids=["uint64-int64", "bytes-text", "int64-float32", "int32-float64", "days-nanoseconds"],
 )
 def test_a_cast_that_some_values_may_not_survive_is_suggested_as_such(tmp_path, first, other, hint) -> None:
     """uint64 and int64 files were told to use --cast x=float64, which then refused 2**63 + 1: a
@@ -374,7 +379,7 @@ def test_a_cast_that_some_values_may_not_survive_is_suggested_as_such(tmp_path, 
     assert code == 1 and output.endswith(
         hint if hint.endswith("\n") else f"{hint} every value fits it\n"
     ), output
-    target = re.search(r"--cast (x=\S+)", output).group(1)
+    target = shlex.split(re.search(r"; use --cast (.+?) to store one dtype", output).group(1))[0]
     code, output = convert_cli(str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--cast", target)
     assert code == (0 if hint.endswith("\n") else 1), output
     assert code == 0 or "value" in output and "at index (0,)" in output
