@@ -480,3 +480,20 @@ def test_a_big_endian_record_larger_than_a_chunk_streams_in_bounded_memory(tmp_p
     assert element[-len(tail) :].tobytes() == expected_tail
     report = verify(tmp_path / "out", sources=True)
     assert report.ok, report.problems
+
+
+def test_a_cast_record_has_zero_padding_beside_sources_that_keep_their_own(tmp_path) -> None:
+    """FORMAT.md: padding is copied from the source, but a source a cast converts gets zeros."""
+    padded = np.dtype({"names": ["a", "b"], "formats": ["<i4", "<f8"], "offsets": [0, 8], "itemsize": 24})
+    kept = np.zeros(1, padded)
+    kept.view(np.uint8)[:] = 0xAB
+    kept["a"], kept["b"] = 1, 0.5
+    write_npz(tmp_path / "src" / "a.npz", x=kept)
+    write_npz(tmp_path / "src" / "b.npz", x=np.array([(2, 1.5)], dtype=[("a", "<i4"), ("b", "<f8")]))
+    convert([tmp_path / "src"], tmp_path / "out", casts={"x": padded}, workers=1)
+    reader = DatasetReader(tmp_path / "out")
+    first, second = (raw(reader.view("x", i)) for i in range(2))
+    assert first == raw(kept)  # its own padding, 0xAB
+    expected = np.zeros(1, padded)
+    expected["a"], expected["b"] = 2, 1.5
+    assert second == raw(expected) and second[4:8] == b"\0" * 4 and second[16:] == b"\0" * 8
