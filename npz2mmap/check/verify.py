@@ -30,7 +30,7 @@ from ..progress import Progress, SilentProgress
 from ..read.parts import Parts
 from ..read.reader import DatasetReader, identity_problem
 from ..text import plural
-from ..write.plan import can_cast
+from ..write.casts import can_cast
 
 MAX_SAMPLES_NAMED = 10
 WHOLE_FILE = -1  # a problem offset for a source that holds no sample (a shard of zero rows)

@@ -48,8 +48,8 @@ from ..ingest.elements import ByteReader, Piece, stored_pieces
 from ..ingest.npy_header import SCANNED_LIMIT, MemberHeader, parse_npy_header
 from ..ingest.npz import CHUNK_NBYTES, LOCATION_FIELDS, MemberLocation
 from ..ingest.sources import kind_scanned, open_source
+from .casts import can_cast
 from .layout import FieldPlan, Plan
-from .plan import can_cast
 
 # A batch of the copy pass holds at most this many source bytes (unless one file alone is larger).
 BATCH_NBYTES = 32 << 20

@@ -37,8 +37,9 @@ from numpy.typing import NDArray
 
 from ..errors import FixedShapeError
 from ..text import plural
+from .casts import CLI_HINTS, Hints
 from .layout import FieldPlan, Plan
-from .plan import CLI_HINTS, Hints, drop_files
+from .plan import drop_files
 
 MAX_SHAPES = 4
 MAX_ODD_PERCENT = 1

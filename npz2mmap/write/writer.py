@@ -37,9 +37,10 @@ from ..parallel import (
 )
 from ..text import brief, printable
 from . import blob_writer, publish
+from .casts import WRITER_HINTS
 from .layout import Plan
 from .options import PartOption, WriteOptions, check_flags
-from .plan import WRITER_HINTS, PendingSource, PlanBuilder, check_field_name
+from .plan import PendingSource, PlanBuilder, check_field_name
 from .shapes import NearlyFixed, describe_nearly_fixed, find_nearly_fixed, unfixed_problem
 from .spools import Marks, SourceNames, Spool, array_header
 
