@@ -14,7 +14,7 @@ import time
 import zipfile
 import zlib
 from array import array
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -51,8 +51,8 @@ from .plan import Disagreements, PlanBuilder, drop_files
 from .shapes import (
     HeldShape,
     NearlyFixed,
+    Replan,
     find_nearly_fixed,
-    hold_fixed,
 )
 
 # The copy pass sends at most this many consecutive files to a worker at once.
@@ -166,7 +166,7 @@ def convert(
         earlier = earlier_held_shapes(sources_before_part(all_sources, part), scan)
         replan = None
         if fixed_keys:
-            replan = _Replan(plan, locations, fixed_keys, skip_bad, skipped, part, earlier)
+            replan = Replan(plan, locations, fixed_keys, skip_bad, skipped, part, earlier)
             plan, locations = replan.without(())
         blob_writer.check_index_nbytes(out, plan, len(skipped) + len(plan.sources), part)
         needed = blob_writer.dataset_nbytes(plan, skipped, part)
@@ -487,39 +487,6 @@ def _add_one_by_one(
         found.add(scanned[1])  # only once the plan has taken the file
 
 
-class _Replan:
-    """The plan held to ``--fixed`` shapes, from the scan's plan without given files: a file
-    the copy finds bad may be the first, whose shape the others were held to."""
-
-    def __init__(
-        self,
-        scanned: Plan,
-        locations: np.ndarray,
-        fixed: Sequence[str],
-        skip_bad: bool,
-        skipped: list[tuple[str, str]],
-        part: tuple[int, int] | None,
-        earlier: dict[str, HeldShape],
-    ) -> None:
-        self.scanned, self.locations, self.fixed, self.skip_bad = scanned, locations, fixed, skip_bad
-        self.skipped, self.part, self.earlier = skipped, part, earlier
-        self.held_out: list[tuple[str, str]] = []
-
-    def without(self, bad: Collection[str]) -> tuple[Plan, np.ndarray]:
-        """The plan of the scanned files but ``bad``, held to --fixed (its own files left out
-        listed in ``skipped`` in place of those of the plan before)."""
-        dropped = set(self.held_out)
-        self.skipped[:] = [entry for entry in self.skipped if entry not in dropped]
-        kept = np.array([path not in bad for path in self.scanned.sources], dtype=bool)
-        plan = drop_files(self.scanned, np.flatnonzero(~kept).tolist(), allow_empty=self.part is not None)
-        self.held_out = []
-        held = hold_fixed(
-            plan, self.locations[kept], self.fixed, self.skip_bad, self.held_out, self.part, self.earlier
-        )
-        self.skipped.extend(self.held_out)
-        return held
-
-
 class _Copy:
     """Pass 2: copy every member into the blob, then write tables and index.
 
@@ -538,7 +505,7 @@ class _Copy:
         progress: Progress,
         skip_bad: bool,
         workers: int,
-        replan: _Replan | None = None,
+        replan: Replan | None = None,
     ) -> None:
         self.plan = plan
         self.locations = locations

@@ -225,3 +225,36 @@ def hold_fixed(
     kept = np.ones(len(plan.sources), dtype=bool)
     kept[differing] = False
     return drop_files(plan, differing.tolist(), allow_empty=part is not None), locations[kept]
+
+
+class Replan:
+    """The plan held to ``--fixed`` shapes, from the scan's plan without given files: a file
+    the copy finds bad may be the first, whose shape the others were held to."""
+
+    def __init__(
+        self,
+        scanned: Plan,
+        locations: np.ndarray,
+        fixed: Sequence[str],
+        skip_bad: bool,
+        skipped: list[tuple[str, str]],
+        part: tuple[int, int] | None,
+        earlier: dict[str, HeldShape],
+    ) -> None:
+        self.scanned, self.locations, self.fixed, self.skip_bad = scanned, locations, fixed, skip_bad
+        self.skipped, self.part, self.earlier = skipped, part, earlier
+        self.held_out: list[tuple[str, str]] = []
+
+    def without(self, bad: Collection[str]) -> tuple[Plan, np.ndarray]:
+        """The plan of the scanned files but ``bad``, held to --fixed (its own files left out
+        listed in ``skipped`` in place of those of the plan before)."""
+        dropped = set(self.held_out)
+        self.skipped[:] = [entry for entry in self.skipped if entry not in dropped]
+        kept = np.array([path not in bad for path in self.scanned.sources], dtype=bool)
+        plan = drop_files(self.scanned, np.flatnonzero(~kept).tolist(), allow_empty=self.part is not None)
+        self.held_out = []
+        held = hold_fixed(
+            plan, self.locations[kept], self.fixed, self.skip_bad, self.held_out, self.part, self.earlier
+        )
+        self.skipped.extend(self.held_out)
+        return held
