@@ -46,6 +46,7 @@ from .leaves import (
     span_nbytes,
 )
 from .samples import SampleList
+from .tensors import shared_by_the_batch
 
 # Every array in a slot starts at a multiple of 64 bytes: aligned for any
 # dtype's view, and no two arrays share a cache line.
@@ -393,6 +394,8 @@ def write_collated(samples: Sequence[Any], writer: SlotWriter) -> Any:
             leaf, target = _place_array(writer, values[0].dtype, (len(values), *values[0].shape))
             np.stack(values, out=target)
             out[name] = leaf
+        elif name in samples.ragged:  # listed as collate lists it, copied once, into the slot
+            out[name] = writer.write([shared_by_the_batch(value) for value in values])
         else:
             out[name] = writer.write(collate(SampleList([{name: v} for v in values], samples.ragged))[name])
     return out

@@ -30,6 +30,12 @@ def viewable_by_torch(array: np.ndarray) -> np.ndarray:
     return array.copy() if has_negative_strides(array) else array
 
 
+def shared_by_the_batch(value: Any) -> Any:
+    """A ragged field's sample as a tensor viewing its memory (an array of a dtype torch lacks as
+    it is): for a batch copied whole before anyone sees it (into MmapLoader's ring)."""
+    return as_tensors(np.asarray(value)) if isinstance(value, np.ndarray) else value
+
+
 def owned_by_the_batch(value: Any) -> Any:
     """A ragged field's sample as a batch lists it: a tensor (or, of a dtype torch lacks, an
     array) of a copy, as torch's stack copies a fixed field, so that editing the batch in place
@@ -37,7 +43,7 @@ def owned_by_the_batch(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, np.ndarray):
-        return as_tensors(copy_bytes(np.asarray(value)))  # every byte, record padding too
+        return shared_by_the_batch(copy_bytes(np.asarray(value)))  # every byte, record padding too
     return value
 
 

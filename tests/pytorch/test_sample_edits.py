@@ -581,3 +581,28 @@ def test_a_transforms_cached_arrays_are_not_changed_by_editing_a_batch(ragged_da
         for tensor in batch["tok"]:
             tensor.sub_(1000)
     assert all(np.array_equal(transform.cache[i], expected[i]) for i in expected)
+
+
+@pytest.mark.parametrize("collate_fn", [None, npz2mmap.collate], ids=["own collate", "collate"])
+@pytest.mark.parametrize("loader", ["MmapLoader", "DataLoader"])
+def test_batches_from_workers_edited_in_place_leave_the_next_epoch_as_read(
+    ragged_dataset, loader, collate_fn
+) -> None:
+    """Workers keep the transform (and its cache) across epochs: a batch scaled in place in the
+    trainer must not reach what they hand out next, whether they copy a batch or share it."""
+    ds = MmapDataset(ragged_dataset, transform=CachedTokens())
+    expected = {i: tokens.tolist() for i, tokens in CachedTokens().cache.items()}
+    if loader == "MmapLoader":
+        made: Any = npz2mmap.MmapLoader(ds, 2, num_workers=2, collate_fn=collate_fn, multiprocessing_context="fork")
+    else:
+        made = torch.utils.data.DataLoader(
+            ds, batch_size=2, num_workers=2, persistent_workers=True, collate_fn=collate_fn or npz2mmap.collate,
+            multiprocessing_context="fork",
+        )
+    for _ in range(2):
+        for batch in made:
+            assert [t.tolist() for t in batch["tok"]] == [expected[int(i)] for i in batch["idx"]]
+            for tensor in batch["tok"]:
+                tensor.sub_(1000)
+    if loader == "MmapLoader":
+        made.close()
