@@ -28,7 +28,7 @@ from ..read.memory import fits_in_memory, larger_than_memory, memory_limit
 from ..read.parts import Parts, PartsReader
 from ..read.ragged import RaggedRows, lengths_axis
 from ..read.reader import ADVICE, copy_bytes
-from ..write.options import check_flags
+from ..write.options import check_flags, repeated
 
 # Imported for its registrations: torch's default collate must know the marked sample types
 # wherever a dataset's batches are collated, in every worker process too.
@@ -113,9 +113,9 @@ class MmapDataset(Dataset[Any]):
             if not isinstance(name, str):
                 raise TypeError(f"fields names fields by str (one, or a list of them), not {name!r}")
             self.parts.field(name)
-        repeated = next((name for k, name in enumerate(names) if name in names[:k]), None)
-        if repeated is not None:
-            raise ValueError(f"fields names {repeated!r} twice; name each field once")
+        twice = repeated(names)
+        if twice is not None:
+            raise ValueError(f"fields names {twice!r} twice; name each field once")
         self.fields: tuple[str, ...] = tuple(names)
         # The selected fields whose shape differs between samples (in any part), with the shape each
         # index records (None where a version 2 part records none): see ragged_fields.

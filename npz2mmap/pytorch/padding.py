@@ -22,7 +22,7 @@ from ..read.ragged import (
     raw_unit,
     valid_mask_of,
 )
-from ..write.options import check_flags
+from ..write.options import check_flags, repeated
 from .assemble import NewMemory, Padding, place_padded, torch_dtype
 from .collate import check_same_keys
 from .gathered import GatheredBatch
@@ -175,9 +175,9 @@ def _named_ragged(
     if not all(isinstance(name, str) for name in names):
         raise TypeError(f"ragged names fields by str, not {names!r}")
     if not isinstance(ragged, Mapping):
-        repeated = next((name for k, name in enumerate(names) if name in names[:k]), None)
-        if repeated is not None:
-            raise ValueError(f"ragged names {repeated!r} twice; name each field once")
+        twice = repeated(names)
+        if twice is not None:
+            raise ValueError(f"ragged names {twice!r} twice; name each field once")
         return dict.fromkeys(names)
     named: dict[str, SampleShape | None] = {}
     for name, shape in ragged.items():

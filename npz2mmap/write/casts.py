@@ -62,7 +62,8 @@ def cast_hint(key: str, dtypes: Sequence[np.dtype], hints: Hints) -> str:
         listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
         share, them = ("has", "it") if len(names) == 1 else ("share", "them")
         return hints.no_cast.format(key=key, dtypes=listed, share=share, them=them)
-    every_value = all(holds_every_value(dtype, cast_dtype(target)) for dtype in dtypes)
+    stored = cast_dtype(target)
+    every_value = all(holds_every_value(dtype, stored) for dtype in dtypes)
     shown = shell_word(f"{key}={target}")
     return hints.cast.format(key=key, dtype=target, cast=shown) + ("" if every_value else SOME_VALUES)
 
@@ -107,15 +108,18 @@ def common_cast_target(dtypes: Sequence[np.dtype]) -> str | None:
         candidates.insert(0, np.result_type(*dtypes))
     except TypeError:  # numpy's DTypePromotionError: no promotion (a string and a number)
         pass
-    allowed = []
+    allowed: list[tuple[str, np.dtype]] = []
     for candidate in candidates:
         spelled = dtype_spelling(storage_dtype(candidate))
-        if spelled is not None and all(can_cast(dtype, cast_dtype(spelled)) for dtype in dtypes):
-            allowed.append(spelled)
+        if spelled is None:
+            continue
+        target = cast_dtype(spelled)
+        if all(can_cast(dtype, target) for dtype in dtypes):
+            allowed.append((spelled, target))
     # one that keeps every value of every dtype first: numpy promotes no records with subarrays
-    exact = [spelled for spelled in allowed if all(holds_every_value(d, cast_dtype(spelled)) for d in dtypes)]
+    exact = [pair for pair in allowed if all(holds_every_value(dtype, pair[1]) for dtype in dtypes)]
     chosen = exact or allowed
-    return chosen[0] if chosen else None
+    return chosen[0][0] if chosen else None
 
 
 def dtype_spelling(dtype: np.dtype) -> str | None:
